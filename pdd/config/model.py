@@ -51,8 +51,10 @@ class EngineConfig(Section):
         0.8, gt=0, le=1, description="Fraction of device memory vLLM may use (GPU only)."
     )
     block_size: int = Field(
-        32, gt=0, description="KV block size in tokens (multiple of 32 on CPU). Prefix reuse "
-        "and the Decode-side RadixCache work in whole blocks."
+        32,
+        gt=0,
+        description="KV block size in tokens (multiple of 32 on CPU). Prefix reuse "
+        "and the Decode-side RadixCache work in whole blocks.",
     )
     max_num_seqs: int = Field(32, gt=0, description="Max concurrent sequences per engine.")
     max_num_batched_tokens: int | None = Field(

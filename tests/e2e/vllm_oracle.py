@@ -1,0 +1,38 @@
+"""The oracle: a direct vLLM run (no pdd code on the generation path), greedy.
+
+Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS < prompts.json > results.json
+prompts.json is a list of strings; results are
+[{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    model, dtype, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    from vllm import LLM, SamplingParams
+
+    prompts = json.load(sys.stdin)
+    llm = LLM(model=model, dtype=dtype, max_model_len=4096, block_size=32, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    json.dump(
+        [
+            {
+                "prompt_token_ids": list(o.prompt_token_ids),
+                "token_ids": list(o.outputs[0].token_ids),
+                "text": o.outputs[0].text,
+            }
+            for o in outs
+        ],
+        sys.stdout,
+    )
+
+
+if __name__ == "__main__":
+    main()

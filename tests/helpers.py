@@ -1,0 +1,97 @@
+"""Test helpers shared by the integration suites: start `pdd serve`, wait, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdd.launch import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Served:
+    """A running `pdd serve` and the ports it was given."""
+
+    proc: subprocess.Popen
+    url: str
+    router_port: int
+    worker_ports: dict[str, int]
+    output: deque = field(default_factory=lambda: deque(maxlen=400))
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(list(self.output)[-n:])
+
+
+def serve(config: str, worker_ids: list[str], overrides: list[str] = (), timeout_s: float = 300):
+    """Start `pdd serve` on free ports and wait for its ready line (with a deadline)."""
+    router_port = free_port()
+    worker_ports = {w: free_port() for w in worker_ids}
+    args = [sys.executable, "-m", "pdd.cli", "serve", "--config", config]
+    args += ["--set", f"router.port={router_port}"]
+    for i, w in enumerate(worker_ids):
+        args += ["--set", f"workers.{i}.port={worker_ports[w]}"]
+    for o in overrides:
+        args += ["--set", o]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    served = Served(proc, "", router_port, worker_ports)
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            served.output.append(line.rstrip("\n"))
+            if line.startswith("pdd ready: "):
+                served.url = line.split("pdd ready: ", 1)[1].strip()
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(served)
+            raise RuntimeError(f"pdd serve did not become ready:\n{served.log_tail()}")
+    return served
+
+
+def stop(served: Served, timeout_s: float = 60) -> int:
+    """SIGTERM `pdd serve` and wait; it stops every child it started."""
+    if served.proc.poll() is None:
+        served.proc.send_signal(signal.SIGTERM)
+        try:
+            served.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+            served.proc.wait()
+            raise
+    return served.proc.returncode
+
+
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of pid (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents[int(entry)] = ppid
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
