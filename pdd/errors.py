@@ -97,6 +97,18 @@ class UnavailableError(PddError):
 # --- data plane ----------------------------------------------------------------------------
 
 
+class CacheFullError(OverloadedError):
+    """MainDecode's DRC cannot hold the blocks now: the rest is pinned by running requests."""
+
+    code = "kv_cache_full"
+
+
+class CacheError(PddError):
+    """A DRC call broke the block lifecycle (unknown lease, block not landing, pin not held)."""
+
+    error_type = "cache_error"
+
+
 class WorkerError(PddError):
     """A worker failed while serving a request (HTTP 502/500 at the router)."""
 
@@ -120,3 +132,12 @@ class TransferTimeout(TransferError):
 
 class IntegrityError(TransferError):
     """A chunk failed its checksum or authentication tag; its bytes are never used."""
+
+
+# --- test bed ------------------------------------------------------------------------------
+
+
+class LabError(PddError):
+    """The two-datacenter lab (pdd.lab) could not be made, reached or removed."""
+
+    error_type = "lab_error"

@@ -2,12 +2,64 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdd.config.base import Section
 
 
 class TransferConfig(Section):
-    wan_streams: int = Field(4, gt=0, description="Parallel TCP streams per WAN peer.")
-    chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Bytes per wire chunk.")
+    """Settings of every transport (UCX inside a datacenter, TCP across the WAN, in-process)."""
+
+    wan_streams: int = Field(4, gt=0, le=64, description="Parallel TCP streams per WAN peer.")
+    chunk_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest wire chunk (bytes); one checksum and ack each."
+    )
+    min_chunk_bytes: int = Field(
+        128 * 1024,
+        gt=0,
+        description="Smallest chunk the TCP transport shrinks to on slow, long links (bytes).",
+    )
+    chunk_time_floor_s: float = Field(
+        0.002,
+        gt=0,
+        description=(
+            "TCP sizes chunks so one takes at most max(RTT/2, this) per stream: a cancel stops "
+            "the bytes within about two RTTs."
+        ),
+    )
+    window_chunks: int = Field(
+        4, gt=0, description="Unacknowledged chunks in flight per TCP stream (bounds memory)."
+    )
     deadline_s: float = Field(60.0, gt=0, description="Default deadline of one transfer.")
+    inbound_grace_s: float = Field(
+        1.0, ge=0, description="Receiver keeps a transfer this long past the sender's deadline."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP/UCX connect timeout (s).")
+    user_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="TCP_USER_TIMEOUT and keepalive: a silent peer is declared dead after this.",
+    )
+    listen_host: str = Field("127.0.0.1", description="Address the receiver listens on.")
+    listen_port: int = Field(0, ge=0, lt=65536, description="Receiver port; 0 picks a free one.")
+    tls: bool = Field(False, description="Encrypt and authenticate TCP streams (mutual TLS).")
+    tls_cert_file: str | None = Field(None, description="PEM certificate of this process.")
+    tls_key_file: str | None = Field(None, description="PEM private key of this process.")
+    tls_ca_file: str | None = Field(
+        None, description="PEM CA that signed every peer; peers without such a cert are refused."
+    )
+    ucx_progress_timeout_ms: int = Field(
+        1,
+        gt=0,
+        description=(
+            "UCX progress thread epoll timeout; shared-memory transfers need periodic progress."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> TransferConfig:
+        if self.tls and not (self.tls_cert_file and self.tls_key_file and self.tls_ca_file):
+            raise ValueError("tls needs tls_cert_file, tls_key_file and tls_ca_file")
+        if self.min_chunk_bytes > self.chunk_bytes:
+            raise ValueError("min_chunk_bytes must not exceed chunk_bytes")
+        return self

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -196,9 +197,12 @@ def _convert(gguf_dir: Path, out: Path, dtype: str) -> None:
     transformers.utils.logging.disable_progress_bar()  # this module speaks through logging only
     transformers.utils.logging.set_verbosity_error()
 
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf_dir), gguf_file=GGUF_NAME, dtype=torch.float32
-    )
+    noise = io.StringIO()  # the GGUF reader draws a raw tqdm bar on stderr
+    with contextlib.redirect_stderr(noise):
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf_dir), gguf_file=GGUF_NAME, dtype=torch.float32
+        )
+    log.debug("GGUF loader output: %s", noise.getvalue().strip()[-2000:])
     config = loaded.config
     state = loaded.state_dict()
     del loaded

@@ -1,0 +1,413 @@
+"""One vLLM engine (``vllm.v1`` AsyncLLM) behind a small, typed, token-ID-only interface.
+
+Owns: the AsyncLLM, its engine-core child process, the in-flight request set and the counters
+behind ``stats()``. Together with the KV connector this is the only module that imports vLLM.
+
+Lifecycle: ``Engine(...)`` (cheap) -> ``await start()`` (prepares the model folder, spawns the
+engine core, ~10-20 s on CPU) -> ``generate`` / ``abort`` / ``stats`` -> ``await stop()`` (aborts
+in-flight requests, shuts the child down). Text never crosses this boundary: the router owns
+tokenization and detokenization, so vLLM runs without a tokenizer (``skip_tokenizer_init``) and
+EOS ids come from the model's generation_config.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from pdd.engine.env import configure_process_env
+
+configure_process_env()
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.exceptions import VLLMClientError  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.outputs import RequestOutput  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+
+from pdd.config import EngineConfig, ModelConfig  # noqa: E402
+from pdd.engine.model import prepare_model  # noqa: E402
+from pdd.engine.types import (  # noqa: E402
+    EngineDelta,
+    EngineStats,
+    KvConnectorSpec,
+    SamplingSpec,
+    TokenLogprob,
+    TopLogprob,
+)
+from pdd.errors import (  # noqa: E402
+    ConfigError,
+    ContextLengthError,
+    InvalidRequestError,
+    PddError,
+    UnavailableError,
+    WorkerError,
+)
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+class _Counters:
+    """Totals fed by vLLM's stat-logger hook; read by Engine.stats()."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.generated_tokens = 0
+
+
+class _StatSink(StatLoggerBase):
+    """vLLM calls ``record`` after every engine step in the frontend (our event loop)."""
+
+    def __init__(self, counters: _Counters) -> None:  # noqa: D107 (not vLLM's signature)
+        self._c = counters
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        c = self._c
+        if scheduler_stats is not None:
+            c.running = scheduler_stats.num_running_reqs
+            c.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            c.kv_cache_usage = scheduler_stats.kv_cache_usage
+            c.prefix_queries += scheduler_stats.prefix_cache_stats.queries
+            c.prefix_hits += scheduler_stats.prefix_cache_stats.hits
+        if iteration_stats is not None:
+            c.generated_tokens += iteration_stats.num_generation_tokens
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class Engine:
+    """One AsyncLLM. Not thread-safe: use it from the event loop that called ``start``."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        engine: EngineConfig,
+        kv_connector: KvConnectorSpec | None = None,
+    ) -> None:
+        self.model_config = model
+        self.engine_config = engine
+        self.kv_connector = kv_connector
+        self._llm: AsyncLLM | None = None
+        self._counters = _Counters()
+        self._inflight: set[str] = set()
+        self._eos_ids: tuple[int, ...] = ()
+        self.vocab_size = 0
+        self.startup_s: float | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.max_model_len
+
+    async def start(self) -> None:
+        """Prepare the model folder and spawn the engine core. Raises ModelError, WorkerError."""
+        if self._llm is not None:
+            return
+        started = time.monotonic()
+        path = await asyncio.to_thread(prepare_model, self.model_config)
+        args = self._engine_args(path)
+        sinks = [lambda _cfg, _idx=0: _StatSink(self._counters)]
+        try:
+            with self._spawn_env():
+                # Construction blocks for seconds (spawn + handshake): keep the loop free.
+                llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=sinks)
+        except Exception as exc:  # vLLM raises bare RuntimeError/ValueError on start failure
+            raise WorkerError(f"vLLM engine failed to start for {path}: {exc}") from exc
+        self._llm = llm
+        self.vocab_size = llm.model_config.get_vocab_size()
+        self._eos_ids = _eos_ids(llm)
+        self.startup_s = time.monotonic() - started
+        log.info("engine ready in %.1f s (model %s)", self.startup_s, path)
+
+    def _engine_args(self, path: Path) -> AsyncEngineArgs:
+        e, m = self.engine_config, self.model_config
+        kv_transfer = None
+        if self.kv_connector is not None:
+            spec = self.kv_connector
+            kv_transfer = KVTransferConfig(
+                kv_connector=spec.name,
+                kv_connector_module_path=spec.module_path,
+                kv_role=spec.role,
+                kv_connector_extra_config=dict(spec.extra_config),
+            )
+        on_cpu = current_platform.is_cpu()
+        return AsyncEngineArgs(
+            model=str(path),
+            served_model_name=m.name,
+            dtype=m.dtype,
+            max_model_len=e.max_model_len,
+            block_size=e.block_size,
+            enable_prefix_caching=e.enable_prefix_caching,
+            max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            enforce_eager=e.enforce_eager,
+            seed=e.seed,
+            skip_tokenizer_init=True,
+            # CPU: an exact KV budget in bytes (fractional GiB allowed). GPU: a memory fraction.
+            kv_cache_memory_bytes=int(e.kv_cache_space_gib * GiB) if on_cpu else None,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            kv_transfer_config=kv_transfer,
+            disable_log_stats=True,  # our _StatSink still receives every step's stats
+            enable_log_requests=False,
+        )
+
+    @contextlib.contextmanager
+    def _spawn_env(self) -> Iterator[None]:
+        """Environment the engine-core child inherits (CPU only), restored once it is spawned.
+
+        Engines in one process must therefore be started one at a time.
+        """
+        if not current_platform.is_cpu():
+            yield
+            return
+        # Run the model inside the engine-core child instead of a grandchild worker process
+        # (vLLM's default): ready in 8 s instead of 16 s, one process (~0.5 GiB) less.
+        multiproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env: dict[str, str | None] = {
+            # Whole GiB only, and it would override kv_cache_memory_bytes: config decides.
+            "VLLM_CPU_KVCACHE_SPACE": None,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": multiproc,
+            **_omp_env(self.engine_config.omp_threads_bind, multiproc == "1"),
+        }
+        saved = {key: os.environ.get(key) for key in env}
+        _update_env(env)
+        try:
+            yield
+        finally:
+            _update_env(saved)
+
+    async def stop(self) -> None:
+        """Abort in-flight requests and shut the engine-core child down. Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._inflight and not llm.errored:
+            with contextlib.suppress(Exception):
+                await llm.abort(list(self._inflight))
+        self._inflight.clear()
+        # Stop reading outputs first: otherwise the reader sees the child exit and logs an
+        # EngineDeadError traceback for a planned shutdown.
+        if llm.output_handler is not None:
+            llm.output_handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await llm.output_handler
+        await asyncio.to_thread(llm.shutdown, 10.0)
+        log.info("engine stopped")
+
+    # --- requests ------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingSpec) -> None:
+        """Raise InvalidRequestError/ContextLengthError if this request cannot be served."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids must not be empty", param="prompt")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
+                "(prompt plus at least one output token)",
+                param="prompt",
+            )
+        if self.vocab_size and not all(0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+            )
+        if self.vocab_size and not all(t < self.vocab_size for t in sampling.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids"
+            )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[EngineDelta]:
+        """Stream the new tokens of one request, one delta per engine step.
+
+        Closing the iterator early (``aclose``, break + GC, task cancellation) aborts the request
+        in the engine. Raises InvalidRequestError before the first delta for bad input,
+        UnavailableError when not started, WorkerError when the engine fails.
+        """
+        llm = self._require_llm()
+        self.validate(prompt_token_ids, sampling)
+        if request_id in self._inflight:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        params = self._sampling_params(sampling, kv_transfer_params)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        self._inflight.add(request_id)
+        finished = False
+        stream = llm.generate(prompt, params, request_id)
+        try:
+            async for out in stream:
+                delta = _to_delta(out, sampling.logprobs)
+                finished = delta.finished
+                yield delta
+        except (VLLMClientError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        except (EngineDeadError, EngineGenerateError) as exc:
+            raise WorkerError(f"engine failed on request {request_id}: {exc}") from exc
+        finally:
+            self._inflight.discard(request_id)
+            if not finished and self._llm is not None:
+                await self._llm.abort(request_id)
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort one request; its stream ends with finish_reason "abort". False if unknown."""
+        if request_id not in self._inflight or self._llm is None:
+            return False
+        await self._llm.abort(request_id)
+        return True
+
+    def stats(self) -> EngineStats:
+        """Counts as of the last engine step, corrected by what the frontend knows now.
+
+        vLLM reports scheduler counts only with step outputs, so after an abort of the last
+        request no fresh count arrives; the in-flight set is exact and bounds both numbers.
+        """
+        c = self._counters
+        inflight = len(self._inflight)
+        waiting = min(c.waiting, inflight)
+        return EngineStats(
+            running=inflight - waiting,
+            waiting=waiting,
+            kv_cache_usage=c.kv_cache_usage,
+            prefix_cache_queries=c.prefix_queries,
+            prefix_cache_hits=c.prefix_hits,
+            generated_tokens=c.generated_tokens,
+            max_model_len=self.max_model_len,
+        )
+
+    def _require_llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise UnavailableError("engine is not running")
+        if self._llm.errored:
+            raise WorkerError(f"engine is dead: {self._llm.dead_error}")
+        return self._llm
+
+    def _sampling_params(
+        self, s: SamplingSpec, kv_transfer_params: dict[str, Any] | None
+    ) -> SamplingParams:
+        stop_ids = list(s.stop_token_ids)
+        if not s.ignore_eos:  # no tokenizer in the engine: EOS is a stop token id
+            stop_ids += [t for t in self._eos_ids if t not in stop_ids]
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        try:
+            return SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else 0,
+                max_tokens=s.max_tokens,
+                stop_token_ids=stop_ids,
+                seed=s.seed,
+                logprobs=s.logprobs,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                repetition_penalty=s.repetition_penalty,
+                ignore_eos=s.ignore_eos,
+                min_tokens=s.min_tokens,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args=extra,
+            )
+        except (VLLMClientError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+
+def _omp_env(bind: str, multiproc: bool) -> dict[str, str | None]:
+    """OpenMP placement for the engine core. "auto"/"nobind": the OpenMP runtime decides.
+
+    vLLM binds threads (VLLM_CPU_OMP_THREADS_BIND) only in its multiprocess executor; with the
+    in-process executor an explicit CPU list ("0", "2-3", "0,2") becomes OMP_PLACES here.
+    """
+    if multiproc:
+        return {"VLLM_CPU_OMP_THREADS_BIND": bind}
+    if bind in ("auto", "nobind"):
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    cpus: list[int] = []
+    try:
+        for part in bind.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ConfigError(f"engine.omp_threads_bind: bad CPU list {bind!r}") from None
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+
+
+def _update_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _eos_ids(llm: AsyncLLM) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (vLLM loads it even without a tokenizer)."""
+    gen = llm.model_config.try_get_generation_config() or {}
+    eos = gen.get("eos_token_id", llm.model_config.hf_config.eos_token_id)
+    if eos is None:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def _to_delta(out: RequestOutput, want_logprobs: int | None) -> EngineDelta:
+    comp = out.outputs[0]
+    token_ids = tuple(comp.token_ids)
+    finish = comp.finish_reason
+    if finish not in (None, "stop", "length", "abort"):
+        raise PddError(f"unexpected finish reason {finish!r} from vLLM")
+    stop_token_id = token_ids[-1] if finish == "stop" and token_ids else None
+    logprobs = None
+    if want_logprobs is not None and comp.logprobs is not None:
+        logprobs = tuple(
+            _token_logprob(tid, pos, want_logprobs)
+            for tid, pos in zip(token_ids, comp.logprobs, strict=True)
+        )
+    return EngineDelta(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        stop_token_id=stop_token_id,
+        num_prompt_tokens=len(out.prompt_token_ids or ()),
+        num_cached_tokens=out.num_cached_tokens or 0,
+        kv_transfer_params=out.kv_transfer_params,
+    )
+
+
+def _token_logprob(token_id: int, position: Any, k: int) -> TokenLogprob:
+    """``position`` maps token id -> Logprob(logprob, rank) for the sampled token + top-k."""
+    top = sorted(
+        (TopLogprob(tid, lp.logprob) for tid, lp in position.items() if lp.rank and lp.rank <= k),
+        key=lambda t: -t.logprob,
+    )
+    return TokenLogprob(token_id, position[token_id].logprob, tuple(top[:k]))

@@ -1,0 +1,129 @@
+"""Typed values that cross the engine boundary. No vLLM, no torch: cheap to import.
+
+The worker, the roles and the connector speak these; only ``pdd.engine.engine`` converts them to
+and from vLLM's own classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdd.errors import InvalidRequestError
+
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample one request. Validated on construction (InvalidRequestError on bad input).
+
+    ``logprobs``: None for none, 0 for the sampled token only, k for k alternatives too.
+    ``max_tokens``: None means up to the end of the context.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    max_tokens: int | None = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str, str]] = [
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "must be <= max_tokens",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+                "logprobs",
+                f"must be between 0 and {self.MAX_LOGPROBS}",
+            ),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+        ]
+        for ok, param, msg in checks:
+            if not ok:
+                raise InvalidRequestError(f"{param} {msg}", param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's logprob and, when asked for, the top-k alternatives (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    """What one engine step added to one request (RequestOutputKind.DELTA).
+
+    ``num_prompt_tokens`` and ``num_cached_tokens`` describe the prompt and repeat on every
+    delta. ``stop_token_id`` is the token that ended the request when ``finish_reason`` is
+    "stop" (EOS or one of ``stop_token_ids``; it is the last of ``token_ids``), else None.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: FinishReason | None
+    stop_token_id: int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine. Counters (``*_tokens``) are totals since start."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use, as of the last engine step
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were found
+    generated_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class KvConnectorSpec:
+    """Which KV connector vLLM loads and its settings (becomes vLLM's KVTransferConfig)."""
+
+    role: KvRole
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    module_path: str = "pdd.engine.connector"
+    name: str = "PddConnector"

@@ -1,0 +1,137 @@
+"""Measure a lab's WAN link from the inside: RTT by UDP echo, throughput by one bulk TCP flow.
+
+Both run in the calling process: the far end is a thread whose socket was opened inside the
+destination namespace, the near end a socket opened inside the source namespace (a socket
+stays in the namespace it was made in). Everything started here is stopped before returning.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import struct
+import threading
+import time
+from typing import NamedTuple
+
+from pdd.errors import LabError
+from pdd.lab.netns import enter
+
+
+class LinkMeasurement(NamedTuple):
+    rtt_ms: float  # median round trip of small UDP probes
+    throughput_mbit: float  # goodput of one bulk TCP flow once past slow start
+
+
+def _socket_in(netns: str, kind: int) -> socket.socket:
+    with enter(netns):
+        return socket.socket(socket.AF_INET, kind)
+
+
+def _udp_echo(sock: socket.socket, stop: threading.Event) -> None:
+    """Echo datagrams until ``stop`` is set (checked every 0.1 s)."""
+    sock.settimeout(0.1)
+    while not stop.is_set():
+        try:
+            data, peer = sock.recvfrom(2048)
+        except TimeoutError:
+            continue
+        sock.sendto(data, peer)
+
+
+def measure_rtt(src_ns: str, dst_ns: str, dst_ip: str, probes: int = 21) -> float:
+    """Median RTT in ms of ``probes`` UDP probes from src_ns to an echo at dst_ip in dst_ns.
+
+    A lost probe (or its echo) is not retried; raises LabError if none came back.
+    """
+    server = _socket_in(dst_ns, socket.SOCK_DGRAM)
+    client = _socket_in(src_ns, socket.SOCK_DGRAM)
+    with server, client:
+        server.bind((dst_ip, 0))
+        stop = threading.Event()
+        echo = threading.Thread(target=_udp_echo, args=(server, stop), name="lab-rtt-echo")
+        echo.start()
+        try:
+            client.connect(server.getsockname())
+            client.settimeout(2.0)
+            rtts = [rtt for seq in range(probes) if (rtt := _probe(client, seq)) is not None]
+        finally:
+            stop.set()
+            echo.join()
+    if not rtts:
+        raise LabError(f"no RTT probe came back from {dst_ip} in {dst_ns}")
+    return statistics.median(rtts)
+
+
+def _probe(client: socket.socket, seq: int) -> float | None:
+    start = time.perf_counter()
+    client.send(struct.pack("!I", seq) + bytes(60))
+    try:
+        while True:
+            data = client.recv(2048)
+            if struct.unpack("!I", data[:4])[0] == seq:
+                return (time.perf_counter() - start) * 1000
+    except TimeoutError:
+        return None
+
+
+class _Sink:
+    """Receives one TCP flow; records when a quarter of it and all of it had arrived."""
+
+    # recv_into returns what has arrived, up to the buffer: keep the buffer small next to
+    # the flow, so "a quarter" is reached within a few packets of the real quarter.
+
+    def __init__(self, listener: socket.socket, nbytes: int):
+        self.listener, self.nbytes = listener, nbytes
+        self.t_quarter = self.t_end = 0.0
+        self.received = self.at_quarter = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.settimeout(self.listener.gettimeout())
+                buf = bytearray(64 * 1024)
+                while n := conn.recv_into(buf):
+                    self.received += n
+                    if not self.t_quarter and self.received >= self.nbytes // 4:
+                        self.t_quarter = time.perf_counter()
+                        self.at_quarter = self.received
+                self.t_end = time.perf_counter()
+        except OSError as exc:
+            self.error = exc
+
+
+def measure_throughput(
+    src_ns: str, dst_ns: str, dst_ip: str, nbytes: int, timeout_s: float = 60.0
+) -> float:
+    """Goodput in Mbit/s of one TCP flow of ``nbytes`` from src_ns to dst_ip in dst_ns.
+
+    Timed at the receiver over the last three quarters of the bytes, so TCP slow start
+    (a few RTTs) does not count: the figure is the rate a long transfer settles at.
+    """
+    listener = _socket_in(dst_ns, socket.SOCK_STREAM)
+    client = _socket_in(src_ns, socket.SOCK_STREAM)
+    with listener, client:
+        listener.settimeout(timeout_s)
+        listener.bind((dst_ip, 0))
+        listener.listen(1)
+        sink = _Sink(listener, nbytes)
+        thread = threading.Thread(target=sink.run, name="lab-throughput-sink")
+        thread.start()
+        try:
+            client.settimeout(timeout_s)
+            client.connect(listener.getsockname())
+            chunk = memoryview(bytes(1 << 20))
+            sent = 0
+            while sent < nbytes:
+                client.sendall(chunk[: min(len(chunk), nbytes - sent)])
+                sent += min(len(chunk), nbytes - sent)
+            client.shutdown(socket.SHUT_WR)
+        finally:
+            thread.join(timeout=timeout_s)
+    if sink.error is not None or sink.received != nbytes or thread.is_alive():
+        raise LabError(f"throughput flow failed: got {sink.received} of {nbytes} B ({sink.error})")
+    seconds = sink.t_end - sink.t_quarter
+    return (sink.received - sink.at_quarter) * 8 / seconds / 1e6

@@ -1,0 +1,88 @@
+"""The router app factory: builds every router object from a config and wires them.
+
+    build_app(cfg) -> FastAPI
+
+``RouterState`` holds the shared objects (config, tokenizer, limits, pool, service, metrics)
+on ``app.state.pdd``. The app's lifespan starts the worker pool (channels + health polling)
+and stops it on shutdown. Loading the tokenizer happens here, before serving, so a missing
+model folder fails at start (ModelError), not on the first request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from pdd.config import PddConfig
+from pdd.protocol import Role
+from pdd.router.http_errors import install_error_handlers
+from pdd.router.limits import BodyLimitMiddleware
+from pdd.router.metrics import RouterMetrics
+from pdd.router.pool import WorkerPool
+from pdd.router.routes import router as api_routes
+from pdd.router.service import RouterService
+from pdd.router.tokenizer import TextCodec
+from pdd.router.validation import ServingLimits, generation_defaults
+
+
+@dataclass(frozen=True)
+class RouterState:
+    cfg: PddConfig
+    codec: TextCodec
+    limits: ServingLimits
+    pool: WorkerPool
+    service: RouterService
+    metrics: RouterMetrics
+    started_at: int
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.name
+
+
+def max_model_len(cfg: PddConfig) -> int:
+    """The context every serving worker supports: the smallest effective max_model_len."""
+    serving = [w for w in cfg.workers if w.role in (Role.COLOCATED, Role.MAIN_DECODE)]
+    lens = [cfg.engine_for(w.id).max_model_len for w in serving or cfg.workers]
+    return min(lens) if lens else cfg.engine.max_model_len
+
+
+def build_state(cfg: PddConfig, codec: TextCodec | None = None) -> RouterState:
+    model_path = cfg.model.resolved_path()
+    codec = codec or TextCodec.from_folder(model_path)
+    limits = ServingLimits(
+        model_names=(cfg.model.name, str(model_path)),
+        max_model_len=max_model_len(cfg),
+        vocab_size=codec.vocab_size,
+        defaults=generation_defaults(model_path),
+    )
+    pool = WorkerPool(cfg)
+    metrics = RouterMetrics()
+    service = RouterService(cfg, codec, pool, metrics)
+    return RouterState(cfg, codec, limits, pool, service, metrics, int(time.time()))
+
+
+def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
+    """The router's ASGI app. Raises ModelError (no tokenizer) or ConfigError (bad mode)."""
+    state = build_state(cfg, codec)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.pool.start()
+        try:
+            yield
+        finally:
+            await state.pool.stop()
+
+    app = FastAPI(
+        title="pdd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.pdd = state
+    install_error_handlers(app)
+    app.include_router(api_routes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.router.max_body_bytes)
+    return app

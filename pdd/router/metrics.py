@@ -1,0 +1,98 @@
+"""Router Prometheus metrics, in a registry of its own (never the global one).
+
+Names follow vLLM's where the meaning is the same, prefixed ``pdd_``; histogram buckets are
+vLLM 0.32's (``vllm/v1/metrics/buckets.py``). Labels are bounded: pipeline, finish_reason,
+reason, worker id and role from the config. Never request ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from pdd.router.record import RequestRecord
+from pdd.router.routing import FleetView
+
+# vLLM 0.32 TIME_TO_FIRST_TOKEN_BUCKETS, INTER_TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """All router metrics. ``observe`` takes closed request records."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "pdd_time_to_first_token_seconds", "Request arrival to first token from a worker.",
+            ["pipeline"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "pdd_inter_token_latency_seconds", "Time between successive token steps.",
+            ["pipeline"], buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "pdd_e2e_request_latency_seconds", "Request arrival to finish.",
+            ["pipeline"], buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "pdd_requests", "Finished requests.", ["finish_reason", "pipeline"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdd_prompt_tokens", "Prompt tokens of finished requests.", ["pipeline"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdd_generation_tokens", "Generated tokens of finished requests.", ["pipeline"],
+            registry=r,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "pdd_prompt_cached_tokens", "Prompt tokens served from a worker's prefix cache.",
+            ["pipeline"], registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "pdd_requests_rejected", "Requests refused before routing.", ["reason"], registry=r
+        )
+        self.in_flight = Gauge("pdd_requests_in_flight", "Requests admitted.", registry=r)
+        self.worker_healthy = Gauge(
+            "pdd_worker_healthy", "1 if the worker's last health poll succeeded.",
+            ["worker", "role"], registry=r,
+        )  # fmt: skip
+        self.worker_in_flight = Gauge(
+            "pdd_worker_requests_in_flight", "Requests this router has on the worker.",
+            ["worker", "role"], registry=r,
+        )  # fmt: skip
+
+    def observe(self, record: RequestRecord) -> None:
+        pipeline = record.pipeline.value
+        if record.ttft is not None:
+            self.ttft.labels(pipeline).observe(record.ttft)
+        itl = self.itl.labels(pipeline)
+        for gap in record.inter_token_gaps:
+            itl.observe(gap)
+        if record.e2e is not None:
+            self.e2e.labels(pipeline).observe(record.e2e)
+        self.requests.labels(record.finish_reason or "error", pipeline).inc()
+        self.prompt_tokens.labels(pipeline).inc(record.prompt_tokens)
+        self.generation_tokens.labels(pipeline).inc(record.completion_tokens)
+        self.cached_tokens.labels(pipeline).inc(record.cached_tokens)
+
+    def update_fleet(self, view: FleetView) -> None:
+        for w in view.workers:
+            self.worker_healthy.labels(w.id, w.role.value).set(1 if w.healthy else 0)
+            self.worker_in_flight.labels(w.id, w.role.value).set(w.in_flight)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,188 @@
+"""OpenAI response bodies: chat and text completions, streamed chunks and whole responses.
+
+Pure formatting from ``OutputDelta``s (no I/O). Shapes follow OpenAI's API reference:
+``chat.completion`` / ``chat.completion.chunk`` (logprobs as ``{"content": [...]}``) and
+``text_completion`` (legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset).
+With ``stream_options.include_usage`` every chunk carries ``"usage": null`` and one extra chunk
+with empty ``choices`` carries the usage, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd.router.types import LogprobText, OutputDelta, Usage
+
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseContext:
+    response_id: str
+    created: int
+    model: str
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole (non-streamed) result."""
+
+    text: str = ""
+    logprobs: list[LogprobText] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+async def collect(deltas: AsyncIterator[OutputDelta]) -> Collected:
+    out = Collected()
+    parts: list[str] = []
+    async with aclosing(deltas):  # type: ignore[type-var]
+        async for d in deltas:
+            parts.append(d.text)
+            out.logprobs.extend(d.logprobs)
+            if d.finish_reason is not None:
+                out.finish_reason, out.usage = d.finish_reason, d.usage
+    out.text = "".join(parts)
+    return out
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _lp(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
+
+
+class ChatFormat:
+    """chat.completion and chat.completion.chunk bodies."""
+
+    def __init__(self, ctx: ResponseContext):
+        self.ctx = ctx
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c = self.ctx
+        body: dict[str, Any] = {
+            "id": c.response_id, "object": "chat.completion.chunk", "created": c.created,
+            "model": c.model, "choices": choices,
+        }  # fmt: skip
+        if c.include_usage:
+            body["usage"] = None
+        return body
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}  # fmt: skip
+        return [self._chunk([choice])]
+
+    def chunk(self, delta: OutputDelta) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+        body = self._chunk([])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def response(self, result: Collected) -> dict[str, Any]:
+        c = self.ctx
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": self._logprobs(result.logprobs),
+            "finish_reason": result.finish_reason,
+        }
+        return {
+            "id": c.response_id, "object": "chat.completion", "created": c.created,
+            "model": c.model, "choices": [choice], "usage": usage_body(result.usage),
+        }  # fmt: skip
+
+    def _logprobs(self, entries: list[LogprobText] | tuple[LogprobText, ...]) -> Any:
+        if not self.ctx.logprobs:
+            return None
+        content = [
+            {
+                "token": e.token,
+                "logprob": _lp(e.logprob),
+                "bytes": list(e.token_bytes),
+                "top_logprobs": [
+                    {"token": t, "logprob": _lp(lp), "bytes": list(b)} for t, b, lp in e.top
+                ],
+            }
+            for e in entries
+        ]
+        return {"content": content}
+
+
+class CompletionFormat:
+    """text_completion bodies (streamed and whole)."""
+
+    def __init__(self, ctx: ResponseContext):
+        self.ctx = ctx
+
+    def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c = self.ctx
+        return {
+            "id": c.response_id, "object": "text_completion", "created": c.created,
+            "model": c.model, "choices": choices,
+        }  # fmt: skip
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, delta: OutputDelta) -> dict[str, Any]:
+        body = self._body([self._choice(delta.text, delta.logprobs, delta.finish_reason)])
+        if self.ctx.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+        body = self._body([])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def response(self, result: Collected) -> dict[str, Any]:
+        body = self._body([self._choice(result.text, result.logprobs, result.finish_reason)])
+        body["usage"] = usage_body(result.usage)
+        return body
+
+    def _choice(self, text: str, entries: Any, finish_reason: str | None) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(entries),
+            "finish_reason": finish_reason,
+        }
+
+    def _logprobs(self, entries: list[LogprobText] | tuple[LogprobText, ...]) -> Any:
+        if not self.ctx.logprobs:
+            return None
+        top: list[dict[str, float]] = []
+        for e in entries:
+            alternatives = {t: _lp(lp) for t, _, lp in e.top}
+            alternatives.setdefault(e.token, _lp(e.logprob))
+            top.append(alternatives)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": top,
+            "text_offset": [e.text_offset for e in entries],
+        }

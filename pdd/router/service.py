@@ -1,0 +1,109 @@
+"""The request flow: admission -> routing -> pipeline driver -> text deltas, plus the record.
+
+``RouterService.stream(req)`` is an async generator; everything a request acquires is
+acquired inside it, so nothing leaks if it never starts, and its ``finally`` releases it all
+whether the request finishes, hits a stop string, fails, or the client goes away (the API layer
+closes or cancels the generator; the driver then cancels gRPC streams and aborts on workers).
+
+Admission is a bounded count of requests in flight (``router.max_queued_requests``, 429 above).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from pdd.config import PddConfig
+from pdd.errors import OverloadedError, PddError, UnavailableError, WorkerError
+from pdd.protocol import Pipeline
+from pdd.router.metrics import RouterMetrics
+from pdd.router.output import OutputProcessor
+from pdd.router.pipeline import PipelineDriver, build_drivers
+from pdd.router.pool import WorkerPool
+from pdd.router.record import RequestRecord
+from pdd.router.routing import Decision, RouteRequest, choose
+from pdd.router.tokenizer import TextCodec
+from pdd.router.types import GenerationRequest, OutputDelta
+
+log = logging.getLogger(__name__)
+
+
+class RouterService:
+    """Runs requests. Shared by all HTTP handlers; lives as long as the app."""
+
+    def __init__(self, cfg: PddConfig, codec: TextCodec, pool: WorkerPool, metrics: RouterMetrics):
+        self._cfg = cfg
+        self._codec = codec
+        self._pool = pool
+        self._metrics = metrics
+        self._drivers: dict[Pipeline, PipelineDriver] = build_drivers(cfg.router.mode, pool)
+        self._in_flight = 0
+        metrics.in_flight.set_function(lambda: self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def check_capacity(self) -> None:
+        """Cheap early 429, before tokenizing. ``stream`` re-checks when it admits."""
+        if self._in_flight >= self._cfg.router.max_queued_requests:
+            self._metrics.rejected.labels("overloaded").inc()
+            raise OverloadedError(
+                f"too many requests in flight ({self._in_flight} of "
+                f"{self._cfg.router.max_queued_requests}); retry later"
+            )
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[OutputDelta]:
+        """Run one request; yield its text deltas; the last one has finish_reason and usage.
+
+        Raises OverloadedError / UnavailableError before the first delta, WorkerError (or
+        another PddError) when a worker fails.
+        """
+        self.check_capacity()
+        self._in_flight += 1
+        try:
+            decision = self._route(req)
+            record = RequestRecord(
+                req.request_id, decision, req.arrival, time.monotonic(), len(req.prompt_token_ids)
+            )
+            processor = OutputProcessor(self._codec, req)
+            try:
+                async with aclosing(self._drivers[decision.pipeline].run(req, decision)) as events:
+                    async for event in events:
+                        record.on_tokens(len(event.token_ids), time.monotonic())
+                        if event.finish_reason == "error":
+                            raise WorkerError(f"worker {event.worker_id} failed the request")
+                        delta = processor.process(event)
+                        if delta is not None:
+                            yield delta
+                        if processor.finished:
+                            break
+            except PddError as exc:
+                record.error = exc.message
+                raise
+            finally:
+                self._close_record(record, processor)
+        finally:
+            self._in_flight -= 1
+
+    def _route(self, req: GenerationRequest) -> Decision:
+        try:
+            return choose(
+                self._pool.view(),
+                RouteRequest(len(req.prompt_token_ids), req.sampling.max_tokens),
+            )
+        except UnavailableError:
+            self._metrics.rejected.labels("unavailable").inc()
+            raise
+
+    def _close_record(self, record: RequestRecord, processor: OutputProcessor) -> None:
+        if processor.finish_reason is not None:
+            reason = processor.finish_reason
+        else:
+            reason = "error" if record.error else "abort"  # no finish: failed or client gone
+        record.close(time.monotonic(), reason, processor.completion_tokens, processor.cached_tokens)
+        self._metrics.observe(record)
+        if self._cfg.router.log_requests:
+            log.info(record.log_line())

@@ -1,0 +1,184 @@
+"""The router's tokenizer: a Hugging Face model folder read without transformers.
+
+``tokenizer.json`` is loaded with the ``tokenizers`` library; the chat template comes from
+``tokenizer_config.json`` (``chat_template``) or ``chat_template.jinja`` and is rendered with a
+sandboxed jinja2 environment configured the way transformers renders chat templates
+(``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``). transformers is not used
+because it may import torch, and the router never loads torch.
+
+``TextCodec`` is immutable after loading and safe to share between threads: the API layer
+renders and encodes prompts in a worker thread (``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from pdd.errors import InvalidRequestError, ModelError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextCodec:
+    """Encode, decode, render chat prompts, and describe single tokens (for logprobs)."""
+
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], chat_template: str | None):
+        self._tok = tokenizer
+        self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
+        self._template = _compile(chat_template) if chat_template else None
+        self._added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+        self._byte_level = _is_byte_level(tokenizer)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> TextCodec:
+        """Load ``tokenizer.json`` + chat template from a HF model folder. Raises ModelError."""
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelError(f"no tokenizer.json in model folder {folder}")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+            config = _read_json(folder / "tokenizer_config.json")
+        except Exception as exc:  # tokenizers raises a bare Exception on a corrupt file
+            raise ModelError(f"cannot load tokenizer from {folder}: {exc}") from exc
+        return cls(tokenizer, config, _find_chat_template(folder, config))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        """Apply the chat template. A template error is the client's (400)."""
+        if self._template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render with the generation prompt and tokenize (the template adds special tokens)."""
+        text = self.render_chat(messages, add_generation_prompt=True)
+        return self.encode(text, add_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (a byte-level token may be part of a character)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and piece not in self._added:
+            table = _byte_level_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token; a partial character shows as ``bytes:\\xNN`` like OpenAI does."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if REPLACEMENT_CHAR not in text:
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
+
+
+# --- loading helpers -----------------------------------------------------------------------
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str:
+    """tokenizer_config stores special tokens as strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+def _find_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str) and template:
+        return template
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    return None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ModelError(f"chat template does not compile: {exc}") from exc
+
+
+def _is_byte_level(tokenizer: Tokenizer) -> bool:
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", []) or []]
+    return "ByteLevel" in kinds
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of the byte-level alphabet: printable bytes stand for themselves, every other
+    byte is shifted to a code point above 255, in byte order."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    table: dict[str, int] = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table

@@ -1,0 +1,115 @@
+"""Typed messages that flow through the router.
+
+    HTTP body --validation--> GenerationRequest --pipeline--> TokenEvent* --output--> OutputDelta*
+
+``GenerationRequest`` is what a pipeline driver needs to run a request on workers (token IDs
+and sampling settings only: workers never see text). ``TokenEvent`` is one step of worker
+output. ``OutputDelta`` is what the API layer formats into OpenAI chunks and responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Sampling settings a worker applies. Validated; every field has its effective value."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: sampled token only; k: plus top-k alternatives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """How the router turns tokens into text (workers never see these)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One admitted request, ready to route. ``arrival`` is ``time.monotonic()`` at receipt."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    text: TextOptions
+    arrival: float
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Logprob of one sampled token, with the top alternatives when requested."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New tokens from one worker step. ``finish_reason`` is set on the last event only.
+
+    ``stop_token_id`` is the token that ended generation when the worker stopped on an EOS or
+    a ``stop_token_ids`` entry (that token is the last of ``token_ids``), else None.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    stop_token_id: int | None = None
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobText:
+    """One token's logprob with its text, ready for OpenAI's logprob shapes."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+    text_offset: int  # character offset of the token's text in the completion text
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    """Text (and its tokens) safe to show the client. The last delta has finish_reason + usage."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[LogprobText, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None

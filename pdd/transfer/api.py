@@ -1,0 +1,232 @@
+"""The transfer interface every transport implements, and the typed values it speaks.
+
+A sender hands a `SendRequest` (KV segments of host memory plus metadata) to `Transport.send`
+and gets a `TransferHandle` back at once; the transport's own threads move the bytes. A
+receiver is the same `Transport` object built with `ReceiverHooks`: for every chunk it asks
+`hooks.allocate(header)` for a writable buffer of exactly `header.nbytes` bytes, lands the bytes
+there, verifies the checksum, and reports each inbound transfer once, terminal, through
+`hooks.on_received` and `Transport.poll_received()`.
+
+State machine of one outbound transfer:
+
+    PENDING --first chunk on the wire--> TRANSFERRING --all chunks acknowledged--> DONE
+       |                                      |
+       +------ cancel / deadline / peer death / integrity failure -----> CANCELLED | FAILED
+
+Ownership: the transport holds a reference to every source buffer of a transfer (a "pin")
+from `send` until the transfer is terminal. A terminal state is published only after no
+transport thread touches the buffers any more, so the caller may reuse them as soon as it
+sees DONE, FAILED or CANCELLED. On the receive side the same holds for allocated buffers:
+after an inbound transfer is reported, the transport never writes into its buffers again.
+
+Every method is thread-safe and non-blocking (except `close`, which joins the threads).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdd.transfer.wire import ChunkHeader
+
+
+class TransferState(enum.StrEnum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """How to reach a receiving transport.
+
+    `host`/`port` reach its listener over the network; `ucx_address` is its UCX worker address
+    and `host_id` the boot id of its machine: a UCX sender on the same machine (equal host_id)
+    connects to the worker address and gets shared memory instead of TCP.
+    """
+
+    host: str
+    port: int
+    ucx_address: bytes = b""
+    host_id: str = ""
+    name: str = ""  # inproc transports register under a name
+
+    def key(self) -> str:
+        return self.name or f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class KVSegment:
+    """One contiguous source buffer: KV blocks [block_start, block_end) x layers [layer_start, layer_end).
+
+    `data` is any buffer-protocol object (numpy array, memoryview, bytes); `dtype` and `shape`
+    describe the logical tensor it holds and travel in every chunk header so the receiver can
+    place it without a side channel.
+    """
+
+    data: Any
+    block_start: int = 0
+    block_end: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """What to send: the segments of one request's KV, in the order they should land."""
+
+    request_id: str
+    segments: Sequence[KVSegment]
+    deadline_s: float | None = None  # None: the transport's configured default
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """A snapshot of one outbound transfer."""
+
+    transfer_id: int
+    request_id: str
+    state: TransferState
+    reason: str = ""
+    bytes_total: int = 0
+    bytes_acked: int = 0
+
+
+@dataclass(frozen=True)
+class InboundResult:
+    """One inbound transfer, reported once when terminal (DONE, FAILED or CANCELLED)."""
+
+    transfer_id: int
+    request_id: str
+    state: TransferState
+    reason: str = ""
+    bytes_received: int = 0
+    chunks: int = 0
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """Live estimate of the path to one peer (goodput of acknowledged bytes, kernel RTT)."""
+
+    bandwidth_bps: float  # bits per second; 0.0 until a busy period was measured
+    rtt_s: float
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    """What the transport holds right now; all zero after a clean test."""
+
+    open_outbound: int
+    pinned_buffers: int
+    open_inbound: int
+    lent_buffers: int
+    threads: int
+
+
+Allocator = Callable[[ChunkHeader], memoryview]
+
+
+@dataclass
+class ReceiverHooks:
+    """How received bytes land: `allocate(header)` returns a writable buffer of header.nbytes.
+
+    `allocate` runs on a transport thread and must not block for long; it may raise to refuse
+    the chunk (the transfer then fails). `on_received` is called once per inbound transfer
+    when it is terminal; it must return quickly (hand work to another thread).
+    """
+
+    allocate: Allocator
+    on_received: Callable[[InboundResult], None] | None = None
+
+
+@dataclass
+class FaultHooks:
+    """Test hooks on the sender: `corrupt(header) -> bool` flips one payload byte on the wire."""
+
+    corrupt: Callable[[ChunkHeader], bool] | None = None
+
+
+class TransferHandle:
+    """The caller's view of one outbound transfer; returned by `Transport.send` at once."""
+
+    def __init__(self, transport: Transport, transfer_id: int, request_id: str):
+        self.transport = transport
+        self.transfer_id = transfer_id
+        self.request_id = request_id
+
+    def status(self) -> TransferStatus:
+        return self.transport.poll(self.transfer_id)
+
+    @property
+    def state(self) -> TransferState:
+        return self.status().state
+
+    def cancel(self) -> None:
+        self.transport.cancel(self.transfer_id)
+
+    def wait(self, timeout_s: float) -> TransferStatus:
+        """Block until terminal or timeout (tests and benchmarks; the connector polls)."""
+        return self.transport.wait(self.transfer_id, timeout_s)
+
+
+class Transport(ABC):
+    """One process's endpoint of a transport kind: sends to peers, receives if given hooks."""
+
+    kind: str = "abstract"
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start the I/O threads and the listener (if receiving). Idempotent."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail every open transfer, release every pin and lent buffer, join all threads."""
+
+    @property
+    @abstractmethod
+    def address(self) -> PeerAddress:
+        """Where peers reach this transport's receiver (valid after start)."""
+
+    @abstractmethod
+    def send(self, peer: PeerAddress, request: SendRequest) -> TransferHandle:
+        """Pin the segments and queue them for `peer`; returns at once (never blocks on I/O)."""
+
+    @abstractmethod
+    def poll(self, transfer_id: int) -> TransferStatus:
+        """Current status; raises TransferError for an unknown id (reported and forgotten)."""
+
+    @abstractmethod
+    def cancel(self, transfer_id: int) -> None:
+        """Ask to stop; the state becomes CANCELLED once no thread touches the buffers."""
+
+    @abstractmethod
+    def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
+        """Block the calling thread until the transfer is terminal or the timeout passes."""
+
+    @abstractmethod
+    def poll_finished(self) -> list[TransferStatus]:
+        """Drain outbound transfers that became terminal since the last call (then forgotten)."""
+
+    @abstractmethod
+    def poll_received(self) -> list[InboundResult]:
+        """Drain inbound transfers reported since the last call."""
+
+    @abstractmethod
+    def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
+        """Live bandwidth/RTT toward `peer`, or None before any traffic."""
+
+    @abstractmethod
+    def stats(self) -> TransportStats:
+        """Open transfers, pins, lent buffers and live threads (leak checks)."""

@@ -1,0 +1,119 @@
+"""TCP transport for the WAN (P -> MainDecode): parallel streams, pipelined chunks, optional
+mutual TLS, live link estimates.
+
+Owns one `Listener` (when built with receiver hooks) and one `PeerLink` per destination,
+created on first send and replaced when it breaks. Threads: the reaper, the listener and one
+per accepted stream (receiving), `wan_streams` per peer link (sending). `close()` fails what
+is open, shuts every socket down and joins every thread.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pdd.transfer.api import LinkEstimate, PeerAddress
+from pdd.transfer.base import BaseTransport
+from pdd.transfer.estimate import chunk_bytes_for
+from pdd.transfer.ledger import OutRecord
+from pdd.transfer.tcp_io import client_tls, server_tls
+from pdd.transfer.tcp_recv import Listener
+from pdd.transfer.tcp_send import PeerLink
+from pdd.transfer.wire import CancelReason
+
+
+class TcpTransport(BaseTransport):
+    kind = "tcp"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server_tls = server_tls(self.config)
+        self.client_tls = client_tls(self.config)
+        self._links: dict[str, PeerLink] = {}
+        self._dead: list[PeerLink] = []
+        self._links_lock = threading.Lock()
+        self._listener: Listener | None = None
+
+    @property
+    def address(self) -> PeerAddress:
+        if self._listener is None:
+            return PeerAddress(host=self.config.listen_host, port=0)
+        return PeerAddress(host=self._listener.host, port=self._listener.port)
+
+    def _start_io(self) -> None:
+        if self.inbound is not None:
+            self._listener = Listener(self)
+            self._listener.start()
+
+    def _close_io(self) -> None:
+        with self._links_lock:
+            links = list(self._links.values()) + self._dead
+            self._links, self._dead = {}, []
+        for link in links:
+            link.close()
+        if self._listener is not None:
+            self._listener.close()
+
+    def _io_threads(self) -> list[threading.Thread]:
+        with self._links_lock:
+            links = list(self._links.values()) + self._dead
+        threads = [t for link in links for t in link.threads()]
+        if self._listener is not None:
+            threads += self._listener.threads()
+        return threads
+
+    def _link(self, peer: PeerAddress) -> PeerLink:
+        """The live link to `peer` (endpoints are cached per peer; a broken one is replaced)."""
+        key = peer.key()
+        with self._links_lock:
+            link = self._links.get(key)
+            if link is not None and link.broken is None:
+                return link
+            old, link = link, PeerLink(self, peer)
+            if old is not None:  # keep what we learned about the path
+                self._dead.append(old)
+                link.estimator = old.estimator
+            self._links[key] = link
+        link.start()
+        return link
+
+    def _chunk_bytes(self, peer: PeerAddress) -> int:
+        with self._links_lock:
+            link = self._links.get(peer.key())
+        est = link.estimator.estimate() if link is not None else None
+        return chunk_bytes_for(est, self.config.wan_streams, self.config)
+
+    def _submit(self, peer: PeerAddress, record: OutRecord) -> None:
+        self._link(peer).submit(record)
+
+    def _send_cancel(self, peer_key: str, transfer_id: int, reason: CancelReason) -> None:
+        with self._links_lock:
+            link = self._links.get(peer_key)
+        if link is not None and link.broken is None:
+            link.cancel(transfer_id, reason)
+
+    def _tick(self, now: float) -> None:
+        super()._tick(now)
+        self._join_dead_links()
+
+    def _join_dead_links(self) -> None:
+        with self._links_lock:
+            done = [link for link in self._dead if not any(t.is_alive() for t in link.threads())]
+            self._dead = [link for link in self._dead if link not in done]
+        for link in done:
+            link.close()
+
+    def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
+        with self._links_lock:
+            link = self._links.get(peer.key())
+        return link.estimator.estimate() if link is not None else None
+
+    def link_estimates(self) -> dict[str, LinkEstimate]:
+        """Every peer's estimate, for export (router snapshot, metrics, bench JSON)."""
+        with self._links_lock:
+            links = dict(self._links)
+        out = {}
+        for key, link in links.items():
+            est = link.estimator.estimate()
+            if est is not None:
+                out[key] = est
+        return out

@@ -1,0 +1,154 @@
+"""Receiving half of the TCP transport: a listener thread and one thread per accepted stream.
+
+A stream starts with HELLO (the sender's id). Each DATA frame's payload is read straight
+into the buffer the allocator lends, verified against its CRC, and acknowledged on the same
+socket (OK, CHECKSUM, REFUSED or GONE). Payloads of transfers the receiver no longer holds
+(cancelled, failed, expired) are read and dropped. When a stream dies (EOF, reset, TLS
+failure) every open transfer from that sender fails and its lent buffers are released.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from typing import TYPE_CHECKING
+
+from pdd.errors import TransferError
+from pdd.transfer.api import TransferState
+from pdd.transfer.ledger import cancel_outcome
+from pdd.transfer.tcp_io import (
+    FrameReader,
+    close_quietly,
+    send_all,
+    shutdown_quietly,
+    tune,
+)
+from pdd.transfer.wire import (
+    AckStatus,
+    ChunkHeader,
+    FrameKind,
+    checksum,
+    pack_ack,
+    unpack_cancel,
+    unpack_hello,
+)
+
+if TYPE_CHECKING:
+    from pdd.transfer.tcp import TcpTransport
+
+
+class Listener:
+    def __init__(self, transport: TcpTransport):
+        self.transport = transport
+        cfg = transport.config
+        self.sock = socket.create_server((cfg.listen_host, cfg.listen_port), backlog=128)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._streams: list[ReceiverStream] = []
+        self._closing = False
+        self.thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # listener shut down by close()
+            with self._lock:
+                if self._closing:
+                    conn.close()
+                    return
+                self._streams = [s for s in self._streams if s.thread.is_alive()]
+                stream = ReceiverStream(self.transport, conn)
+                self._streams.append(stream)
+            stream.thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            streams = list(self._streams)
+        shutdown_quietly(self.sock)
+        self.thread.join()
+        self.sock.close()
+        for s in streams:
+            shutdown_quietly(s.sock)
+        for s in streams:
+            s.thread.join()
+
+    def threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return [self.thread] + [s.thread for s in self._streams]
+
+
+class ReceiverStream:
+    def __init__(self, transport: TcpTransport, conn: socket.socket):
+        self.transport = transport
+        self.sock: socket.socket = conn
+        self.sender_id: int | None = None
+        self.thread = threading.Thread(target=self._run, name="tcp-recv", daemon=True)
+
+    def _run(self) -> None:
+        reason = "connection closed"
+        try:
+            self._handshake()
+            self._loop()
+        except (OSError, TransferError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self.sender_id is not None:
+                sender = self.sender_id
+                self.transport.inbound.stop_where(
+                    lambda r: r.source == sender,
+                    TransferState.FAILED,
+                    f"sender connection lost ({reason})",
+                )
+            close_quietly(self.sock)
+
+    def _handshake(self) -> None:
+        cfg = self.transport.config
+        tune(self.sock, cfg, cfg.min_chunk_bytes)
+        ctx: ssl.SSLContext | None = self.transport.server_tls
+        if ctx is not None:  # a peer without a certificate from our CA fails right here
+            self.sock.settimeout(cfg.connect_timeout_s)
+            self.sock = ctx.wrap_socket(self.sock, server_side=True)
+            self.sock.settimeout(None)
+        self.reader = FrameReader(self.sock)
+        kind, body = self.reader.read_frame()
+        if kind is not FrameKind.HELLO:
+            raise TransferError(f"expected HELLO, got {kind.name}")
+        self.sender_id = unpack_hello(body)[0]
+
+    def _loop(self) -> None:
+        inbound = self.transport.inbound
+        while True:
+            kind, body = self.reader.read_frame()
+            if kind is FrameKind.DATA:
+                self._chunk(ChunkHeader.unpack(body))
+            elif kind is FrameKind.CANCEL:
+                tid, reason = unpack_cancel(body)
+                inbound.stop(tid, *cancel_outcome(reason))
+            else:
+                raise TransferError(f"unexpected {kind.name} frame from sender")
+
+    def _chunk(self, header: ChunkHeader) -> None:
+        inbound = self.transport.inbound
+        tid = header.transfer_id
+        buf, status = inbound.begin_chunk(header, self.sender_id)
+        if buf is None:
+            self.reader.skip(header.nbytes)
+        else:
+            try:
+                self.reader.readinto(buf)
+            except BaseException:
+                inbound.end_chunk(tid, 0, AckStatus.REFUSED, "connection lost mid-chunk")
+                raise
+            if checksum(header.checksum_algo, buf) != header.checksum:
+                reason = f"integrity check failed: chunk {header.chunk_index} CRC mismatch"
+                status = inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
+            else:
+                status = inbound.end_chunk(tid, header.nbytes)
+        send_all(self.sock, [pack_ack(tid, header.chunk_index, status, header.nbytes)])

@@ -1,0 +1,227 @@
+"""Sending half of the TCP transport: one `PeerLink` per receiver, N `SenderStream`s each.
+
+A link owns a FIFO of planned chunks (references into pinned source buffers, never copies)
+and a queue of control frames (CANCEL). Each stream is one thread that owns one socket, so a
+TLS socket is never used by two threads. Its loop:
+
+    drain ready ACKs -> window open? send a control frame, else the next chunk -> else sleep
+    on (socket readable | wake pipe)
+
+A chunk's successor is put back at the head of the FIFO before the chunk is sent, so all
+streams work on the oldest transfer together and its first chunks land while later ones are
+still queued. At most `window_chunks` chunks per stream are unacknowledged (bounded memory
+at the receiver's kernel, and a bounded amount to drain on cancel). Any socket error breaks
+the whole link: every open transfer to that peer fails, the link's threads exit, and the
+next send opens a fresh link.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pdd.errors import TransferError
+from pdd.transfer.api import PeerAddress, TransferState
+from pdd.transfer.estimate import LinkEstimator
+from pdd.transfer.ledger import OutRecord
+from pdd.transfer.tcp_io import (
+    FrameReader,
+    close_quietly,
+    kernel_rtt_s,
+    send_all,
+    shutdown_quietly,
+    tune,
+)
+from pdd.transfer.wire import FrameKind, checksum, pack_cancel, pack_hello, unpack_ack
+
+if TYPE_CHECKING:
+    from pdd.transfer.tcp import TcpTransport
+
+RTT_REFRESH_S = 0.05
+
+
+class PeerLink:
+    def __init__(self, transport: TcpTransport, peer: PeerAddress):
+        self.transport = transport
+        self.peer = peer
+        self.key = peer.key()
+        self.estimator = LinkEstimator()
+        self._lock = threading.Lock()
+        self._work: deque[tuple[OutRecord, int]] = deque()
+        self._control: deque[bytes] = deque()
+        self.broken: str | None = None
+        n = transport.config.wan_streams
+        self.streams = [SenderStream(self, i, n) for i in range(n)]
+
+    def start(self) -> None:
+        for s in self.streams:
+            s.thread.start()
+
+    def submit(self, rec: OutRecord) -> None:
+        with self._lock:
+            broken = self.broken
+            if broken is None:
+                self._work.append((rec, 0))
+        if broken is not None:
+            self.transport.outbound.stop(rec.transfer_id, TransferState.FAILED, broken)
+            return
+        self._wake_all()
+
+    def cancel(self, transfer_id: int, reason: int) -> None:
+        with self._lock:
+            self._control.append(pack_cancel(transfer_id, reason))
+        self._wake_all()
+
+    def take(self) -> bytes | tuple[OutRecord, int] | None:
+        """Next thing to send: a control frame first, else the oldest transfer's next chunk."""
+        with self._lock:
+            if self._control:
+                return self._control.popleft()
+            while self._work:
+                rec, index = self._work.popleft()
+                if rec.stop_state is not None:  # a hint; begin_chunk decides under its lock
+                    continue
+                if index + 1 < len(rec.chunks):
+                    self._work.appendleft((rec, index + 1))
+                return rec, index
+        return None
+
+    def fail(self, reason: str) -> None:
+        """Break the link: fail its open transfers and stop its streams (first reason wins)."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = reason
+            self._work.clear()
+        self.transport.outbound.stop_where(
+            lambda r: r.peer == self.key, TransferState.FAILED, reason
+        )
+        for s in self.streams:
+            shutdown_quietly(s.sock)
+        self._wake_all()
+
+    def close(self) -> None:
+        self.fail("transport closed")
+        for s in self.streams:
+            if s.thread.is_alive():
+                s.thread.join()
+            s.close_pipe()
+
+    def threads(self) -> list[threading.Thread]:
+        return [s.thread for s in self.streams]
+
+    def _wake_all(self) -> None:
+        for s in self.streams:
+            s.wake()
+
+
+class SenderStream:
+    def __init__(self, link: PeerLink, index: int, count: int):
+        self.link = link
+        self.index, self.count = index, count
+        self.config = link.transport.config
+        self.sock: socket.socket | None = None
+        self.unacked: deque[int] = deque()  # payload bytes of each chunk awaiting its ACK
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._last_rtt = 0.0
+        name = f"tcp-send-{link.key}-{index}"
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (a wake is already pending) or closed (stream gone)
+
+    def close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # already closed
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+            self._loop()
+        except (OSError, TransferError, ValueError) as exc:
+            self.link.fail(f"connection to {self.link.key} lost: {exc}")
+        finally:
+            close_quietly(self.sock)
+
+    def _connect(self) -> None:
+        cfg, peer = self.config, self.link.peer
+        raw = socket.create_connection((peer.host, peer.port), timeout=cfg.connect_timeout_s)
+        tune(raw, cfg, cfg.min_chunk_bytes)
+        ctx = self.link.transport.client_tls
+        self.sock = ctx.wrap_socket(raw) if ctx is not None else raw
+        if self.link.broken is not None:  # closed while we were connecting
+            raise TransferError(self.link.broken)
+        self.sock.settimeout(None)
+        self.reader = FrameReader(self.sock)
+        send_all(self.sock, [pack_hello(self.link.transport.sender_id, self.index, self.count)])
+        self.link.estimator.on_rtt(kernel_rtt_s(self.sock))
+
+    def _loop(self) -> None:
+        window = self.config.window_chunks
+        while self.link.broken is None:
+            self._drain_acks()
+            item = self.link.take() if len(self.unacked) < window else None
+            if isinstance(item, bytes):
+                send_all(self.sock, [item])
+            elif item is not None:
+                self._send_chunk(*item)
+            else:
+                self._sleep()
+
+    def _sleep(self) -> None:
+        if self.reader.has_data():
+            return
+        select.select([self.sock, self._wake_r], [], [], 1.0)
+        try:
+            while os.read(self._wake_r, 64):
+                pass
+        except BlockingIOError:
+            pass  # drained
+
+    def _drain_acks(self) -> None:
+        transport = self.link.transport
+        while self.reader.has_data():
+            kind, body = self.reader.read_frame()
+            if kind is not FrameKind.ACK or not self.unacked:
+                raise TransferError(f"unexpected {kind.name} frame from receiver")
+            tid, _index, status, nbytes = unpack_ack(body)
+            self.unacked.popleft()
+            now = time.monotonic()
+            self.link.estimator.on_ack(nbytes, now)
+            transport.outbound.ack(tid, status, nbytes)
+            if now - self._last_rtt > RTT_REFRESH_S:
+                self._last_rtt = now
+                self.link.estimator.on_rtt(kernel_rtt_s(self.sock))
+
+    def _send_chunk(self, rec: OutRecord, index: int) -> None:
+        transport = self.link.transport
+        if transport.outbound.begin_chunk(rec.transfer_id) is None:
+            return
+        try:
+            chunk = rec.chunks[index]
+            left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
+            header = chunk.header
+            frame = header.pack_sent(checksum(header.checksum_algo, chunk.view), left_ms)
+            payload = chunk.view
+            corrupt = transport.faults.corrupt
+            if corrupt is not None and header.nbytes and corrupt(header):
+                payload = bytearray(payload)  # fault injection only: flip one byte in a copy
+                payload[0] ^= 0xFF
+            self.link.estimator.on_send(header.nbytes, time.monotonic())
+            send_all(self.sock, [frame, payload])
+            self.unacked.append(header.nbytes)
+        finally:
+            transport.outbound.end_chunk(rec.transfer_id)

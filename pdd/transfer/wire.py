@@ -1,0 +1,284 @@
+"""Wire format of the KV transfer layer: typed frames, the chunk header, checksums, chunking.
+
+Every frame starts with an 8-byte prefix `magic "PDDK" | version u8 | kind u8 | 2 pad bytes`,
+followed by a fixed-size body per kind. A DATA frame's body is the `ChunkHeader`; its payload
+(`nbytes` bytes) follows it directly.
+
+    DATA    sender -> receiver   ChunkHeader, then payload
+    ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA
+    CANCEL  sender -> receiver   (transfer_id, reason): stop; chunks still in flight are dropped
+    HELLO   sender -> receiver   (sender_id, stream_index, stream_count): first frame of a stream
+
+Chunks: each segment of a request is cut into byte ranges of at most `chunk_bytes`; the
+header carries the segment's block and layer range, dtype and shape, the byte offset of the
+chunk inside its segment and the CRC of the payload, so the receiver can place and verify
+every chunk on its own, in any arrival order.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from pdd.errors import InvalidRequestError, TransferError
+
+try:  # hardware CRC32C (SSE4.2/PCLMUL): ~28 GiB/s here against ~6.4 GiB/s for zlib.crc32
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - the dependency is declared; fall back to zlib
+    _crc32c = None
+
+MAGIC = b"PDDK"
+VERSION = 1
+MAX_DIMS = 8
+REQUEST_ID_BYTES = 64
+DTYPE_BYTES = 16
+
+
+class FrameKind(enum.IntEnum):
+    DATA = 1
+    ACK = 2
+    CANCEL = 3
+    HELLO = 4
+
+
+class AckStatus(enum.IntEnum):
+    OK = 0
+    CHECKSUM = 1  # payload did not match its CRC: the chunk was discarded
+    REFUSED = 2  # the allocator refused the chunk (no room, unknown request)
+    GONE = 3  # the transfer is no longer open on the receiver (cancelled, expired, failed)
+
+
+class CancelReason(enum.IntEnum):
+    OWNER = 0  # the sender's owner cancelled (receiver reports CANCELLED)
+    DEADLINE = 1  # the sender's deadline passed (receiver reports FAILED)
+
+
+class ChecksumAlgo(enum.IntEnum):
+    NONE = 0
+    CRC32C = 1
+    CRC32 = 2
+
+
+def default_checksum_algo() -> ChecksumAlgo:
+    return ChecksumAlgo.CRC32C if _crc32c is not None else ChecksumAlgo.CRC32
+
+
+def checksum(algo: ChecksumAlgo | int, data: Any) -> int:
+    """CRC of `data` (releases the GIL on large buffers for both algorithms)."""
+    if algo == ChecksumAlgo.CRC32C:
+        if _crc32c is None:
+            raise TransferError("peer uses crc32c but the crc32c package is not installed")
+        return _crc32c.crc32c(data)
+    if algo == ChecksumAlgo.CRC32:
+        return zlib.crc32(data)
+    return 0
+
+
+PREFIX = struct.Struct("<4sBB2x")
+_DATA = struct.Struct(f"<QIIHIIHHQIQQIIBB{REQUEST_ID_BYTES}s{DTYPE_BYTES}s{MAX_DIMS}I")
+_ACK = struct.Struct("<QIBxxxI")
+_CANCEL = struct.Struct("<QB7x")
+_HELLO = struct.Struct("<QHH4x")
+# checksum and deadline_ms sit right after the 12 leading fields of the DATA body
+_SENT = struct.Struct("<II")
+_SENT_OFFSET = PREFIX.size + struct.calcsize("<QIIHIIHHQIQQ")
+BODY_SIZE = {
+    FrameKind.DATA: _DATA.size,
+    FrameKind.ACK: _ACK.size,
+    FrameKind.CANCEL: _CANCEL.size,
+    FrameKind.HELLO: _HELLO.size,
+}
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Everything the receiver needs to place and verify one chunk."""
+
+    transfer_id: int
+    request_id: str
+    chunk_index: int
+    chunk_count: int
+    segment_index: int
+    block_start: int
+    block_end: int
+    layer_start: int
+    layer_end: int
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # byte offset of this chunk inside its segment
+    nbytes: int  # payload bytes of this chunk
+    segment_nbytes: int
+    total_bytes: int  # payload bytes of the whole transfer
+    checksum: int = 0
+    checksum_algo: int = ChecksumAlgo.CRC32C
+    deadline_ms: int = 0  # time left when the chunk was sent; the receiver's own deadline
+
+    def pack_sent(self, checksum: int, deadline_ms: int) -> bytes:
+        """The frame as sent: the packed template with checksum and deadline patched in."""
+        out = bytearray(self._template)
+        _SENT.pack_into(out, _SENT_OFFSET, checksum, deadline_ms)
+        return bytes(out)
+
+    @functools.cached_property
+    def _template(self) -> bytes:
+        return self.pack()
+
+    def pack(self) -> bytes:
+        shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
+        body = _DATA.pack(
+            self.transfer_id,
+            self.chunk_index,
+            self.chunk_count,
+            self.segment_index,
+            self.block_start,
+            self.block_end,
+            self.layer_start,
+            self.layer_end,
+            self.offset,
+            self.nbytes,
+            self.segment_nbytes,
+            self.total_bytes,
+            self.checksum,
+            self.deadline_ms,
+            self.checksum_algo,
+            len(self.shape),
+            self.request_id.encode(),
+            self.dtype.encode(),
+            *shape,
+        )
+        return PREFIX.pack(MAGIC, VERSION, FrameKind.DATA) + body
+
+    @classmethod
+    def unpack(cls, body: bytes | memoryview) -> ChunkHeader:
+        f = _DATA.unpack(body)
+        ndim = f[15]
+        if ndim > MAX_DIMS or f[9] > f[10] or f[8] + f[9] > f[10] or f[10] > f[11]:
+            raise TransferError("malformed chunk header (sizes or shape out of range)")
+        return cls(
+            transfer_id=f[0],
+            chunk_index=f[1],
+            chunk_count=f[2],
+            segment_index=f[3],
+            block_start=f[4],
+            block_end=f[5],
+            layer_start=f[6],
+            layer_end=f[7],
+            offset=f[8],
+            nbytes=f[9],
+            segment_nbytes=f[10],
+            total_bytes=f[11],
+            checksum=f[12],
+            deadline_ms=f[13],
+            checksum_algo=f[14],
+            request_id=f[16].rstrip(b"\0").decode(),
+            dtype=f[17].rstrip(b"\0").decode(),
+            shape=tuple(f[18 : 18 + ndim]),
+        )
+
+
+def pack_ack(transfer_id: int, chunk_index: int, status: AckStatus, nbytes: int) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.ACK) + _ACK.pack(
+        transfer_id, chunk_index, status, nbytes
+    )
+
+
+def unpack_ack(body: bytes) -> tuple[int, int, AckStatus, int]:
+    tid, idx, status, nbytes = _ACK.unpack(body)
+    return tid, idx, AckStatus(status), nbytes
+
+
+def pack_cancel(transfer_id: int, reason: int = 0) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.CANCEL) + _CANCEL.pack(transfer_id, reason)
+
+
+def unpack_cancel(body: bytes) -> tuple[int, CancelReason]:
+    tid, reason = _CANCEL.unpack(body)
+    return tid, CancelReason(
+        reason
+    ) if reason in CancelReason._value2member_map_ else CancelReason.OWNER
+
+
+def pack_hello(sender_id: int, stream_index: int, stream_count: int) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.HELLO) + _HELLO.pack(
+        sender_id, stream_index, stream_count
+    )
+
+
+def unpack_hello(body: bytes) -> tuple[int, int, int]:
+    return _HELLO.unpack(body)
+
+
+def unpack_prefix(prefix: bytes) -> FrameKind:
+    magic, version, kind = PREFIX.unpack(prefix)
+    if magic != MAGIC or version != VERSION:
+        raise TransferError(f"bad frame prefix {bytes(prefix)!r}: not a pdd transfer peer")
+    try:
+        return FrameKind(kind)
+    except ValueError:
+        raise TransferError(f"unknown frame kind {kind}") from None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One planned chunk: its header (checksum not yet filled) and the source bytes."""
+
+    header: ChunkHeader
+    view: memoryview
+
+
+def _as_bytes(data: Any) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise InvalidRequestError(
+            f"segment data of type {type(data).__name__} is not a buffer"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidRequestError("segment data must be C-contiguous")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def plan_chunks(transfer_id: int, request: Any, chunk_bytes: int, algo: int) -> list[Chunk]:
+    """Cut every segment of `request` (a SendRequest) into chunks of at most `chunk_bytes`.
+
+    An empty request still yields one zero-byte chunk so the receiver learns the transfer
+    exists and completes it. Checksums are filled in by the sending thread, not here.
+    """
+    if len(request.request_id.encode()) > REQUEST_ID_BYTES:
+        raise InvalidRequestError(f"request id longer than {REQUEST_ID_BYTES} bytes")
+    views = [_as_bytes(seg.data) for seg in request.segments]
+    total = sum(v.nbytes for v in views)
+    pieces: list[tuple[int, int, int]] = []  # (segment index, offset, nbytes)
+    for si, view in enumerate(views):
+        for off in range(0, view.nbytes, chunk_bytes):
+            pieces.append((si, off, min(chunk_bytes, view.nbytes - off)))
+    if not pieces:
+        pieces.append((0, 0, 0))
+    chunks = []
+    for ci, (si, off, n) in enumerate(pieces):
+        seg = request.segments[si] if request.segments else None
+        header = ChunkHeader(
+            transfer_id=transfer_id,
+            request_id=request.request_id,
+            chunk_index=ci,
+            chunk_count=len(pieces),
+            segment_index=si,
+            block_start=seg.block_start if seg else 0,
+            block_end=seg.block_end if seg else 0,
+            layer_start=seg.layer_start if seg else 0,
+            layer_end=seg.layer_end if seg else 0,
+            dtype=seg.dtype if seg else "uint8",
+            shape=tuple(seg.shape) if seg else (),
+            offset=off,
+            nbytes=n,
+            segment_nbytes=views[si].nbytes if views else 0,
+            total_bytes=total,
+            checksum_algo=algo,
+        )
+        view = views[si][off : off + n] if views else memoryview(b"")
+        chunks.append(Chunk(header, view))
+    return chunks

@@ -1,0 +1,30 @@
+"""`pdd serve` fails loudly and cleanly: a child that cannot start makes it exit non-zero with
+the child's error, and nothing is left running."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+
+def run_serve(*overrides: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "pdd.cli", "serve", "--config", "configs/colocated.yaml"]
+    for o in ("router.port=0", *overrides):
+        args += ["--set", o]
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_missing_model_folder_fails_with_its_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    r = run_serve(f"model.path={missing}")
+    assert r.returncode != 0
+    assert str(missing) in r.stderr
+    assert "pdd ready" not in r.stdout
+
+
+def test_bad_config_key_is_rejected_before_anything_starts():
+    r = run_serve("router.bogus=1", timeout=60)
+    assert r.returncode == 2
+    assert "router.bogus: unknown key" in r.stderr

@@ -1,0 +1,224 @@
+"""The vLLM wrapper against a real engine on the default model (one engine for the module)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from pdd.config import EngineConfig, ModelConfig
+from pdd.engine.model import prepare_model
+from pdd.engine.types import EngineDelta, SamplingSpec
+from pdd.errors import ContextLengthError, InvalidRequestError
+
+pytestmark = pytest.mark.slow
+
+PARIS_PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+PARIS = 7042  # " Paris"
+PERIOD = 30  # "."
+EOS = 2  # <|im_end|>
+GREEDY = SamplingSpec(temperature=0, max_tokens=8)
+MAX_MODEL_LEN = 1024
+BLOCK = 32
+
+
+def vllm_children() -> list[psutil.Process]:
+    """Engine processes below this one (multiprocessing's resource tracker does not count)."""
+    return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
+
+
+class Harness:
+    """One event loop and one started Engine, shared by the module's tests."""
+
+    def __init__(self) -> None:
+        from pdd.engine.engine import Engine
+
+        self.loop = asyncio.new_event_loop()
+        cfg = EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_space_gib=0.25, block_size=BLOCK)
+        self.engine = Engine(ModelConfig(), cfg)
+
+    def run(self, coro):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout=120))
+
+    async def collect(self, rid: str, prompt: list[int], sampling: SamplingSpec):
+        async with contextlib.aclosing(self.engine.generate(rid, prompt, sampling)) as stream:
+            return [d async for d in stream]
+
+
+@pytest.fixture(scope="module")
+def h() -> Iterator[Harness]:
+    prepare_model(ModelConfig())
+    harness = Harness()
+    harness.run(harness.engine.start())
+    try:
+        yield harness
+    finally:
+        harness.run(harness.engine.stop())
+        harness.loop.close()
+
+
+def tokens(deltas: list[EngineDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def test_greedy_capital_of_france_is_paris(h: Harness) -> None:
+    deltas = h.run(h.collect("paris", PARIS_PROMPT, SamplingSpec(temperature=0, max_tokens=2)))
+    assert tokens(deltas) == [PARIS, PERIOD]
+    assert deltas[0].num_prompt_tokens == 5
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].stop_token_id is None
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_token_id_prompts_are_deterministic_under_greedy(h: Harness) -> None:
+    prompt = [17, 4000, 123, 9999, 42, 300, 7, 49151]  # ids, not text the tokenizer would make
+    spec = SamplingSpec(temperature=0, max_tokens=8, ignore_eos=True)
+    first = tokens(h.run(h.collect("ids-1", prompt, spec)))
+    second = tokens(h.run(h.collect("ids-2", prompt, spec)))
+    assert len(first) == 8
+    assert first == second
+
+
+def test_deltas_stream_incrementally(h: Harness) -> None:
+    spec = SamplingSpec(temperature=0, max_tokens=12, ignore_eos=True)
+    deltas = h.run(h.collect("stream", PARIS_PROMPT, spec))
+    assert len(tokens(deltas)) == 12
+    assert len(deltas) >= 2  # one per engine step unless the consumer fell behind
+    assert all(len(d.token_ids) >= 1 for d in deltas)
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_eos_stops_and_ignore_eos_runs_to_max_tokens(h: Harness) -> None:
+    stopped = h.run(h.collect("eos", PARIS_PROMPT, SamplingSpec(temperature=0, max_tokens=200)))
+    assert stopped[-1].finish_reason == "stop"
+    assert stopped[-1].stop_token_id == EOS
+    assert tokens(stopped)[-1] == EOS
+    n = len(tokens(stopped))
+    spec = SamplingSpec(temperature=0, max_tokens=n + 3, ignore_eos=True)
+    ignored = h.run(h.collect("no-eos", PARIS_PROMPT, spec))
+    assert len(tokens(ignored)) == n + 3
+    assert tokens(ignored)[:n] == tokens(stopped)
+    assert ignored[-1].finish_reason == "length"
+
+
+def test_stop_token_ids(h: Harness) -> None:
+    spec = SamplingSpec(temperature=0, max_tokens=8, stop_token_ids=(PERIOD,))
+    deltas = h.run(h.collect("stop-ids", PARIS_PROMPT, spec))
+    assert tokens(deltas) == [PARIS, PERIOD]
+    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].stop_token_id == PERIOD
+
+
+def test_logprobs_top_k(h: Harness) -> None:
+    spec = SamplingSpec(temperature=0, max_tokens=3, logprobs=3)
+    deltas = h.run(h.collect("logprobs", PARIS_PROMPT, spec))
+    lps = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in lps] == tokens(deltas)
+    for lp in lps:
+        assert len(lp.top) == 3
+        assert lp.top[0].token_id == lp.token_id  # greedy picks the best
+        assert lp.top[0].logprob == lp.logprob
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+        assert lp.logprob <= 0
+    none = h.run(h.collect("no-logprobs", PARIS_PROMPT, GREEDY))
+    assert all(d.logprobs is None for d in none)
+
+
+def test_abort_ends_the_stream_and_frees_the_slot(h: Harness) -> None:
+    async def scenario() -> list[EngineDelta]:
+        spec = SamplingSpec(temperature=0, max_tokens=2000, ignore_eos=True)
+        seen: list[EngineDelta] = []
+        async with contextlib.aclosing(h.engine.generate("abort-me", PARIS_PROMPT, spec)) as s:
+            async for d in s:
+                seen.append(d)
+                if len(seen) == 3:
+                    assert h.engine.stats().running == 1
+                    assert await h.engine.abort("abort-me") is True
+        return seen
+
+    seen = h.run(scenario())
+    assert seen[-1].finish_reason == "abort"
+    assert len(tokens(seen)) < 2000
+    stats = h.engine.stats()
+    assert (stats.running, stats.waiting) == (0, 0)
+    assert h.run(h.engine.abort("abort-me")) is False
+    assert h.run(h.engine.abort("never-existed")) is False
+
+
+def test_consumer_leaving_early_aborts_the_request(h: Harness) -> None:
+    spec = SamplingSpec(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def leave_early() -> None:
+        async with contextlib.aclosing(h.engine.generate("leave", PARIS_PROMPT, spec)) as s:
+            async for _ in s:
+                break
+
+    async def cancelled() -> None:
+        async def consume() -> None:
+            async for _ in h.engine.generate("cancel", PARIS_PROMPT, spec):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while h.engine.stats().running == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    h.run(leave_early())
+    assert h.engine.stats().running == 0
+    h.run(cancelled())
+    assert h.engine.stats().running == 0
+    # The engine still serves after both.
+    assert tokens(h.run(h.collect("after", PARIS_PROMPT, GREEDY)))[0] == PARIS
+
+
+def test_prefix_cache_hit_on_repeated_prompt(h: Harness) -> None:
+    prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
+    spec = SamplingSpec(temperature=0, max_tokens=1)
+    before = h.engine.stats()
+    cold = h.run(h.collect("cold", prompt, spec))
+    warm = h.run(h.collect("warm", prompt, spec))
+    after = h.engine.stats()
+    assert cold[0].num_cached_tokens == 0
+    # Only whole blocks are reused: 300 tokens -> 9 blocks of 32 = 288.
+    assert warm[0].num_cached_tokens == 288
+    assert tokens(warm) == tokens(cold)
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 600
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 288
+
+
+def test_invalid_requests_are_refused(h: Harness) -> None:
+    async def first(prompt: list[int], spec: SamplingSpec = GREEDY) -> None:
+        async for _ in h.engine.generate("bad", prompt, spec):
+            break
+
+    with pytest.raises(InvalidRequestError, match="must not be empty"):
+        h.run(first([]))
+    with pytest.raises(ContextLengthError):
+        h.run(first([100] * MAX_MODEL_LEN))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        h.run(first([49152]))
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingSpec(top_p=0)
+    assert h.engine.stats().running == 0
+
+
+def test_stats_count_generated_tokens(h: Harness) -> None:
+    before = h.engine.stats().generated_tokens
+    h.run(
+        h.collect("count", PARIS_PROMPT, SamplingSpec(temperature=0, max_tokens=5, ignore_eos=True))
+    )
+    assert h.engine.stats().generated_tokens - before == 5
+    assert h.engine.stats().max_model_len == MAX_MODEL_LEN
+
+
+def test_stop_leaves_no_engine_process(h: Harness) -> None:
+    """Runs last: it stops the module's engine."""
+    assert len(vllm_children()) == 1
+    h.run(h.engine.stop())
+    assert vllm_children() == []
+    assert not h.engine.ready

@@ -1,0 +1,188 @@
+"""One lab (10 ms each way, 100 Mbit/s): the WAN link's RTT and rate, the addressing, and
+running things inside the datacenters."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pdd.lab.cli import main as lab_main
+from pdd.lab.measure import measure_rtt, measure_throughput
+from tests.lab.support import needs_lab, running_lab
+
+pytestmark = [pytest.mark.lab, needs_lab]
+
+PREFIX, SUBNET = "pdtlink", "10.77.1.0/28"
+SO_RCVBUFFORCE = 33  # Linux; root may exceed net.core.rmem_max
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with running_lab(prefix=PREFIX, subnet=SUBNET, delay_ms=10, rate_mbit=100) as lab:
+        yield lab
+
+
+def test_status_names_every_address_and_parameter(lab):
+    st = lab.status()
+    assert st.state == "up" and st.problems == []
+    a, b = st.dc("dc-a"), st.dc("dc-b")
+    assert (a.netns, a.wan_ip, a.mgmt_ip, a.host_ip) == (
+        "pdtlink-dc-a",
+        "10.77.1.1",
+        "10.77.1.6",
+        "10.77.1.5",
+    )
+    assert (b.netns, b.wan_ip, b.mgmt_ip, b.host_ip) == (
+        "pdtlink-dc-b",
+        "10.77.1.2",
+        "10.77.1.10",
+        "10.77.1.9",
+    )
+    assert (st.delay_ms, st.rate_mbit, st.loss, st.mtu) == (10, 100, 0, 1500)
+    assert st.queue_bytes == 250_000  # one BDP: 100 Mbit/s x 20 ms
+    with open(f"/proc/{st.relay_pid}/cmdline", "rb") as f:
+        assert b"pdd.lab.relay" in f.read()
+
+
+def test_rtt_is_twice_the_one_way_delay(lab):
+    st = lab.status()
+    rtt = measure_rtt("pdtlink-dc-a", "pdtlink-dc-b", st.dc("dc-b").wan_ip)
+    assert 15.0 <= rtt <= 25.0, rtt  # 20 ms +- 25%
+    back = measure_rtt("pdtlink-dc-b", "pdtlink-dc-a", st.dc("dc-a").wan_ip)
+    assert 15.0 <= back <= 25.0, back
+
+
+def test_bulk_tcp_flow_runs_at_the_link_rate(lab):
+    st = lab.status()
+    # 1 s of link time each way. Ceiling: 96.5% of the IP rate is TCP payload at MTU 1500.
+    mbit = measure_throughput("pdtlink-dc-a", "pdtlink-dc-b", st.dc("dc-b").wan_ip, 12_500_000)
+    assert 85.0 <= mbit <= 100.0, mbit
+    back = measure_throughput("pdtlink-dc-b", "pdtlink-dc-a", st.dc("dc-a").wan_ip, 12_500_000)
+    assert 85.0 <= back <= 100.0, back
+
+
+def test_every_udp_datagram_arrives_on_a_lossless_link(lab):
+    b_ip = lab.status().dc("dc-b").wan_ip
+    with lab.enter("dc-b"):
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with lab.enter("dc-a"):
+        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with rx, tx:
+        # Every datagram lands within a millisecond, 10 ms after it left: room for all.
+        rx.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)
+        rx.bind((b_ip, 0))
+        rx.settimeout(0.5)
+        for seq in range(1000):
+            tx.sendto(seq.to_bytes(4, "big") + bytes(28), rx.getsockname())
+        got = set()
+        while len(got) < 1000:
+            try:
+                got.add(int.from_bytes(rx.recv(64)[:4], "big"))
+            except TimeoutError:
+                break
+    assert got == set(range(1000))
+
+
+def test_exec_runs_the_command_inside_the_datacenter(lab):
+    for dc, mine, theirs in (
+        ("dc-a", "10.77.1.1/30", "10.77.1.2/30"),
+        ("dc-b", "10.77.1.2/30", "10.77.1.1/30"),
+    ):
+        out = lab.exec(dc, ["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+        assert mine in out and theirs not in out
+    assert lab.exec("dc-b", ["sh", "-c", "exit 7"]).returncode == 7
+
+
+def test_cli_exec_returns_the_command_exit_code(lab, capfd):
+    assert lab_main(["exec", "--prefix", PREFIX, "dc-b", "--", "sh", "-c", "exit 7"]) == 7
+    assert lab_main(["exec", "dc-a", "--prefix", PREFIX, "--", "ip", "-o", "-4", "addr"]) == 0
+    assert "10.77.1.6/30" in capfd.readouterr().out
+
+
+def test_spawned_server_in_dc_b_is_reached_from_dc_a_over_the_wan(lab):
+    b_ip = lab.status().dc("dc-b").wan_ip
+    server = lab.spawn_in(
+        "dc-b",
+        [sys.executable, "-m", "http.server", "8080", "--bind", b_ip],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        connect_ms = _connect_ms_from(lab, "dc-a", (b_ip, 8080), deadline_s=20)
+        assert 15.0 <= connect_ms <= 40.0, connect_ms  # a TCP handshake is one WAN round trip
+        # The Popen is the server itself (ip netns exec execs it), in dc-b's namespace.
+        netns_inode = os.stat("/run/netns/pdtlink-dc-b").st_ino
+        assert os.stat(f"/proc/{server.pid}/ns/net").st_ino == netns_inode
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _connect_ms_from(lab, dc: str, addr: tuple[str, int], deadline_s: float) -> float:
+    """Connect from inside ``dc`` until the server listens; the handshake time of the first
+    connection that succeeds."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        with lab.enter(dc):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with sock:
+            start = time.perf_counter()
+            try:
+                sock.connect(addr)
+                return (time.perf_counter() - start) * 1000
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+        time.sleep(0.05)
+
+
+def test_host_reaches_each_datacenter_over_an_unshaped_link(lab):
+    for dc in ("dc-a", "dc-b"):
+        mgmt_ip = lab.status().dc(dc).mgmt_ip
+        with lab.enter(dc):
+            server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the host's namespace
+        with server, client:
+            server.bind(("0.0.0.0", 0))
+            server.settimeout(5)
+            port = server.getsockname()[1]
+            echo = threading.Thread(target=_echo_once, args=(server,))
+            echo.start()
+            client.settimeout(5)
+            start = time.perf_counter()
+            client.sendto(b"ping", (mgmt_ip, port))
+            assert client.recv(64) == b"ping"
+            rtt_ms = (time.perf_counter() - start) * 1000
+            echo.join()
+        assert rtt_ms < 5.0, rtt_ms  # no 20 ms WAN delay on the management link
+
+
+def _echo_once(sock: socket.socket) -> None:
+    sock.sendto(*sock.recvfrom(64))
+
+
+def test_datacenters_have_no_path_to_each_other_but_the_wan(lab):
+    st = lab.status()
+    with lab.enter("dc-a"):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with sock, pytest.raises(OSError) as err:
+        sock.connect((st.dc("dc-b").mgmt_ip, 8080))
+    assert err.value.errno == errno.ENETUNREACH
+    routes = lab.exec("dc-a", ["ip", "-4", "route"], capture_output=True, text=True).stdout
+    assert "default" not in routes
+
+
+def test_cli_status_prints_addresses_and_a_fresh_measurement(lab, capfd):
+    assert lab_main(["status", "--prefix", PREFIX, "--seconds", "0.5"]) == 0
+    out = capfd.readouterr().out
+    assert "lab pdtlink: up" in out
+    assert "delay 10 ms each way, rate 100 Mbit/s" in out
+    assert "wan 10.77.1.1, mgmt 10.77.1.6" in out
+    assert "measured rtt " in out and " Mbit/s (dc-a -> dc-b" in out

@@ -1,0 +1,212 @@
+"""The OpenAI API through the official `openai` client, router wired to a fake worker."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.router.conftest import wait_until
+from tests.router.fake_worker import EOS
+from tests.router.harness import MAX_MODEL_LEN
+
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+TEXT = "Hello there! 😀 世界, naïve 🚀 done."
+
+
+@pytest.fixture
+def client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url, api_key="unused", max_retries=0, timeout=30)
+
+
+def script_text(router, text: str, *, eos: bool = True, **kw) -> list[int]:
+    ids = router.codec.encode(text, add_special_tokens=False) + ([EOS] if eos else [])
+    router.fake.script.tokens = ids
+    for k, v in kw.items():
+        setattr(router.fake.script, k, v)
+    return ids
+
+
+def test_models_list(client, router):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    raw = httpx.get(router.url + "/models").json()["data"][0]
+    assert raw["max_model_len"] == MAX_MODEL_LEN and raw["owned_by"] == "pdd"
+
+
+def test_chat_non_streaming_applies_template_and_counts_usage(client, router):
+    ids = script_text(router, TEXT)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    choice = r.choices[0]
+    assert choice.message.content == TEXT
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    prompt = router.codec.encode_chat(MESSAGES)
+    assert list(router.fake.requests[0].prompt_token_ids) == prompt
+    assert router.codec.decode(prompt, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(ids))
+    assert r.usage.total_tokens == len(prompt) + len(ids)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    # max_tokens absent: the context left after the prompt.
+    assert router.fake.requests[0].sampling.max_tokens == MAX_MODEL_LEN - len(prompt)
+
+
+def test_chat_streaming_with_usage(client, router):
+    ids = script_text(router, TEXT, tokens_per_step=2)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body = [c for c in chunks if c.choices]
+    pieces = [c.choices[0].delta.content or "" for c in body]
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+    assert [c.choices[0].finish_reason for c in body][-1] == "stop"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(ids)
+    assert last.usage.prompt_tokens == len(router.codec.encode_chat(MESSAGES))
+
+
+def test_stream_without_usage_ends_with_done(router):
+    script_text(router, "ok")
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with httpx.stream("POST", router.url + "/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: {") for ln in lines[:-1])
+    assert '"usage"' not in "".join(lines)
+
+
+def test_completions_text_tokens_and_single_item_lists(client, router):
+    ids = script_text(router, " Paris.")
+    for prompt in ("The capital of France is", ["The capital of France is"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10)
+        assert r.choices[0].text == " Paris." and r.choices[0].finish_reason == "stop"
+        assert r.object == "text_completion"
+        assert r.usage.prompt_tokens == len(router.codec.encode("The capital of France is"))
+        assert r.usage.completion_tokens == len(ids)
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=10)
+    assert r.usage.prompt_tokens == 3
+    assert list(router.fake.requests[-1].prompt_token_ids) == [5, 6, 7]
+
+
+def test_completions_streaming(client, router):
+    script_text(router, TEXT)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="x", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
+
+
+def test_max_tokens_finishes_with_length(client, router):
+    script_text(router, "one two three four five six")
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert r.choices[0].text == "one two three"
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 3)
+    assert router.fake.requests[-1].sampling.max_tokens == 3
+
+
+def test_sampling_parameters_reach_the_worker(client, router):
+    script_text(router, "x")
+    client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0.25, top_p=0.5, seed=7, max_tokens=9,
+        presence_penalty=0.5, frequency_penalty=-0.5,
+        extra_body={"top_k": 5, "repetition_penalty": 1.2, "stop_token_ids": [100],
+                    "min_tokens": 1, "ignore_eos": True},
+    )  # fmt: skip
+    s = router.fake.requests[-1].sampling
+    assert (s.top_k, s.max_tokens, s.seed, s.min_tokens, s.ignore_eos) == (5, 9, 7, 1, True)
+    assert list(s.stop_token_ids) == [100] and s.logprobs == -1
+    assert (s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty) == (0.25, 0.5, 0.5, -0.5)
+    assert abs(s.repetition_penalty - 1.2) < 1e-6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_truncates_and_aborts_worker(client, router, stream):
+    script_text(router, "alpha beta delta beta gamma end", repeat=False)
+    kwargs = dict(model=MODEL, prompt="x", stop=["beta gamma", "zzz"], max_tokens=50)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+        assert all("beta g" not in c.choices[0].text for c in chunks)
+    else:
+        r = client.completions.create(**kwargs)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert (text, finish) == ("alpha beta delta ", "stop")
+    rid = router.fake.requests[-1].request_id
+    wait_until(lambda: rid in router.fake.aborts, "router did not send Abort after a stop string")
+    r = client.completions.create(**kwargs, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == "alpha beta delta beta gamma"
+
+
+def test_stop_token_id_ends_without_its_text(client, router):
+    ids = script_text(router, "one two three", eos=False)
+    r = client.completions.create(model=MODEL, prompt="x", extra_body={"stop_token_ids": [ids[1]]})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("one", "stop")
+    assert r.usage.completion_tokens == 2
+
+
+def test_chat_logprobs_shape(client, router):
+    ids = script_text(router, "Hi 😀")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(ids)
+    assert [c.token for c in content[:1]] == ["Hi"]
+    assert all(c.logprob == -0.5 and len(c.top_logprobs) == 2 for c in content)
+    assert b"".join(bytes(c.bytes) for c in content[:-1]).decode() == "Hi 😀"
+    assert content[-1].token == "<|im_end|>"
+    assert content[0].top_logprobs[1].logprob == -1.5
+
+
+def test_completion_logprobs_shape(client, router):
+    script_text(router, "ab cd")
+    r = client.completions.create(model=MODEL, prompt="x", logprobs=1, max_tokens=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["ab", " cd"]
+    assert lp.token_logprobs == [-0.5, -0.5]
+    assert lp.text_offset == [0, 2]
+    assert lp.top_logprobs == [{"ab": -0.5}, {" cd": -0.5}]
+    assert r.choices[0].logprobs is not None
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert r.choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_align_with_text(client, router):
+    ids = script_text(router, "A 😀 B")
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, stream=True)
+    )
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert len(entries) == len(ids)
+    for c in chunks[1:]:
+        lps = c.choices[0].logprobs.content if c.choices[0].logprobs else []
+        raw = b"".join(bytes(e.bytes) for e in lps if e.token != "<|im_end|>")
+        assert raw.decode() == (c.choices[0].delta.content or "")
+
+
+def test_metrics_and_debug_config(client, router):
+    script_text(router, "x y")
+    client.completions.create(model=MODEL, prompt="x")
+    text = httpx.get(router.root + "/metrics").text
+    assert 'pdd_requests_total{finish_reason="stop",pipeline="colocated"}' in text
+    assert 'pdd_time_to_first_token_seconds_bucket{le="0.001",pipeline="colocated"}' in text
+    assert 'pdd_inter_token_latency_seconds_bucket{le="0.01",pipeline="colocated"}' in text
+    assert 'pdd_e2e_request_latency_seconds_bucket{le="7680.0",pipeline="colocated"}' in text
+    assert 'pdd_generation_tokens_total{pipeline="colocated"}' in text
+    assert 'pdd_worker_healthy{role="colocated",worker="w0"} 1.0' in text
+    assert "cmpl-" not in text
+    cfg = httpx.get(router.root + "/debug/config").json()
+    assert cfg == router.cfg.model_dump(mode="json")

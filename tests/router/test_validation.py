@@ -1,0 +1,173 @@
+"""Request validation: every range check answers 400 with the offending param."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from pdd.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdd.router.types import SamplingSpec, TextOptions
+from pdd.router.validation import (
+    ServingLimits,
+    build_chat_request,
+    build_completion_request,
+    chat_messages,
+    check_model,
+    check_token_ids,
+    completion_prompt,
+)
+
+LIMITS = ServingLimits(("m", "/models/m"), max_model_len=100, vocab_size=1000)
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(prompt_len: int = 10, **body):
+    req = ChatCompletionRequest.model_validate({"messages": MSG, **body})
+    return build_chat_request(req, list(range(prompt_len)), LIMITS, request_id="r", arrival=1.0)
+
+
+def completion(prompt_len: int = 10, **body):
+    req = CompletionRequest.model_validate({"prompt": "x", **body})
+    return build_completion_request(req, list(range(prompt_len)), LIMITS, request_id="r", arrival=1.0)
+
+
+def test_defaults_fill_every_field():
+    req = chat(10)
+    assert req.sampling == SamplingSpec(max_tokens=90)  # max_model_len - prompt tokens
+    assert req.text == TextOptions()
+    assert req.prompt_token_ids == tuple(range(10))
+
+
+def test_all_fields_map_to_the_spec():
+    req = chat(
+        10, temperature=0.5, top_p=0.9, top_k=0, max_completion_tokens=20, max_tokens=5,
+        min_tokens=2, stop=["a", "a", "b"], stop_token_ids=[7, 7], seed=-3, logprobs=True,
+        top_logprobs=3, presence_penalty=1.5, frequency_penalty=-2, repetition_penalty=1.1,
+        ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False,
+    )  # fmt: skip
+    assert req.sampling == SamplingSpec(
+        max_tokens=20, temperature=0.5, top_p=0.9, top_k=-1, min_tokens=2, stop_token_ids=(7,),
+        seed=-3, logprobs=3, presence_penalty=1.5, frequency_penalty=-2.0,
+        repetition_penalty=1.1, ignore_eos=True,
+    )  # fmt: skip
+    assert req.text == TextOptions(("a", "b"), True, False)
+    assert completion(logprobs=0).sampling.logprobs == 0
+    assert chat(logprobs=True).sampling.logprobs == 0
+    assert completion(stop="\n").text.stop == ("\n",)
+
+
+def test_generation_config_defaults_apply_only_when_omitted():
+    limits = ServingLimits(("m",), 100, 1000, {"temperature": 0.3, "top_k": 20})
+    body = ChatCompletionRequest.model_validate({"messages": MSG})
+    req = build_chat_request(body, [1], limits, request_id="r", arrival=0)
+    assert (req.sampling.temperature, req.sampling.top_k) == (0.3, 20)
+    body = ChatCompletionRequest.model_validate({"messages": MSG, "temperature": 1.0})
+    assert build_chat_request(body, [1], limits, request_id="r", arrival=0).sampling.temperature == 1.0
+
+
+BAD = [
+    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+    ({"presence_penalty": 2.1}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"seed": 2**63}, "seed"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD)
+def test_bad_chat_parameters_are_400_with_param(body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        chat(**body)
+    assert info.value.status_code == 400
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
+     ({"suffix": "x"}, "suffix")],
+)  # fmt: skip
+def test_bad_completion_parameters(body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        completion(**body)
+    assert info.value.param == param
+
+
+def test_context_length_errors_name_the_numbers():
+    with pytest.raises(ContextLengthError) as info:
+        chat(60, max_tokens=50)
+    assert info.value.message == (
+        "This model's maximum context length is 100 tokens. However, you requested 110 tokens "
+        "(60 in the messages, 50 in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
+    assert (info.value.status_code, info.value.code, info.value.param) == (
+        400, "context_length_exceeded", "max_tokens",
+    )  # fmt: skip
+    with pytest.raises(ContextLengthError) as info:
+        completion(100)
+    assert "your prompt has 100 tokens" in info.value.message
+    assert chat(60, max_tokens=40).sampling.max_tokens == 40
+    assert completion(99).sampling.max_tokens == 1
+
+
+def test_model_check_accepts_name_and_path():
+    check_model(None, LIMITS)
+    check_model("m", LIMITS)
+    check_model("/models/m", LIMITS)
+    with pytest.raises(ModelNotFoundError) as info:
+        check_model("gpt-4", LIMITS)
+    assert info.value.status_code == 404
+    assert info.value.message == "The model `gpt-4` does not exist. This server serves `m`."
+
+
+def test_prompt_forms():
+    def prompt(p):
+        return completion_prompt(CompletionRequest.model_validate({"prompt": p}))
+
+    assert prompt("text") == "text"
+    assert prompt(["text"]) == "text"
+    assert prompt([1, 2]) == [1, 2]
+    assert prompt([[1, 2]]) == [1, 2]
+    for bad in (["a", "b"], [[1], [2]], "", []):
+        with pytest.raises(InvalidRequestError) as info:
+            prompt(bad)
+        assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as info:
+        check_token_ids([1, 1000], LIMITS, "prompt")
+    assert info.value.message == "token id 1000 is out of range [0, 1000)"
+
+
+def test_chat_messages_flatten_text_parts():
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text", "text": "b"}]},
+                      {"role": "assistant", "content": None, "name": "bot"}]}
+    )  # fmt: skip
+    assert chat_messages(body.messages) == [
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "name": "bot"},
+    ]
+    image = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    )
+    with pytest.raises(InvalidRequestError):
+        chat_messages(image.messages)
+    with pytest.raises(InvalidRequestError):
+        chat_messages([])
