@@ -21,10 +21,17 @@ Lifecycle of a block, as one request sees it::
                        evictable); slots that never landed are freed.
     evicted            LRU leaf-first when a later reservation needs room (BlockRemoved).
 
-``landing_buffer`` / ``ready`` give views into the arena; their user must finish with them
-(``land``/``discard`` for writes, the end of the load for reads) before ``release``. A write
-buffer still open at release is left to its writer and freed by its ``land``/``discard``.
-Thread-safe: every public method holds one lock, so transport threads and the engine may call.
+Blocks MainDecode computes itself (its output tokens, a gap it recomputed) enter the same
+way: a reservation under an owner key of their own, landed by copying from the device.
+
+``landing_buffer`` and ``read`` hand out views into the arena; their user finishes with them
+(``land``/``discard`` for writes, the end of the copy for reads) before ``release``. A write
+buffer still open at release is left to its writer and freed by its ``land``/``discard``, so
+a slot is never reused while a late writer may still copy into it.
+
+Export: ``snapshot()`` and ``events_since(seq)`` (pdd.cache.messages) feed the router's
+PrefixIndexView (pdd.cache.view). Thread-safe: every public method holds one lock, so
+transport threads and the engine may call it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from pdd.engine.env import configure_process_env
+from pdd.engine.env import configure_process_env, omp_env, update_env
 
 configure_process_env()
 
@@ -48,7 +48,6 @@ from pdd.engine.types import (  # noqa: E402
     TopLogprob,
 )
 from pdd.errors import (  # noqa: E402
-    ConfigError,
     ContextLengthError,
     InvalidRequestError,
     PddError,
@@ -190,14 +189,14 @@ class Engine:
             # Whole GiB only, and it would override kv_cache_memory_bytes: config decides.
             "VLLM_CPU_KVCACHE_SPACE": None,
             "VLLM_ENABLE_V1_MULTIPROCESSING": multiproc,
-            **_omp_env(self.engine_config.omp_threads_bind, multiproc == "1"),
+            **omp_env(self.engine_config.omp_threads_bind, multiproc == "1"),
         }
         saved = {key: os.environ.get(key) for key in env}
-        _update_env(env)
+        update_env(env)
         try:
             yield
         finally:
-            _update_env(saved)
+            update_env(saved)
 
     async def stop(self) -> None:
         """Abort in-flight requests and shut the engine-core child down. Idempotent."""
@@ -205,8 +204,7 @@ class Engine:
         if llm is None:
             return
         if self._inflight and not llm.errored:
-            with contextlib.suppress(Exception):
-                await llm.abort(list(self._inflight))
+            await llm.abort(list(self._inflight))
         self._inflight.clear()
         # Stop reading outputs first: otherwise the reader sees the child exit and logs an
         # EngineDeadError traceback for a planned shutdown.
@@ -283,6 +281,13 @@ class Engine:
         await self._llm.abort(request_id)
         return True
 
+    async def abort_all(self) -> int:
+        """Abort every in-flight request (their streams end with "abort"); returns how many."""
+        ids = list(self._inflight)
+        if ids and self._llm is not None:
+            await self._llm.abort(ids)
+        return len(ids)
+
     def stats(self) -> EngineStats:
         """Counts as of the last engine step, corrected by what the frontend knows now.
 
@@ -336,39 +341,6 @@ class Engine:
             )
         except (VLLMClientError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from exc
-
-
-def _omp_env(bind: str, multiproc: bool) -> dict[str, str | None]:
-    """OpenMP placement for the engine core. "auto"/"nobind": the OpenMP runtime decides.
-
-    vLLM binds threads (VLLM_CPU_OMP_THREADS_BIND) only in its multiprocess executor; with the
-    in-process executor an explicit CPU list ("0", "2-3", "0,2") becomes OMP_PLACES here.
-    """
-    if multiproc:
-        return {"VLLM_CPU_OMP_THREADS_BIND": bind}
-    if bind in ("auto", "nobind"):
-        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    cpus: list[int] = []
-    try:
-        for part in bind.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ConfigError(f"engine.omp_threads_bind: bad CPU list {bind!r}") from None
-    return {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(len(cpus)),
-        "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
-        "OMP_PROC_BIND": "true",
-    }
-
-
-def _update_env(values: dict[str, str | None]) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _eos_ids(llm: AsyncLLM) -> tuple[int, ...]:

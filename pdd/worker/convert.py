@@ -1,0 +1,64 @@
+"""Proto <-> engine types for the Worker service. Pure functions, no I/O.
+
+Proto3 cannot tell "unset" from zero, so zero means "default" where zero is not a valid
+value: top_p 0 -> 1.0, repetition_penalty 0 -> 1.0, max_tokens 0 -> up to the end of the
+context. Temperature 0 is greedy. ``logprobs`` -1 (or any negative) means none.
+"""
+
+from __future__ import annotations
+
+from pdd.engine.types import EngineDelta, EngineStats, SamplingSpec
+from pdd.proto import worker_pb2 as pb
+
+
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingSpec:
+    """Raises InvalidRequestError (from SamplingSpec) on out-of-range values."""
+    return SamplingSpec(
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        max_tokens=p.max_tokens or None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        logprobs=p.logprobs if p.logprobs >= 0 else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+    )
+
+
+def delta_to_proto(d: EngineDelta, first: bool) -> pb.GenerateResponse:
+    """One response per delta; prompt counts only on the first response of a stream."""
+    resp = pb.GenerateResponse(
+        token_ids=d.token_ids,
+        finish_reason=d.finish_reason or "",
+        stop_token_id=-1 if d.stop_token_id is None else d.stop_token_id,
+    )
+    if first:
+        resp.num_prompt_tokens = d.num_prompt_tokens
+        resp.num_cached_tokens = d.num_cached_tokens
+    for lp in d.logprobs or ():
+        resp.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+            )
+        )
+    return resp
+
+
+def stats_to_proto(worker_id: str, role: str, s: EngineStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        worker_id=worker_id,
+        role=role,
+        running_requests=s.running,
+        waiting_requests=s.waiting,
+        kv_cache_usage=s.kv_cache_usage,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_generated_tokens=s.generated_tokens,
+        max_model_len=s.max_model_len,
+    )

@@ -1,0 +1,157 @@
+"""`pdd worker|prefill|relay-decode|main-decode --config FILE [--worker ID] [--set k=v ...]`.
+
+The composition root of one worker process. Lifecycle:
+
+    load config -> gRPC server up (Health: not ready) -> engine start -> /metrics up
+    -> print "pdd worker ready: id=ID grpc=HOST:PORT metrics=HOST:PORT" (the only stdout line)
+    -> serve until SIGTERM/SIGINT -> refuse new work, abort in-flight requests, let their
+    final responses go out, stop the gRPC server, stop the engine (no child left) -> exit 0.
+
+vLLM's CPU engine starts its engine core with `spawn`, which re-imports ``__main__``: keep the
+``__main__`` guard and keep work out of module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from pdd.config import PddConfig, WorkerConfig, load_config
+from pdd.engine.env import configure_process_env
+from pdd.errors import ConfigError, PddError
+from pdd.protocol import Role
+
+log = logging.getLogger("pdd.worker")
+SHUTDOWN_GRACE_S = 5.0  # final responses of aborted streams get this long to go out
+
+
+def _parse(argv: list[str], prog: str, need_worker: bool) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description="Run one pdd worker process.")
+    ap.add_argument("--config", required=True, help="YAML topology config")
+    ap.add_argument(
+        "--worker", required=need_worker, help="worker id in the config (default: the only one)"
+    )
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return ap.parse_args(argv)
+
+
+def _pick_worker(cfg: PddConfig, worker_id: str | None, role: Role | None) -> WorkerConfig:
+    if worker_id is not None:
+        worker = cfg.worker(worker_id)
+    else:
+        candidates = [w for w in cfg.workers if role is None or w.role == role]
+        if len(candidates) != 1:
+            ids = [w.id for w in candidates]
+            raise ConfigError(f"--worker is required: the config has workers {ids}")
+        worker = candidates[0]
+    if role is not None and worker.role != role:
+        raise ConfigError(f"worker {worker.id!r} has role {worker.role.value}, not {role.value}")
+    return worker
+
+
+async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
+    import grpc
+
+    from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
+    from pdd.proto import worker_pb2_grpc as pb_grpc
+    from pdd.worker.metrics import WorkerMetrics
+    from pdd.worker.service import WorkerService
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = Engine(cfg.model, cfg.engine_for(worker.id))
+    metrics = WorkerMetrics(worker.role.value, lambda: engine.stats() if engine.ready else None)
+    service = WorkerService(engine, worker, cfg.model.name, metrics)
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    grpc_port = server.add_insecure_port(f"{worker.host}:{worker.port}")
+    if grpc_port == 0:
+        raise PddError(f"cannot bind gRPC on {worker.host}:{worker.port}")
+    await server.start()
+    try:
+        if not await _until_ready_or_stopped(engine, stop):
+            return 0
+        metrics_port = metrics.serve(worker.host, worker.metrics_port)
+        print(
+            f"pdd worker ready: id={worker.id} grpc={worker.host}:{grpc_port} "
+            f"metrics={worker.host}:{metrics_port}",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("stopping: refusing new requests, aborting in-flight ones")
+        service.draining = True
+        stats = engine.stats()
+        if stats.running + stats.waiting:
+            await engine.abort_all()
+        return 0
+    finally:
+        await server.stop(SHUTDOWN_GRACE_S)
+        await engine.stop()
+        metrics.close()
+        log.info("worker %s stopped", worker.id)
+
+
+async def _until_ready_or_stopped(engine, stop: asyncio.Event) -> bool:
+    """Start the engine; False if a signal came first (the engine is stopped by the caller)."""
+    starting = asyncio.ensure_future(engine.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if starting in done:
+        starting.result()  # raises the start failure
+        return True
+    log.info("signal during engine start-up: waiting for it to finish, then stopping")
+    with contextlib.suppress(PddError):
+        await starting
+    return False
+
+
+def _run(argv: list[str] | None, prog: str, role: Role | None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv), prog, need_worker=role is None)
+    logging.basicConfig(
+        level=os.environ.get("PDD_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    configure_process_env()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        worker = _pick_worker(cfg, args.worker, role)
+    except ConfigError as err:
+        print(f"{prog}: {err.message}", file=sys.stderr)
+        return 2
+    log.info("worker %s effective config: %s", worker.id, cfg.model_dump_json())
+    try:
+        return asyncio.run(_serve(cfg, worker))
+    except PddError as err:
+        log.error("worker %s failed: %s", worker.id, err.message)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`pdd worker`: any role, chosen by the worker's entry in the config."""
+    return _run(argv, "pdd worker", None)
+
+
+def main_prefill(argv: list[str] | None = None) -> int:
+    return _run(argv, "pdd prefill", Role.PREFILL)
+
+
+def main_relay_decode(argv: list[str] | None = None) -> int:
+    return _run(argv, "pdd relay-decode", Role.RELAY_DECODE)
+
+
+def main_main_decode(argv: list[str] | None = None) -> int:
+    return _run(argv, "pdd main-decode", Role.MAIN_DECODE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The one contract every transport passes (inproc, tcp, ucx).
+
+Each test ends with the leak check of the `make_pair` fixture: no open transfers, no pinned
+source buffers, no lent receive buffers, and no thread left after close().
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pdd.transfer import FaultHooks, KVSegment, SendRequest, TransferState
+from pdd.transfer.testing import LandingZone, crc_of, pattern, peer_to_json
+from tests.transfer.conftest import KINDS, idle, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+KiB, MiB = 1 << 10, 1 << 20
+SMALL = {"chunk_bytes": 64 * KiB, "min_chunk_bytes": 64 * KiB}
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    if request.param == "ucx":
+        pytest.importorskip("ucxx")
+    return request.param
+
+
+def seg(seed: int, n: int, block: int = 0) -> KVSegment:
+    return KVSegment(pattern(seed, n), block, block + 1, 0, 30, "uint8", (n,))
+
+
+def test_delivers_bytes_and_metadata(kind, make_pair):
+    pair = make_pair(kind, **SMALL)
+    kv = pattern(1, 2 * 3 * 128 * 64 * 2)
+    segs = [
+        KVSegment(kv, 0, 4, 0, 30, "bfloat16", (2, 3, 128, 64)),
+        KVSegment(pattern(2, 200_001), 4, 9, 0, 30, "uint8", (200_001,)),
+        KVSegment(pattern(3, 1), 9, 10, 2, 3, "uint8", (1,)),
+    ]
+    total = sum(s.data.nbytes for s in segs)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("req-a", segs))
+    status = handle.wait(20)
+    assert (status.state, status.bytes_acked, status.bytes_total) == (TransferState.DONE, total, total)
+    result = pair.result(handle.transfer_id)
+    assert (result.state, result.request_id, result.bytes_received) == ("done", "req-a", total)
+    landed = pair.zone.take(handle.transfer_id)
+    assert [bytes(x) for x in landed] == [bytes(s.data) for s in segs]
+    headers = pair.zone.seen(handle.transfer_id)
+    n_chunks = 2 + 4 + 1  # 98,304 B and 200,001 B in 64 KiB chunks, then 1 B
+    assert sorted(h.chunk_index for h in headers) == list(range(n_chunks))
+    first = [h for h in headers if h.segment_index == 0]
+    assert {(h.dtype, h.shape, h.block_start, h.block_end, h.layer_end) for h in first} == {
+        ("bfloat16", (2, 3, 128, 64), 0, 4, 30)
+    }
+    assert {(h.block_start, h.layer_start, h.layer_end, h.nbytes) for h in headers if h.segment_index == 2} == {
+        (9, 2, 3, 1)
+    }
+
+
+def test_chunks_land_in_order_and_before_the_last_is_sent(kind, make_pair):
+    zone = LandingZone(gate_chunk=3)
+    pair = make_pair(kind, zone=zone, wan_streams=1, window_chunks=2, **SMALL)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("r", [seg(4, 2 * MiB)]))
+    wait_for(zone.gate_reached.is_set, 10, "chunk 3 to reach the receiver")
+    # Pipelined: chunks 0..2 landed while the transfer (32 chunks) is still being sent.
+    assert handle.state is TransferState.TRANSFERRING
+    assert [h.chunk_index for h in zone.seen(handle.transfer_id)] == [0, 1, 2]
+    zone.gate.set()
+    assert handle.wait(20).state is TransferState.DONE
+    assert [h.chunk_index for h in zone.seen(handle.transfer_id)] == list(range(32))
+    assert pair.result(handle.transfer_id).state is TransferState.DONE
+
+
+def test_many_concurrent_transfers(kind, make_pair):
+    pair = make_pair(kind, chunk_bytes=256 * KiB, min_chunk_bytes=64 * KiB)
+    rng = np.random.default_rng(9)
+    sizes = [int(x) for x in rng.integers(0, 3 * MiB, 24)]
+    handles: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for j in range(i, len(sizes), 4):
+            h = pair.sender.send(pair.receiver.address, SendRequest(f"r{j}", [seg(100 + j, sizes[j])]))
+            with lock:
+                handles[h.transfer_id] = j
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for tid, j in handles.items():
+        assert pair.sender.wait(tid, 30).state is TransferState.DONE
+        assert pair.result(tid).bytes_received == sizes[j]
+        landed = pair.zone.take(tid)
+        assert crc_of(landed[0] if landed else b"") == crc_of(pattern(100 + j, sizes[j]))
+    finished = pair.sender.poll_finished()
+    assert sorted(s.transfer_id for s in finished) == sorted(handles)
+
+
+def test_empty_transfers(kind, make_pair):
+    pair = make_pair(kind)
+    h1 = pair.sender.send(pair.receiver.address, SendRequest("none", []))
+    h2 = pair.sender.send(pair.receiver.address, SendRequest("zero", [seg(1, 0)]))
+    for h in (h1, h2):
+        assert h.wait(10).state is TransferState.DONE
+        result = pair.result(h.transfer_id)
+        assert (result.state, result.bytes_received, result.chunks) == ("done", 0, 1)
+        assert pair.zone.seen(h.transfer_id) == []  # no buffer asked for zero bytes
+
+
+def test_cancel_mid_transfer_releases_both_sides(kind, make_pair):
+    zone = LandingZone(gate_chunk=2)
+    pair = make_pair(kind, zone=zone, **SMALL)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("c", [seg(5, 8 * MiB)]))
+    wait_for(zone.gate_reached.is_set, 10, "chunk 2 to reach the receiver")
+    handle.cancel()
+    zone.gate.set()
+    status = handle.wait(10)
+    assert (status.state, status.reason) == (TransferState.CANCELLED, "cancelled by owner")
+    result = pair.result(handle.transfer_id)
+    assert (result.state, result.reason) == (TransferState.CANCELLED, "cancelled by sender")
+    assert result.chunks < 128  # the bytes stopped: most of the 128 chunks never moved
+    wait_for(lambda: idle(pair.sender) and idle(pair.receiver), 10, "both sides to release")
+
+
+def test_deadline_fails_both_sides(kind, make_pair):
+    zone = LandingZone(slow_s=0.02)  # 128 chunks x 20 ms: far beyond the 0.3 s deadline
+    pair = make_pair(kind, zone=zone, **SMALL)
+    t0 = time.monotonic()
+    req = SendRequest("d", [seg(6, 8 * MiB)], deadline_s=0.3)
+    handle = pair.sender.send(pair.receiver.address, req)
+    status = handle.wait(10)
+    assert (status.state, status.reason) == (TransferState.FAILED, "deadline exceeded")
+    assert time.monotonic() - t0 < 3.0
+    result = pair.result(handle.transfer_id)
+    assert result.state is TransferState.FAILED
+    assert "deadline" in result.reason
+
+
+def test_corrupted_chunk_is_detected_and_reported(kind, make_pair):
+    faults = FaultHooks(corrupt=lambda h: h.chunk_index == 1)
+    pair = make_pair(kind, faults=faults, **SMALL)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("x", [seg(7, 1 * MiB)]))
+    status = handle.wait(10)
+    assert status.state is TransferState.FAILED
+    assert "integrity" in status.reason
+    result = pair.result(handle.transfer_id)
+    assert result.state is TransferState.FAILED
+    assert "integrity check failed" in result.reason
+
+
+def test_allocator_refusal_fails_the_transfer(kind, make_pair):
+    def refuse(header):
+        raise MemoryError("no room for this request")
+
+    pair = make_pair(kind)
+    pair.receiver.hooks.allocate = refuse
+    handle = pair.sender.send(pair.receiver.address, SendRequest("n", [seg(8, 1000)]))
+    assert handle.wait(10).state is TransferState.FAILED
+    result = pair.result(handle.transfer_id)
+    assert (result.state, result.reason) == ("failed", "allocator refused chunk: no room for this request")
+
+
+def test_receiver_death_fails_the_sender(kind, make_pair, peers):
+    pair = make_pair(kind, **SMALL)
+    if kind == "inproc":
+        target, kill = pair.receiver.address, pair.receiver.close
+    else:
+        child = peers("receiver", kind, SMALL, "--slow-ms", "20")
+        target, kill = child.address, child.kill
+    pair.zone.slow_s = 0.02
+    handle = pair.sender.send(target, SendRequest("k", [seg(9, 8 * MiB)]))
+    wait_for(lambda: handle.status().bytes_acked > 0, 10, "the first acknowledged chunk")
+    kill()
+    status = handle.wait(15)
+    assert status.state is TransferState.FAILED
+    assert 0 < status.bytes_acked < 8 * MiB
+
+
+def test_sender_death_fails_the_receiver(kind, make_pair, peers):
+    zone = LandingZone(slow_s=0.02)
+    pair = make_pair(kind, zone=zone, **SMALL)
+    if kind == "inproc":
+        handle = pair.sender.send(pair.receiver.address, SendRequest("s", [seg(10, 8 * MiB)]))
+        tid, kill = handle.transfer_id, pair.sender.close
+    else:
+        child = peers("sender", kind, SMALL)
+        cmd = {"cmd": "send", "peer": peer_to_json(pair.receiver.address), "nbytes": 8 * MiB}
+        tid, kill = child.ask({**cmd, "seed": 10})["transfer_id"], child.kill
+    wait_for(lambda: zone.seen(tid), 10, "the first chunk from the sender")
+    kill()
+    result = pair.result(tid, timeout_s=15)
+    assert result.state is TransferState.FAILED
+    assert 0 < result.chunks < 128
+
+
+def test_close_with_open_transfers_releases_everything(kind, make_pair):
+    zone = LandingZone(gate_chunk=1)
+    pair = make_pair(kind, zone=zone, **SMALL)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("o", [seg(11, 4 * MiB)]))
+    wait_for(zone.gate_reached.is_set, 10, "chunk 1 to reach the receiver")
+    threading.Timer(0.2, zone.gate.set).start()  # let the blocked chunk finish
+    pair.sender.close()
+    status = handle.status()
+    assert (status.state, status.reason) == (TransferState.FAILED, "transport closed")
+    assert pair.sender.stats().threads == 0
+    assert pair.result(handle.transfer_id).state is TransferState.FAILED
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_one_gib_transfer(kind, make_pair):
+    if _mem_available() < 6 << 30:
+        pytest.skip("needs ~3 GiB free for source and destination")
+    src = np.tile(pattern(12, MiB), 1024)
+    dest = np.empty_like(src)
+
+    def land(h):
+        return memoryview(dest)[h.offset : h.offset + h.nbytes]
+
+    zone = LandingZone()
+    pair = make_pair(kind, zone=zone, deadline_s=60)
+    pair.receiver.hooks.allocate = land
+    handle = pair.sender.send(pair.receiver.address, SendRequest("g", [KVSegment(src)]))
+    assert handle.wait(60).state is TransferState.DONE
+    assert pair.result(handle.transfer_id).bytes_received == 1 << 30
+    assert crc_of(dest) == crc_of(src)
