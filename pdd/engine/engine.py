@@ -270,7 +270,7 @@ class Engine:
             raise WorkerError(f"engine failed on request {request_id}: {exc}") from exc
         finally:
             self._inflight.discard(request_id)
-            if not finished and self._llm is not None:
+            if not finished and self._llm is not None and not self._llm.errored:
                 await self._llm.abort(request_id)
             await stream.aclose()
 

@@ -19,4 +19,5 @@ It never imports torch or vLLM; ``tests/router/test_imports.py`` keeps it that w
 - ``responses``    OpenAI response/chunk bodies; ``sse`` the streaming response
 - ``http_errors``  the one error handler; ``limits`` the body-size limit
 - ``routes`` / ``app`` / ``main``  the HTTP surface, the app factory, ``pdd router``
+- ``status``       ``pdd status``: the fleet as a running router sees it
 """

@@ -73,6 +73,9 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
+        # Announce readiness only once worker health is known, so a client that starts
+        # right after the ready line does not get a 503 from an unpolled pool.
+        await state.pool.wait_first_poll(timeout=cfg.router.worker_rpc_timeout_s + 1.0)
         try:
             yield
         finally:

@@ -61,7 +61,12 @@ class TextCodec:
         return self._template is not None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token IDs of client text. Raises InvalidRequestError for text that is not valid
+        Unicode (JSON can carry lone surrogates such as "\\ud800")."""
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as exc:
+            raise InvalidRequestError(f"text cannot be tokenized: {exc}") from exc
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

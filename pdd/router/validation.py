@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdd.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from pdd.errors import ContextLengthError, InvalidRequestError, ModelError, ModelNotFoundError
 from pdd.router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdd.router.types import GenerationRequest, SamplingSpec, TextOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_REPETITION_PENALTY = 100.0  # vLLM has no bound; past this every token is suppressed anyway
 MAX_LOGPROBS = 20
 
 
@@ -36,7 +38,12 @@ def generation_defaults(folder: str | Path) -> dict[str, float | int]:
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        return {}
     keys = ("temperature", "top_p", "top_k", "repetition_penalty")
     return {k: data[k] for k in keys if isinstance(data.get(k), int | float)}
 
@@ -240,18 +247,20 @@ def _top_p(value: float | None, limits: ServingLimits) -> float:
 
 def _top_k(value: int | None, limits: ServingLimits) -> int:
     v = int(limits.defaults.get("top_k", -1) if value is None else value)
-    if v < -1:
+    if v < -1 or v > INT32_MAX:
         raise InvalidRequestError(
-            f"top_k must be -1 (disabled), 0 (disabled) or at least 1, got {value}", param="top_k"
+            f"top_k must be -1 (disabled), 0 (disabled) or in [1, {INT32_MAX}], got {value}",
+            param="top_k",
         )
     return -1 if v == 0 else v
 
 
 def _repetition_penalty(value: float | None, limits: ServingLimits) -> float:
     v = float(limits.defaults.get("repetition_penalty", 1.0) if value is None else value)
-    if not math.isfinite(v) or v <= 0.0:
+    if not math.isfinite(v) or not 0.0 < v <= MAX_REPETITION_PENALTY:
         raise InvalidRequestError(
-            f"repetition_penalty must be greater than 0, got {value}", param="repetition_penalty"
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {value}",
+            param="repetition_penalty",
         )
     return v
 

@@ -204,6 +204,7 @@ class InRecord:
     busy: int = 0
     stop_state: TransferState | None = None
     reason: str = ""
+    cause: AckStatus = AckStatus.GONE  # what later chunks of a stopped transfer are told
 
 
 class InboundLedger:
@@ -214,14 +215,16 @@ class InboundLedger:
         self._grace_s = grace_s
         self._lock = threading.Lock()
         self._open: dict[int, InRecord] = {}
-        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        # Finished transfer ids -> the status late chunks get, so every ack after a failure
+        # carries its real cause (a corrupted chunk stays an integrity failure at the sender).
+        self._tombstones: OrderedDict[int, AckStatus] = OrderedDict()
         self._results: list[InboundResult] = []
 
     def begin_chunk(self, header: ChunkHeader, source: int) -> tuple[memoryview | None, AckStatus]:
         """Lend a buffer for one arriving chunk, or say why its bytes must be discarded."""
         with self._lock:
             if header.transfer_id in self._tombstones:
-                return None, AckStatus.GONE
+                return None, self._tombstones[header.transfer_id]
             rec = self._open.get(header.transfer_id)
             if rec is None:
                 deadline = time.monotonic() + header.deadline_ms / 1000 + self._grace_s
@@ -230,7 +233,7 @@ class InboundLedger:
                 )
                 self._open[header.transfer_id] = rec
             if rec.stop_state is not None:
-                return None, AckStatus.GONE
+                return None, rec.cause
             rec.busy += 1
         if header.nbytes == 0:
             return memoryview(bytearray(0)), AckStatus.OK
@@ -255,7 +258,7 @@ class InboundLedger:
         def apply(rec: InRecord) -> AckStatus:
             rec.busy -= 1
             if failure is not AckStatus.OK:
-                self._request_stop(rec, TransferState.FAILED, error)
+                self._request_stop(rec, TransferState.FAILED, error, failure)
                 return failure
             rec.received += 1
             rec.bytes_received += nbytes
@@ -283,12 +286,14 @@ class InboundLedger:
         self.stop_where(lambda r: r.deadline <= now, TransferState.FAILED, "deadline exceeded")
 
     @staticmethod
-    def _request_stop(rec: InRecord, state: TransferState, reason: str) -> None:
+    def _request_stop(
+        rec: InRecord, state: TransferState, reason: str, cause: AckStatus = AckStatus.GONE
+    ) -> None:
         if rec.stop_state is None:
-            rec.stop_state, rec.reason = state, reason
+            rec.stop_state, rec.reason, rec.cause = state, reason, cause
 
-    def _tomb(self, transfer_id: int) -> None:
-        self._tombstones[transfer_id] = None
+    def _tomb(self, transfer_id: int, cause: AckStatus = AckStatus.GONE) -> None:
+        self._tombstones[transfer_id] = cause
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
 
@@ -302,7 +307,7 @@ class InboundLedger:
                 return out
             # The one release path: forget the lent buffers, report once.
             del self._open[transfer_id]
-            self._tomb(transfer_id)
+            self._tomb(transfer_id, rec.cause)
             rec.lent = 0
             result = InboundResult(
                 transfer_id,

@@ -114,7 +114,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         logprobs = []
         if k >= 0:
             for t in step:
-                top = [worker_pb2.TopLogprob(token_id=(t + r) % 49152, logprob=-0.5 - r) for r in range(k)]
+                top = [
+                    worker_pb2.TopLogprob(token_id=(t + r) % 49152, logprob=-0.5 - r)
+                    for r in range(k)
+                ]
                 logprobs.append(worker_pb2.TokenLogprob(token_id=t, logprob=-0.5, top=top))
         return worker_pb2.GenerateResponse(
             token_ids=step,

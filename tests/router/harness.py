@@ -49,6 +49,7 @@ class RouterHarness:
         self.fake = FakeWorker("w0", MAX_MODEL_LEN)
         self.cfg: PddConfig | None = None
         self.url = ""  # http://127.0.0.1:PORT/v1
+        self.fake_target = ""  # the fake worker's gRPC address
         self._server: RouterServer | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -91,6 +92,7 @@ class RouterHarness:
 
     async def _main(self) -> None:
         grpc_server, port = await start_fake_worker(self.fake)
+        self.fake_target = f"127.0.0.1:{port}"
         try:
             self.cfg = test_config(port)
             app = build_app(self.cfg, codec=self.codec)

@@ -128,7 +128,12 @@ def test_sampling_parameters_reach_the_worker(client, router):
     s = router.fake.requests[-1].sampling
     assert (s.top_k, s.max_tokens, s.seed, s.min_tokens, s.ignore_eos) == (5, 9, 7, 1, True)
     assert list(s.stop_token_ids) == [100] and s.logprobs == -1
-    assert (s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty) == (0.25, 0.5, 0.5, -0.5)
+    assert (s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty) == (
+        0.25,
+        0.5,
+        0.5,
+        -0.5,
+    )
     assert abs(s.repetition_penalty - 1.2) < 1e-6
 
 
@@ -160,7 +165,9 @@ def test_stop_token_id_ends_without_its_text(client, router):
 
 def test_chat_logprobs_shape(client, router):
     ids = script_text(router, "Hi 😀")
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == len(ids)
     assert [c.token for c in content[:1]] == ["Hi"]
@@ -210,3 +217,13 @@ def test_metrics_and_debug_config(client, router):
     assert "cmpl-" not in text
     cfg = httpx.get(router.root + "/debug/config").json()
     assert cfg == router.cfg.model_dump(mode="json")
+
+
+def test_pdd_status_shows_the_fleet(router, capsys):
+    from pdd.router import status
+
+    assert status.main(["--url", router.url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "mode=colocated in_flight=0"
+    assert out[1].split()[:3] == ["w0", "colocated", router.fake_target]
+    assert out[1].endswith("healthy")

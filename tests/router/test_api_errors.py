@@ -37,7 +37,8 @@ def assert_still_serving(router) -> None:
     ("body", "param"),
     [({"n": 2}, "n"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
      ({"stream_options": {"include_usage": True}}, "stream_options"),
-     ({"presence_penalty": 9}, "presence_penalty"), ({"stop": [""]}, "stop")],
+     ({"presence_penalty": 9}, "presence_penalty"), ({"stop": [""]}, "stop"),
+     ({"top_k": 2**40}, "top_k"), ({"temperature": 1e300}, "temperature")],
 )  # fmt: skip
 def test_bad_parameters_are_400(router, body, param):
     err = assert_error(
@@ -56,7 +57,10 @@ def test_context_length_is_400_with_numbers(router):
     err = assert_error(r, 400, type_="invalid_request_error", param="max_tokens",
                        code="context_length_exceeded")  # fmt: skip
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err["message"]
-    assert f"you requested {MAX_MODEL_LEN + 5} tokens ({MAX_MODEL_LEN - 5} in the prompt, 10 in" in err["message"]
+    assert (
+        f"you requested {MAX_MODEL_LEN + 5} tokens ({MAX_MODEL_LEN - 5} in the prompt, 10 in"
+        in err["message"]
+    )
     long_prompt = list(range(10, 10 + MAX_MODEL_LEN))
     r = post(router, "/completions", json={"model": MODEL, "prompt": long_prompt})
     assert_error(r, 400, type_="invalid_request_error", param="prompt",
@@ -77,12 +81,26 @@ def test_unknown_model_is_404_and_model_path_is_accepted(router):
 
 
 def test_schema_errors_are_422(router):
-    for body in ({"model": MODEL}, {**CHAT, "messages": "not a list"}, {**CHAT, "temperature": "hot"}):
+    for body in (
+        {"model": MODEL},
+        {**CHAT, "messages": "not a list"},
+        {**CHAT, "temperature": "hot"},
+    ):
         r = post(router, "/chat/completions", json=body)
         assert_error(r, 422, type_="invalid_request_error",
                      param=r.json()["error"]["param"], code="invalid_schema")  # fmt: skip
     r = post(router, "/chat/completions", json={**CHAT, "temperature": "hot"})
     assert r.json()["error"]["param"] == "temperature"
+    assert_still_serving(router)
+
+
+def test_text_that_cannot_be_tokenized_is_400(router):
+    body = b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}'
+    r = post(
+        router, "/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    err = assert_error(r, 400, type_="invalid_request_error")
+    assert err["message"].startswith("text cannot be tokenized")
     assert_still_serving(router)
 
 

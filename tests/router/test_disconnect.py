@@ -75,4 +75,7 @@ def test_overload_is_429_then_recovers(router):
     assert sorted(router.fake.aborts) == sorted(r.request_id for r in router.fake.requests)
     router.fake.script.repeat = False
     router.fake.script.tokens = [2]
-    assert httpx.post(router.url + "/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
+    assert (
+        httpx.post(router.url + "/completions", json={"model": MODEL, "prompt": "x"}).status_code
+        == 200
+    )

@@ -32,7 +32,9 @@ def test_least_loaded_healthy_colocated_worker_wins():
 
 
 def test_ties_break_on_kv_usage_then_id():
-    view = colocated(w("b", kv_cache_usage=0.5), w("c", kv_cache_usage=0.1), w("a", kv_cache_usage=0.1))
+    view = colocated(
+        w("b", kv_cache_usage=0.5), w("c", kv_cache_usage=0.1), w("a", kv_cache_usage=0.1)
+    )
     assert choose(view, REQ).worker(Role.COLOCATED) == "a"
 
 

@@ -28,7 +28,9 @@ def chat(prompt_len: int = 10, **body):
 
 def completion(prompt_len: int = 10, **body):
     req = CompletionRequest.model_validate({"prompt": "x", **body})
-    return build_completion_request(req, list(range(prompt_len)), LIMITS, request_id="r", arrival=1.0)
+    return build_completion_request(
+        req, list(range(prompt_len)), LIMITS, request_id="r", arrival=1.0
+    )
 
 
 def test_defaults_fill_every_field():
@@ -62,7 +64,9 @@ def test_generation_config_defaults_apply_only_when_omitted():
     req = build_chat_request(body, [1], limits, request_id="r", arrival=0)
     assert (req.sampling.temperature, req.sampling.top_k) == (0.3, 20)
     body = ChatCompletionRequest.model_validate({"messages": MSG, "temperature": 1.0})
-    assert build_chat_request(body, [1], limits, request_id="r", arrival=0).sampling.temperature == 1.0
+    assert (
+        build_chat_request(body, [1], limits, request_id="r", arrival=0).sampling.temperature == 1.0
+    )
 
 
 BAD = [
@@ -74,6 +78,8 @@ BAD = [
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),
     ({"top_k": -2}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"min_tokens": -1}, "min_tokens"),

@@ -14,7 +14,7 @@ from pdd.transfer.testing import LandingZone, PeerProcess
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-KINDS = ["inproc", "tcp"]
+KINDS = ["inproc", "tcp", "ucx"]
 
 
 def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):

@@ -43,7 +43,11 @@ def test_delivers_bytes_and_metadata(kind, make_pair):
     total = sum(s.data.nbytes for s in segs)
     handle = pair.sender.send(pair.receiver.address, SendRequest("req-a", segs))
     status = handle.wait(20)
-    assert (status.state, status.bytes_acked, status.bytes_total) == (TransferState.DONE, total, total)
+    assert (status.state, status.bytes_acked, status.bytes_total) == (
+        TransferState.DONE,
+        total,
+        total,
+    )
     result = pair.result(handle.transfer_id)
     assert (result.state, result.request_id, result.bytes_received) == ("done", "req-a", total)
     landed = pair.zone.take(handle.transfer_id)
@@ -55,9 +59,11 @@ def test_delivers_bytes_and_metadata(kind, make_pair):
     assert {(h.dtype, h.shape, h.block_start, h.block_end, h.layer_end) for h in first} == {
         ("bfloat16", (2, 3, 128, 64), 0, 4, 30)
     }
-    assert {(h.block_start, h.layer_start, h.layer_end, h.nbytes) for h in headers if h.segment_index == 2} == {
-        (9, 2, 3, 1)
-    }
+    assert {
+        (h.block_start, h.layer_start, h.layer_end, h.nbytes)
+        for h in headers
+        if h.segment_index == 2
+    } == {(9, 2, 3, 1)}
 
 
 def test_chunks_land_in_order_and_before_the_last_is_sent(kind, make_pair):
@@ -83,7 +89,9 @@ def test_many_concurrent_transfers(kind, make_pair):
 
     def client(i: int) -> None:
         for j in range(i, len(sizes), 4):
-            h = pair.sender.send(pair.receiver.address, SendRequest(f"r{j}", [seg(100 + j, sizes[j])]))
+            h = pair.sender.send(
+                pair.receiver.address, SendRequest(f"r{j}", [seg(100 + j, sizes[j])])
+            )
             with lock:
                 handles[h.transfer_id] = j
 
@@ -162,7 +170,10 @@ def test_allocator_refusal_fails_the_transfer(kind, make_pair):
     handle = pair.sender.send(pair.receiver.address, SendRequest("n", [seg(8, 1000)]))
     assert handle.wait(10).state is TransferState.FAILED
     result = pair.result(handle.transfer_id)
-    assert (result.state, result.reason) == ("failed", "allocator refused chunk: no room for this request")
+    assert (result.state, result.reason) == (
+        "failed",
+        "allocator refused chunk: no room for this request",
+    )
 
 
 def test_receiver_death_fails_the_sender(kind, make_pair, peers):
@@ -219,11 +230,19 @@ def _mem_available() -> int:
     return 0
 
 
-def test_one_gib_transfer(kind, make_pair):
+@pytest.fixture(scope="module")
+def gib():
+    """1 GiB source and destination, shared by the transports (first-touch faults cost ~s)."""
     if _mem_available() < 6 << 30:
         pytest.skip("needs ~3 GiB free for source and destination")
-    src = np.tile(pattern(12, MiB), 1024)
-    dest = np.empty_like(src)
+    src = np.empty(1 << 30, np.uint8)
+    src.reshape(1024, MiB)[:] = pattern(12, MiB)
+    return src, np.zeros_like(src)
+
+
+def test_one_gib_transfer(kind, make_pair, gib):
+    src, dest = gib
+    dest[:] = 0
 
     def land(h):
         return memoryview(dest)[h.offset : h.offset + h.nbytes]

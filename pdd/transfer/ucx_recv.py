@@ -1,0 +1,162 @@
+"""Receiving half of the UCX transport (runs on the transport's `UcxLoop` thread).
+
+A listener accepts control endpoints; each sender introduces itself with its id (stream
+message) and gets a reply, after which its headers are accepted. For every DATA header the
+allocator lends a buffer and a tag receive is posted on that sender's control endpoint;
+when it completes the payload is verified and an ACK goes back. Payloads of transfers we no
+longer hold are received into a scratch buffer and dropped (UCX would keep them queued
+otherwise). When a sender's control endpoint fails, its transfers fail and closing the
+endpoint cancels its posted receives, so every lent buffer is released exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pdd.transfer.api import TransferState
+from pdd.transfer.ledger import cancel_outcome
+from pdd.transfer.ucx_loop import ACK_TAG, HDR_TAG, KIND_MASK, Array, data_tag, ucx
+from pdd.transfer.wire import (
+    BODY_SIZE,
+    PREFIX,
+    AckStatus,
+    ChunkHeader,
+    FrameKind,
+    checksum,
+    pack_ack,
+    unpack_cancel,
+    unpack_prefix,
+)
+
+if TYPE_CHECKING:
+    from pdd.transfer.ucx import UcxTransport
+
+log = logging.getLogger(__name__)
+HDR_POSTS = 8
+_ID = struct.Struct("<Q")
+
+
+class UcxReceiver:
+    def __init__(self, transport: UcxTransport):
+        self.t = transport
+        self.loop = transport.loop
+        self.inbound = transport.inbound
+        self.listener: Any = None
+        self.port = 0
+        self._senders: dict[int, Any] = {}  # sender id -> its control endpoint
+        self._conns: list[Any] = []
+        self._closed = False
+
+    def listen(self) -> None:
+        cfg = self.t.config
+        self.listener = ucx.UCXListener.create(self.loop.worker, cfg.listen_port, self._on_conn)
+        self.port = self.listener.port
+        for _ in range(HDR_POSTS):
+            self._post_header_recv()
+
+    def close(self) -> None:
+        self._closed = True
+        for ep in self._conns:
+            _close(ep)
+        self._conns, self._senders = [], {}
+        self.listener = None
+
+    def _on_conn(self, conn_request: Any) -> None:
+        ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
+        self._conns.append(ep)
+        hello = np.zeros(1, np.uint64)
+        state: dict[str, int] = {}
+
+        def lost() -> None:
+            sender = state.get("sender")
+            if sender is not None and self._senders.get(sender) is ep:
+                del self._senders[sender]
+                self.inbound.stop_where(
+                    lambda r: r.source == sender, TransferState.FAILED, "sender connection lost"
+                )
+            if ep in self._conns:
+                self._conns.remove(ep)
+            _close(ep)  # cancels this sender's posted receives: their buffers come back
+
+        def on_hello(error: str | None) -> None:
+            if error is not None:
+                lost()
+                return
+            state["sender"] = sender = int(hello[0])
+            self._senders[sender] = ep
+            reply = np.ones(1, np.uint64)
+            self.loop.track(ep.stream_send(Array(reply)), lambda e: None, reply)
+
+        # UCX calls this from inside progress, where closing the endpoint would deadlock.
+        ep.set_close_callback(lambda: self.loop.call(lost))
+        self.loop.track(ep.stream_recv(Array(hello)), on_hello, hello)
+
+    def _post_header_recv(self) -> None:
+        if self._closed:
+            return
+        buf = np.zeros(8 + PREFIX.size + BODY_SIZE[FrameKind.DATA], np.uint8)
+
+        def on_header(error: str | None) -> None:
+            if error is not None:
+                return  # cancelled at close
+            self._post_header_recv()
+            raw = buf.tobytes()
+            sender = _ID.unpack_from(raw)[0]
+            kind = unpack_prefix(raw[8 : 8 + PREFIX.size])
+            body = raw[8 + PREFIX.size :]
+            if kind is FrameKind.CANCEL:
+                tid, reason = unpack_cancel(body[: BODY_SIZE[FrameKind.CANCEL]])
+                self.inbound.stop(tid, *cancel_outcome(reason))
+            elif kind is FrameKind.DATA:
+                self._on_data_header(sender, ChunkHeader.unpack(body))
+
+        self.loop.recv(self.loop.worker, buf, HDR_TAG, KIND_MASK, on_header)
+
+    def _on_data_header(self, sender: int, header: ChunkHeader) -> None:
+        ep = self._senders.get(sender)
+        if ep is None:  # its connection already died: the payload will never be acked
+            log.debug("header from unknown sender %x dropped", sender)
+            return
+        buf, status = self.inbound.begin_chunk(header, sender)
+        tid = header.transfer_id
+        if header.nbytes == 0:
+            if buf is not None:
+                status = self.inbound.end_chunk(tid, 0)
+            self._ack(ep, header, status)
+            return
+        target = buf if buf is not None else np.empty(header.nbytes, np.uint8)
+
+        def landed(error: str | None) -> None:
+            if buf is None:
+                self._ack(ep, header, status)
+                return
+            if error is not None:
+                self.inbound.end_chunk(tid, 0, AckStatus.REFUSED, f"receive failed: {error}")
+                return
+            if checksum(header.checksum_algo, buf) != header.checksum:
+                reason = f"integrity check failed: chunk {header.chunk_index} CRC mismatch"
+                self._ack(ep, header, self.inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason))
+            else:
+                self._ack(ep, header, self.inbound.end_chunk(tid, header.nbytes))
+
+        self.loop.recv(ep, target, data_tag(tid, header.chunk_index), 0, landed)
+
+    def _ack(self, ep: Any, header: ChunkHeader, status: AckStatus) -> None:
+        frame = np.frombuffer(
+            pack_ack(header.transfer_id, header.chunk_index, status, header.nbytes), np.uint8
+        )
+        try:
+            self.loop.send(ep, frame, ACK_TAG, lambda e: None)
+        except Exception as exc:  # ucxx: the endpoint died; the sender learns it that way
+            log.debug("ack to a closed endpoint dropped: %s", exc)
+
+
+def _close(ep: Any) -> None:
+    try:
+        ep.close_blocking(10_000, 100)  # plain close() hangs on failed eps
+    except Exception as exc:  # ucxx: closing an already failed endpoint
+        log.debug("endpoint close: %s", exc)

@@ -1,0 +1,74 @@
+"""How Engine translates pdd config into vLLM arguments (no engine is started)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdd.config import EngineConfig, ModelConfig
+from pdd.engine.env import omp_env
+from pdd.engine.types import KvConnectorSpec, SamplingSpec
+from pdd.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def engine_cls():
+    from pdd.engine.engine import Engine
+
+    return Engine
+
+
+def test_connector_spec_becomes_kv_transfer_config(engine_cls, tmp_path) -> None:
+    spec = KvConnectorSpec(role="kv_consumer", extra_config={"peer": "127.0.0.1:9"})
+    engine = engine_cls(ModelConfig(), EngineConfig(kv_cache_space_gib=0.5), spec)
+    args = engine._engine_args(tmp_path)
+    kv = args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_connector_module_path, kv.kv_role) == (
+        "PddConnector",
+        "pdd.engine.connector",
+        "kv_consumer",
+    )
+    assert kv.kv_connector_extra_config == {"peer": "127.0.0.1:9"}
+    assert args.kv_cache_memory_bytes == 512 * 1024 * 1024
+    assert args.skip_tokenizer_init is True
+    assert (args.block_size, args.max_model_len, args.dtype) == (32, 4096, "bfloat16")
+
+
+def test_no_connector_by_default(engine_cls, tmp_path) -> None:
+    args = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
+    assert args.kv_transfer_config is None
+
+
+def test_sampling_params_carry_kv_transfer_params_and_eos(engine_cls) -> None:
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = engine_cls(ModelConfig(), EngineConfig())
+    engine._eos_ids = (2,)
+    params = engine._sampling_params(
+        SamplingSpec(temperature=0, max_tokens=3, stop_token_ids=(30,)), {"remote": "x"}
+    )
+    assert params.extra_args == {"kv_transfer_params": {"remote": "x"}}
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert params.detokenize is False
+    assert sorted(params.stop_token_ids) == [2, 30]
+    no_eos = engine._sampling_params(SamplingSpec(ignore_eos=True), None)
+    assert no_eos.stop_token_ids == [] and no_eos.extra_args is None
+
+
+def test_spawn_env_is_temporary(engine_cls, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    engine = engine_cls(ModelConfig(), EngineConfig(omp_threads_bind="1"))
+    with engine._spawn_env():
+        assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+        assert (os.environ["OMP_PLACES"], os.environ["OMP_NUM_THREADS"]) == ("{1}", "1")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert "OMP_PLACES" not in os.environ
+
+
+def test_omp_env_parsing() -> None:
+    assert omp_env("0,2-3", multiproc=False)["OMP_PLACES"] == "{0,2,3}"
+    assert omp_env("auto", multiproc=False) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert omp_env("0-1", multiproc=True) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    with pytest.raises(ConfigError, match="bad CPU list"):
+        omp_env("zero", multiproc=False)

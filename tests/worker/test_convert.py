@@ -1,0 +1,110 @@
+"""Proto <-> engine type mapping and worker command-line checks (no engine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdd.engine.types import EngineDelta, SamplingSpec, TokenLogprob, TopLogprob
+from pdd.errors import InvalidRequestError
+from pdd.proto import worker_pb2 as pb
+from pdd.worker.convert import delta_to_proto, sampling_from_proto
+
+
+def test_proto_zero_values_mean_defaults() -> None:
+    spec = sampling_from_proto(pb.SamplingParams())
+    assert spec == SamplingSpec(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=None,
+        seed=None,
+        logprobs=0,
+        repetition_penalty=1.0,
+    )
+    assert spec.greedy
+
+
+def test_proto_values_carry_over() -> None:
+    p = pb.SamplingParams(
+        temperature=0.5,
+        top_p=0.25,
+        top_k=40,
+        max_tokens=7,
+        stop_token_ids=[2, 30],
+        seed=0,
+        logprobs=-1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.25,
+        ignore_eos=True,
+        min_tokens=3,
+    )
+    assert sampling_from_proto(p) == SamplingSpec(
+        temperature=0.5,
+        top_p=0.25,
+        top_k=40,
+        max_tokens=7,
+        stop_token_ids=(2, 30),
+        seed=0,  # explicitly set zero seed is kept (optional field)
+        logprobs=None,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.25,
+        ignore_eos=True,
+        min_tokens=3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (pb.SamplingParams(temperature=-0.1), "temperature"),
+        (pb.SamplingParams(top_p=1.5), "top_p"),
+        (pb.SamplingParams(top_k=-2), "top_k"),
+        (pb.SamplingParams(max_tokens=-1), "max_tokens"),
+        (pb.SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
+        (pb.SamplingParams(logprobs=21), "logprobs"),
+        (pb.SamplingParams(presence_penalty=3), "presence_penalty"),
+        (pb.SamplingParams(repetition_penalty=-1), "repetition_penalty"),
+        (pb.SamplingParams(stop_token_ids=[-5]), "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_is_invalid_request(params: pb.SamplingParams, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        sampling_from_proto(params)
+    assert info.value.param == param
+
+
+def test_delta_to_proto_first_and_later() -> None:
+    lp = TokenLogprob(7, -0.5, (TopLogprob(7, -0.5), TopLogprob(9, -1.5)))
+    d = EngineDelta((7,), (lp,), None, None, num_prompt_tokens=5, num_cached_tokens=4)
+    first = delta_to_proto(d, first=True)
+    assert list(first.token_ids) == [7]
+    assert (first.num_prompt_tokens, first.num_cached_tokens) == (5, 4)
+    assert (first.finish_reason, first.stop_token_id) == ("", -1)
+    assert [(t.token_id, t.logprob) for t in first.logprobs[0].top] == [(7, -0.5), (9, -1.5)]
+    last = EngineDelta((2,), None, "stop", 2, num_prompt_tokens=5, num_cached_tokens=4)
+    later = delta_to_proto(last, first=False)
+    assert (later.num_prompt_tokens, later.finish_reason, later.stop_token_id) == (0, "stop", 2)
+    assert len(later.logprobs) == 0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pdd.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_role_mismatch_refused_before_any_engine() -> None:
+    r = run_cli("prefill", "--config", "configs/colocated.yaml", "--worker", "w0")
+    assert r.returncode == 2
+    assert "worker 'w0' has role colocated, not prefill" in r.stderr
+    assert r.stdout == ""
+
+
+def test_unknown_worker_refused() -> None:
+    r = run_cli("worker", "--config", "configs/colocated.yaml", "--worker", "nope")
+    assert r.returncode == 2
+    assert "no worker with id 'nope'" in r.stderr
