@@ -83,7 +83,7 @@ class Lab:
         try:
             first.wait(timeout=UP_TIMEOUT_S)  # exits as soon as the daemon is forked
             return netns.await_reply(ready_r, UP_TIMEOUT_S, "lab supervisor")
-        except LabError as exc:
+        except (LabError, subprocess.TimeoutExpired) as exc:
             return f"error: {exc}"
         finally:
             os.close(ready_r)
@@ -168,13 +168,16 @@ class Lab:
             yield
 
     def measure_link(self, seconds: float = 1.0) -> LinkMeasurement:
-        """RTT (median UDP echo) and throughput (bulk TCP, ``seconds`` of link time), dc-a to
-        dc-b over the WAN. Raises LabError if the lab is not up."""
+        """RTT (median UDP echo) and throughput (one bulk TCP flow of ``seconds`` of link
+        time, cut off at 2 + 3 x ``seconds``), dc-a to dc-b over the WAN.
+
+        Raises LabError if the lab is not up or no probe came back."""
         st = self.status()
         if st.state != "up":
             raise LabError(f"lab {self.cfg.prefix!r} is {st.state}: {st.problems}")
         a, b = st.dc("dc-a"), st.dc("dc-b")
-        rtt = measure_rtt(a.netns, b.netns, b.wan_ip)
+        # A probe is lost once it is late by far more than any queue adds.
+        rtt = measure_rtt(a.netns, b.netns, b.wan_ip, timeout_s=0.2 + 4 * st.delay_ms / 1000)
         nbytes = max(1 << 20, int(st.rate_mbit * 1e6 / 8 * seconds))
-        rate = measure_throughput(a.netns, b.netns, b.wan_ip, nbytes, timeout_s=30 + 10 * seconds)
+        rate = measure_throughput(a.netns, b.netns, b.wan_ip, nbytes, max_s=2 + 3 * seconds)
         return LinkMeasurement(rtt_ms=rtt, throughput_mbit=rate)

@@ -39,10 +39,13 @@ def _udp_echo(sock: socket.socket, stop: threading.Event) -> None:
         sock.sendto(data, peer)
 
 
-def measure_rtt(src_ns: str, dst_ns: str, dst_ip: str, probes: int = 21) -> float:
+def measure_rtt(
+    src_ns: str, dst_ns: str, dst_ip: str, probes: int = 21, timeout_s: float = 2.0
+) -> float:
     """Median RTT in ms of ``probes`` UDP probes from src_ns to an echo at dst_ip in dst_ns.
 
-    A lost probe (or its echo) is not retried; raises LabError if none came back.
+    A probe whose echo is not back within ``timeout_s`` counts as lost and is not retried;
+    raises LabError if none came back.
     """
     server = _socket_in(dst_ns, socket.SOCK_DGRAM)
     client = _socket_in(src_ns, socket.SOCK_DGRAM)
@@ -53,7 +56,7 @@ def measure_rtt(src_ns: str, dst_ns: str, dst_ip: str, probes: int = 21) -> floa
         echo.start()
         try:
             client.connect(server.getsockname())
-            client.settimeout(2.0)
+            client.settimeout(timeout_s)
             rtts = [rtt for seq in range(probes) if (rtt := _probe(client, seq)) is not None]
         finally:
             stop.set()
@@ -76,15 +79,12 @@ def _probe(client: socket.socket, seq: int) -> float | None:
 
 
 class _Sink:
-    """Receives one TCP flow; records when a quarter of it and all of it had arrived."""
+    """Receives one TCP flow and records (time, bytes so far) after every read."""
 
-    # recv_into returns what has arrived, up to the buffer: keep the buffer small next to
-    # the flow, so "a quarter" is reached within a few packets of the real quarter.
-
-    def __init__(self, listener: socket.socket, nbytes: int):
-        self.listener, self.nbytes = listener, nbytes
-        self.t_quarter = self.t_end = 0.0
-        self.received = self.at_quarter = 0
+    def __init__(self, listener: socket.socket):
+        self.listener = listener
+        self.samples: list[tuple[float, int]] = []
+        self.received = 0
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -95,43 +95,56 @@ class _Sink:
                 buf = bytearray(64 * 1024)
                 while n := conn.recv_into(buf):
                     self.received += n
-                    if not self.t_quarter and self.received >= self.nbytes // 4:
-                        self.t_quarter = time.perf_counter()
-                        self.at_quarter = self.received
-                self.t_end = time.perf_counter()
+                    self.samples.append((time.perf_counter(), self.received))
         except OSError as exc:
             self.error = exc
 
+    def settled_mbit(self) -> float:
+        """Rate over the last three quarters of the flow's duration (slow start excluded)."""
+        t_first, t_end = self.samples[0][0], self.samples[-1][0]
+        cut = t_first + (t_end - t_first) / 4
+        i = max(1, next(i for i, (t, _) in enumerate(self.samples) if t >= cut))
+        t_base, base = self.samples[i - 1]
+        if t_end <= t_base:
+            raise LabError("throughput flow too short to time")
+        return (self.received - base) * 8 / (t_end - t_base) / 1e6
+
 
 def measure_throughput(
-    src_ns: str, dst_ns: str, dst_ip: str, nbytes: int, timeout_s: float = 60.0
+    src_ns: str, dst_ns: str, dst_ip: str, nbytes: int, max_s: float = 10.0
 ) -> float:
-    """Goodput in Mbit/s of one TCP flow of ``nbytes`` from src_ns to dst_ip in dst_ns.
+    """Goodput in Mbit/s of one TCP flow from src_ns to dst_ip in dst_ns.
 
-    Timed at the receiver over the last three quarters of the bytes, so TCP slow start
-    (a few RTTs) does not count: the figure is the rate a long transfer settles at.
+    The flow carries ``nbytes`` or stops after ``max_s`` seconds (a lossy link may crawl).
+    It is timed at the receiver over the last three quarters of its duration, so TCP slow
+    start (a few RTTs) does not count: the figure is the rate a long transfer settles at.
     """
     listener = _socket_in(dst_ns, socket.SOCK_STREAM)
     client = _socket_in(src_ns, socket.SOCK_STREAM)
+    timeout_s = max_s + 10
     with listener, client:
         listener.settimeout(timeout_s)
         listener.bind((dst_ip, 0))
         listener.listen(1)
-        sink = _Sink(listener, nbytes)
+        sink = _Sink(listener)
         thread = threading.Thread(target=sink.run, name="lab-throughput-sink")
         thread.start()
         try:
             client.settimeout(timeout_s)
             client.connect(listener.getsockname())
-            chunk = memoryview(bytes(1 << 20))
-            sent = 0
-            while sent < nbytes:
-                client.sendall(chunk[: min(len(chunk), nbytes - sent)])
-                sent += min(len(chunk), nbytes - sent)
+            _send(client, nbytes, time.monotonic() + max_s)
             client.shutdown(socket.SHUT_WR)
         finally:
             thread.join(timeout=timeout_s)
-    if sink.error is not None or sink.received != nbytes or thread.is_alive():
-        raise LabError(f"throughput flow failed: got {sink.received} of {nbytes} B ({sink.error})")
-    seconds = sink.t_end - sink.t_quarter
-    return (sink.received - sink.at_quarter) * 8 / seconds / 1e6
+    if sink.error is not None or thread.is_alive() or len(sink.samples) < 2:
+        raise LabError(f"throughput flow failed after {sink.received} B: {sink.error}")
+    return sink.settled_mbit()
+
+
+def _send(sock: socket.socket, nbytes: int, deadline: float) -> None:
+    chunk = memoryview(bytes(64 * 1024))
+    sent = 0
+    while sent < nbytes and time.monotonic() < deadline:
+        n = min(len(chunk), nbytes - sent)
+        sock.sendall(chunk[:n])
+        sent += n

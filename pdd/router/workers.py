@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
 ]
 
 
