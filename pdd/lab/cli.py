@@ -57,12 +57,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _lab_config(args: argparse.Namespace) -> LabConfig:
-    cfg = load_config(args.config, args.set).lab
-    updates = {f: getattr(args, f, None) for f in _OVERRIDES}
-    updates = {k: v for k, v in updates.items() if v is not None}
-    if not updates:
-        return cfg
-    return LabConfig.model_validate({**cfg.model_dump(), **updates})
+    """The config's lab section with --set and the flags applied (flags win)."""
+    flags = {f: getattr(args, f, None) for f in _OVERRIDES}
+    overrides = args.set + [f"lab.{k}={v}" for k, v in flags.items() if v is not None]
+    return load_config(args.config, overrides).lab
 
 
 def format_status(st: LabStatus) -> str:

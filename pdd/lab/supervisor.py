@@ -46,8 +46,8 @@ class _Supervisor:
         """SIGTERM/SIGINT/SIGHUP: stop the relay; the main flow then tears down."""
         log.info("got %s", signal.Signals(signum).name)
         self.stop_requested = True
-        if self.relay is not None:
-            # Our child: its pid cannot be reused before we reap it.
+        if self.relay is not None and self.relay.returncode is None:
+            # Not reaped yet, so its pid cannot have been reused.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.relay.pid, signal.SIGTERM)
 

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -35,14 +36,36 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_STAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_IN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    kv_stage: bool
+    kv_in: KvIn
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ...) -> None: ...
+
+class KvIn(_message.Message):
+    __slots__ = ("source", "kv_request_id", "wait_s")
+    class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[KvIn.Source]
+        TRANSFER: _ClassVar[KvIn.Source]
+        DRC: _ClassVar[KvIn.Source]
+    NONE: KvIn.Source
+    TRANSFER: KvIn.Source
+    DRC: KvIn.Source
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    source: KvIn.Source
+    kv_request_id: str
+    wait_s: float
+    def __init__(self, source: _Optional[_Union[KvIn.Source, str]] = ..., kv_request_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -63,20 +86,134 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "stop_token_id")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "stop_token_id", "kv_staged_blocks", "kv_loaded_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_STAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: str
     num_prompt_tokens: int
     num_cached_tokens: int
     stop_token_id: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    kv_staged_blocks: int
+    kv_loaded_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., kv_staged_blocks: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ...) -> None: ...
+
+class PeerAddress(_message.Message):
+    __slots__ = ("transport", "host", "port", "ucx_address", "host_id", "name")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    host: str
+    port: int
+    ucx_address: bytes
+    host_id: str
+    name: str
+    def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ucx_address: _Optional[bytes] = ..., host_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class KvDestination(_message.Message):
+    __slots__ = ("peer", "first_block")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    peer: PeerAddress
+    first_block: int
+    def __init__(self, peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class SendKvRequest(_message.Message):
+    __slots__ = ("kv_request_id", "destinations", "deadline_s")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    destinations: _containers.RepeatedCompositeFieldContainer[KvDestination]
+    deadline_s: float
+    def __init__(self, kv_request_id: _Optional[str] = ..., destinations: _Optional[_Iterable[_Union[KvDestination, _Mapping]]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class SendKvResponse(_message.Message):
+    __slots__ = ("staged_blocks", "bytes_per_destination")
+    STAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    staged_blocks: int
+    bytes_per_destination: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, staged_blocks: _Optional[int] = ..., bytes_per_destination: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrepareKvRequest(_message.Message):
+    __slots__ = ("kv_request_id", "prompt_token_ids", "lease_s")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    def __init__(self, kv_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class PrepareKvResponse(_message.Message):
+    __slots__ = ("cached_blocks", "reserved_blocks", "address")
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    cached_blocks: int
+    reserved_blocks: int
+    address: PeerAddress
+    def __init__(self, cached_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., address: _Optional[_Union[PeerAddress, _Mapping]] = ...) -> None: ...
+
+class AwaitKvRequest(_message.Message):
+    __slots__ = ("kv_request_id", "timeout_s")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    timeout_s: float
+    def __init__(self, kv_request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class AwaitKvResponse(_message.Message):
+    __slots__ = ("state", "bytes_received", "blocks_ready", "reason")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_READY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    bytes_received: int
+    blocks_ready: int
+    reason: str
+    def __init__(self, state: _Optional[str] = ..., bytes_received: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelKvRequest(_message.Message):
+    __slots__ = ("kv_request_id", "reason")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    reason: str
+    def __init__(self, kv_request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelKvResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class DrcEventsRequest(_message.Message):
+    __slots__ = ("since",)
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    since: int
+    def __init__(self, since: _Optional[int] = ...) -> None: ...
+
+class DrcEventsResponse(_message.Message):
+    __slots__ = ("json", "snapshot")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    snapshot: bool
+    def __init__(self, json: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -111,7 +248,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len")
+    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +258,20 @@ class StatsResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    DRC_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRC_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRC_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRC_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRC_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    WAN_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    WAN_RTT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_requests: int
@@ -130,4 +281,18 @@ class StatsResponse(_message.Message):
     prefix_cache_hits: int
     num_generated_tokens: int
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    pinned_slots: int
+    open_transfers: int
+    drc_capacity_blocks: int
+    drc_used_blocks: int
+    drc_query_tokens: int
+    drc_hit_tokens: int
+    drc_evictions: int
+    wan_bandwidth_bps: float
+    wan_rtt_s: float
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    block_size: int
+    kv_block_bytes: int
+    max_num_seqs: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...

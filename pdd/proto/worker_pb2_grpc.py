@@ -54,6 +54,31 @@ class WorkerStub:
                 request_serializer=pdd_dot_proto_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdd_dot_proto_dot_worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SendKv = channel.unary_unary(
+                '/pdd.worker.v1.Worker/SendKv',
+                request_serializer=pdd_dot_proto_dot_worker__pb2.SendKvRequest.SerializeToString,
+                response_deserializer=pdd_dot_proto_dot_worker__pb2.SendKvResponse.FromString,
+                _registered_method=True)
+        self.PrepareKv = channel.unary_unary(
+                '/pdd.worker.v1.Worker/PrepareKv',
+                request_serializer=pdd_dot_proto_dot_worker__pb2.PrepareKvRequest.SerializeToString,
+                response_deserializer=pdd_dot_proto_dot_worker__pb2.PrepareKvResponse.FromString,
+                _registered_method=True)
+        self.AwaitKv = channel.unary_unary(
+                '/pdd.worker.v1.Worker/AwaitKv',
+                request_serializer=pdd_dot_proto_dot_worker__pb2.AwaitKvRequest.SerializeToString,
+                response_deserializer=pdd_dot_proto_dot_worker__pb2.AwaitKvResponse.FromString,
+                _registered_method=True)
+        self.CancelKv = channel.unary_unary(
+                '/pdd.worker.v1.Worker/CancelKv',
+                request_serializer=pdd_dot_proto_dot_worker__pb2.CancelKvRequest.SerializeToString,
+                response_deserializer=pdd_dot_proto_dot_worker__pb2.CancelKvResponse.FromString,
+                _registered_method=True)
+        self.DrcEvents = channel.unary_unary(
+                '/pdd.worker.v1.Worker/DrcEvents',
+                request_serializer=pdd_dot_proto_dot_worker__pb2.DrcEventsRequest.SerializeToString,
+                response_deserializer=pdd_dot_proto_dot_worker__pb2.DrcEventsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -84,6 +109,42 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendKv(self, request, context):
+        """--- KV plane control (PDD roles; see docs/notes/pdd-core-design.md) ---
+        P: send the KV staged by a Generate with kv_stage=true to the given destinations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareKv(self, request, context):
+        """MD: reserve landing slots for the blocks of this prompt the DRC lacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AwaitKv(self, request, context):
+        """RLD/MD: wait until the inbound KV of a request landed (or failed / timed out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelKv(self, request, context):
+        """P/RLD/MD: drop everything held for a request's KV (outbound sends, landing slots, leases).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrcEvents(self, request, context):
+        """MD: the DRC's contents for the router's prefix view (snapshot when since < 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +167,31 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdd_dot_proto_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdd_dot_proto_dot_worker__pb2.StatsResponse.SerializeToString,
+            ),
+            'SendKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendKv,
+                    request_deserializer=pdd_dot_proto_dot_worker__pb2.SendKvRequest.FromString,
+                    response_serializer=pdd_dot_proto_dot_worker__pb2.SendKvResponse.SerializeToString,
+            ),
+            'PrepareKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareKv,
+                    request_deserializer=pdd_dot_proto_dot_worker__pb2.PrepareKvRequest.FromString,
+                    response_serializer=pdd_dot_proto_dot_worker__pb2.PrepareKvResponse.SerializeToString,
+            ),
+            'AwaitKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitKv,
+                    request_deserializer=pdd_dot_proto_dot_worker__pb2.AwaitKvRequest.FromString,
+                    response_serializer=pdd_dot_proto_dot_worker__pb2.AwaitKvResponse.SerializeToString,
+            ),
+            'CancelKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelKv,
+                    request_deserializer=pdd_dot_proto_dot_worker__pb2.CancelKvRequest.FromString,
+                    response_serializer=pdd_dot_proto_dot_worker__pb2.CancelKvResponse.SerializeToString,
+            ),
+            'DrcEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrcEvents,
+                    request_deserializer=pdd_dot_proto_dot_worker__pb2.DrcEventsRequest.FromString,
+                    response_serializer=pdd_dot_proto_dot_worker__pb2.DrcEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +302,141 @@ class Worker:
             '/pdd.worker.v1.Worker/Stats',
             pdd_dot_proto_dot_worker__pb2.StatsRequest.SerializeToString,
             pdd_dot_proto_dot_worker__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.worker.v1.Worker/SendKv',
+            pdd_dot_proto_dot_worker__pb2.SendKvRequest.SerializeToString,
+            pdd_dot_proto_dot_worker__pb2.SendKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.worker.v1.Worker/PrepareKv',
+            pdd_dot_proto_dot_worker__pb2.PrepareKvRequest.SerializeToString,
+            pdd_dot_proto_dot_worker__pb2.PrepareKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.worker.v1.Worker/AwaitKv',
+            pdd_dot_proto_dot_worker__pb2.AwaitKvRequest.SerializeToString,
+            pdd_dot_proto_dot_worker__pb2.AwaitKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.worker.v1.Worker/CancelKv',
+            pdd_dot_proto_dot_worker__pb2.CancelKvRequest.SerializeToString,
+            pdd_dot_proto_dot_worker__pb2.CancelKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrcEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.worker.v1.Worker/DrcEvents',
+            pdd_dot_proto_dot_worker__pb2.DrcEventsRequest.SerializeToString,
+            pdd_dot_proto_dot_worker__pb2.DrcEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
