@@ -19,12 +19,14 @@ overheads come from the model's chat template. Two models of this arithmetic:
 
 from __future__ import annotations
 
+import re
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
 Message = tuple[str, str]  # (role, content)
+_PIECE = re.compile(r"[^\W\d_]+|\d+|[\W_]+")
 
 
 class TokenModel(ABC):
@@ -81,15 +83,12 @@ class EstimatedTokens(TokenModel):
         self._extra = tokens_per_word - 1.0
 
     def _encode_atom(self, atom: str) -> tuple[int, ...]:
-        # One token per piece, plus a share of the words getting a second token chosen by a
-        # stable hash, so the mean is tokens_per_word and the count never depends on the run.
+        # One token per piece (a run of letters, of digits, or of punctuation), plus one more
+        # for a stable-hash-chosen share of atoms, so a plain word averages tokens_per_word.
         body = atom.strip()
-        n = 1
-        letters = [c for c in body if c.isalnum()]
-        if letters and len(letters) != len(body):
-            n += 1  # punctuation is a piece of its own
+        n = len(_PIECE.findall(body)) or 1
         h = zlib.crc32(body.encode()) & 0xFFFF
-        n += int(h / 0x10000 < self._extra * n)
+        n += int(h / 0x10000 < self._extra)
         return tuple(zlib.crc32(f"{body}#{i}".encode()) for i in range(n))
 
     def message_overhead(self, role: str) -> tuple[int, int]:
