@@ -1,11 +1,75 @@
-"""Router section."""
+"""Router section, with the PDD policy (``router.pdd``) as a nested group."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdd.config.base import Section
 from pdd.protocol import RouterMode
+
+
+class PddPolicyConfig(Section):
+    """Pipeline choice, handoff and KV-plane timing of router.mode pdd (and the pd baselines)."""
+
+    ttft_budget_s: float = Field(
+        1.0,
+        gt=0,
+        description="p_md when the WAN transfer of the blocks MD lacks is expected to take at "
+        "most this (rtt + bytes*8/bandwidth); above it p_rld_md lets RLD hide the transfer.",
+    )
+    wan_bandwidth_bps: float = Field(
+        1e9,
+        gt=0,
+        description="WAN bandwidth estimate (bits/s) used until P reports a measured one.",
+    )
+    wan_rtt_s: float = Field(
+        0.02, ge=0, description="WAN round-trip estimate used until P reports a measured one."
+    )
+    catch_up_load_threshold: float = Field(
+        0.5,
+        ge=0,
+        description="Handoff mode switch: Catch-Up when the RLD's load (requests / "
+        "max_num_seqs) is above this, else One-Shot.",
+    )
+    catch_up_threshold_tokens: int = Field(
+        64,
+        gt=0,
+        description="Catch-Up: MD warm-up rounds repeat until fewer than this many emitted "
+        "tokens are still missing on MD; then the switch happens.",
+    )
+    max_catch_up_rounds: int = Field(
+        8, gt=0, description="Catch-Up: switch after this many warm-up rounds regardless."
+    )
+    await_kv_poll_s: float = Field(
+        1.0, gt=0, description="Timeout of one AwaitKv call (the router polls until done)."
+    )
+    await_kv_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest wait for MD's KV to land; then MD continues anyway and "
+        "recomputes what is missing.",
+    )
+    kv_lease_s: float = Field(
+        120.0,
+        gt=0,
+        description="Lease of the landing slots PrepareKv reserves (released earlier by "
+        "landing+use or CancelKv; the lease is the backstop for a lost router).",
+    )
+    send_kv_deadline_s: float = Field(
+        120.0, gt=0, description="Deadline P gives each KV send (SendKv.deadline_s)."
+    )
+    kv_in_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long RLD/MD wait inside Generate for inbound KV before recomputing "
+        "it (KvIn.wait_s).",
+    )
+
+    @model_validator(mode="after")
+    def _poll_within_timeout(self) -> PddPolicyConfig:
+        if self.await_kv_poll_s > self.await_kv_timeout_s:
+            raise ValueError("await_kv_poll_s must not exceed await_kv_timeout_s")
+        return self
 
 
 class RouterConfig(Section):
@@ -25,9 +89,16 @@ class RouterConfig(Section):
         5.0, gt=0, description="Deadline for control RPCs (health, stats, abort) to workers."
     )
     health_interval_s: float = Field(
-        1.0, gt=0, description="How often the router polls each worker's health."
+        1.0,
+        gt=0,
+        description="How often the router polls each worker's health (and, in mode pdd, "
+        "each MainDecode's DRC events).",
     )
     max_queued_requests: int = Field(
         256, gt=0, description="Requests admitted but not yet finished; 429 above."
     )
     log_requests: bool = Field(False, description="Log one line per finished request.")
+    pdd: PddPolicyConfig = Field(
+        default_factory=PddPolicyConfig,
+        description="PDD policy: pipeline choice, handoff, KV-plane timing (modes pdd, pd_*).",
+    )

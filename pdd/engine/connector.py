@@ -1,28 +1,48 @@
 """PddConnector: pdd's vLLM KV connector (``KVConnectorBase_V1``, vLLM 0.32).
 
 vLLM builds two instances per engine from ``KVTransferConfig(kv_connector="PddConnector",
-kv_connector_module_path="pdd.engine.connector", kv_role=..., kv_connector_extra_config=...)``:
-one with role SCHEDULER (in the engine-core process) and one with role WORKER (in the worker
-process: the same process when the executor is "uni", a child of it when "mp"). This class
-only dispatches to the half for its role:
+kv_connector_module_path="pdd.engine.connector", kv_role=..., kv_connector_extra_config=
+ConnectorSettings(...).model_dump())``: one with role SCHEDULER (engine-core process) and one
+with role WORKER (same process with the "uni" executor, a child with "mp"). This class only
+dispatches to the half for its role:
 
-- ``SchedulerHalf`` (connector_scheduler.py): per-request bookkeeping, no I/O.
-- ``WorkerHalf`` (connector_worker.py): copies blocks between the paged cache and a KV channel.
+- ``SchedulerHalf`` (connector_scheduler.py): per-request bookkeeping, no bytes.
+- ``WorkerHalf`` (connector_worker.py): synchronous copies between the paged cache and slots.
 
-Per request, in ``kv_transfer_params["pdd"]`` (typed in connector_params.py):
-- ``export`` (kv_producer): stream the prompt's KV blocks into the channel as soon as each
-  forward completes them; vLLM keeps the blocks until the stream ends (done, failed,
-  cancelled, lease expired). The finished output carries ``exported``.
-- ``load`` (kv_consumer): load the first ``num_tokens`` prompt tokens from the channel
-  asynchronously, then compute the rest (the last prompt token, or the extend tokens). A failed
-  load makes vLLM recompute. The finished output carries ``loaded``.
+The connector moves KV between vLLM's paged cache and the slots of a shared-memory arena
+(pdd.cache.arena) that the worker shell owns. It knows nothing of peers, transports, hashes
+or leases. Per request, in ``kv_transfer_params["pdd"]`` (typed in connector_params.py):
 
-The channel (connector_channel.py) is pluggable: ``extra_config["channel"]``.
+- ``export {slots}`` (kv_producer, P): prompt block i is copied into ``slots[i]`` right after
+  the forward that computed it (with chunked prefill, earlier chunks' blocks in earlier steps).
+  vLLM frees its blocks as usual when the request finishes. Result: ``exported``.
+- ``load {slots}`` (kv_consumer, RLD/MD): prompt block i is copied from ``slots[i]`` into the
+  paged cache before the forward of the request's first step; vLLM computes only the rest (at
+  least the last prompt token). Blocks vLLM's own prefix cache holds are not copied. Result:
+  ``loaded``.
+
+Slot contract (the shell's side; the connector never checks slot contents):
+
+1. Only whole prompt blocks travel: ``len(slots) <= len(prompt) // block_size``, distinct ids
+   below ``arena.num_slots``; otherwise the params are refused (the request runs without
+   them, and the result's ``error`` says why).
+2. A load's slots hold complete, valid blocks when the request is submitted (the shell has
+   waited for its transfer and checked it). A slot the shell marked invalid is never passed.
+3. The shell keeps every slot of a request pinned (not freed, not reused, not written) from
+   submission until the connector is done with it:
+   - a request that finished normally: its final output (with ``exported``/``loaded``)
+     proves it, since the copies run inside the engine steps that produced its outputs;
+   - always, and the only safe signal after an abort: the request's ``fence`` ticket posted
+     on the fence board (``arena.FenceBoard``). The frontend ends an aborted stream at once,
+     while the engine core may still be running a step that copies for it; the worker posts
+     the ticket in the first step scheduled after the engine core finished the request.
+   - if the engine core died, nothing maps the slots any more.
+4. P's slots are written by this connector only; the shell sends them once P's final output
+   arrived with ``exported.complete``.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +50,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -50,8 +69,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
-
 
 class PddConnector(KVConnectorBase_V1):
     def __init__(
@@ -68,44 +85,27 @@ class PddConnector(KVConnectorBase_V1):
             raise ConfigError(f"bad PddConnector kv_connector_extra_config: {exc}") from exc
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError("PddConnector supports one KV cache group (full attention) only")
-        block_size = vllm_config.cache_config.block_size
-        producer, consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._require_recompute_policy(consumer)
-            self._sched = SchedulerHalf(settings, block_size, producer, consumer)
+            block_size = vllm_config.cache_config.block_size
+            self._sched = SchedulerHalf(
+                settings, block_size, ktc.is_kv_producer, ktc.is_kv_consumer
+            )
         else:
-            self._worker = WorkerHalf(settings, block_size, producer, consumer)
-
-    def _require_recompute_policy(self, consumer: bool) -> None:
-        """A failed load must be recomputed, never fail the user's request (vLLM's default).
-
-        vLLM's scheduler reads kv_load_failure_policy right after building this half, so the
-        setting made here takes effect; pdd.engine.engine should pass it explicitly anyway.
-        """
-        ktc = self._kv_transfer_config
-        if consumer and ktc.kv_load_failure_policy != "recompute":
-            log.warning("PddConnector: setting kv_load_failure_policy='recompute' (was %r)",
-                        ktc.kv_load_failure_policy)  # fmt: skip
-            ktc.kv_load_failure_policy = "recompute"
+            self._worker = WorkerHalf(settings)
 
     # ==== worker side ========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._w().register_kv_caches(kv_caches)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, PddConnectorMetadata)
-        self._w().apply_cancels(kv_connector_metadata)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._meta()
-        self._w().apply_cancels(meta)  # also on steps without a forward
-        self._w().start_loads(meta)
+        # Once per step; before the forward whenever this step has loads (sync loads).
+        self._w().load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are whole-request and async: vLLM schedules only after they end
+        return None  # loads ran in start_load_kv, before the forward
 
     def save_kv_layer(
         self,
@@ -114,14 +114,11 @@ class PddConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return None  # exports run once per step, in wait_for_save, over all layers
+        return None  # saves run once per step, in wait_for_save, over all layers
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self._w().export(self._meta())
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._w().transfer_results(finished_req_ids)
+            self._w().save(self._meta())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._w().take_worker_meta()

@@ -1,23 +1,30 @@
 """The typed messages PddConnector reads from and writes to ``kv_transfer_params``.
 
-No vLLM, no torch: the router and the roles build these and read the results without loading
-the engine. Everything lives under one key, ``"pdd"``, of vLLM's free-form
+No vLLM, no torch: the worker shell, the roles and the router build these and read the results
+without loading the engine. Everything lives under one key, ``"pdd"``, of vLLM's free-form
 ``kv_transfer_params`` dict, which vLLM carries in ``SamplingParams.extra_args`` on the way in
-and in ``RequestOutput.kv_transfer_params`` on the way out:
+and in ``RequestOutput.kv_transfer_params`` (final output only) on the way out:
 
-    in  (P):  {"pdd": {"export": {"transfer_id": "t1"}}}
-    out (P):  {"pdd": {"exported": {"transfer_id": "t1", "num_tokens": 450, ...}}}
-    in  (D):  {"pdd": {"load": {"transfer_id": "t1", "num_tokens": 450}}}
-    out (D):  {"pdd": {"loaded": {"transfer_id": "t1", "num_tokens": 450, "ok": true, ...}}}
+    in  (P):  {"pdd": {"export": {"slots": [9, 8, 7], "fence": {"index": 0, "ticket": 17}}}}
+    out (P):  {"pdd": {"exported": {"num_blocks": 3, "num_tokens": 96, "complete": true,
+                                    "error": null}}}
+    in  (D):  {"pdd": {"load": {"slots": [9, 8, 7], "fence": {"index": 1, "ticket": 18}}}}
+    out (D):  {"pdd": {"loaded": {"num_blocks": 3, "first_block": 0, "num_tokens": 96,
+                                  "ok": true, "seconds": 0.0021, "error": null}}}
 
-Also: ``ConnectorSettings``, the connector's ``kv_connector_extra_config`` (one per engine).
+``slots[i]`` is the arena slot of prompt block ``i`` (tokens ``[i * block_size, (i+1) *
+block_size)``); only whole prompt blocks travel, so ``len(slots)`` must not exceed
+``len(prompt) // block_size``. Also: ``ConnectorSettings``, the connector's
+``kv_connector_extra_config`` (one per engine).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pdd.cache.arena import ArenaRef
 
 PARAMS_KEY = "pdd"
 
@@ -26,23 +33,37 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ExportParams(_Msg):
-    """On a producer (P): stream this request's prompt KV into the channel as it is computed."""
+class FenceRef(_Msg):
+    """Where the connector posts "done with this request's slots" (see arena.FenceBoard)."""
 
-    transfer_id: str = Field(..., min_length=1, description="Channel key of the stream.")
-    lease_s: float | None = Field(
-        None, gt=0, description="Max seconds to hold the blocks after the request finished."
+    index: int = Field(..., ge=0, description="Word of the engine's fence board.")
+    ticket: int = Field(..., ge=1, lt=1 << 64, description="Value posted; unique per request.")
+
+
+class _SlotParams(_Msg):
+    slots: list[int] = Field(
+        ..., min_length=1, description="Arena slot of prompt block i, for i < len(slots)."
+    )
+    fence: FenceRef | None = Field(
+        None, description="Posted once the engine will never touch these slots again."
     )
 
+    @field_validator("slots")
+    @classmethod
+    def _distinct_non_negative(cls, slots: list[int]) -> list[int]:
+        if min(slots) < 0:
+            raise ValueError("slot ids must be >= 0")
+        if len(set(slots)) != len(slots):
+            raise ValueError("slot ids must be distinct")
+        return slots
 
-class LoadParams(_Msg):
-    """On a consumer (RLD/MD): load the first ``num_tokens`` prompt tokens from the channel."""
 
-    transfer_id: str = Field(..., min_length=1, description="Channel key of the stream.")
-    num_tokens: int = Field(..., gt=0, description="Prompt tokens the stream carries.")
-    deadline_s: float | None = Field(
-        None, gt=0, description="Max seconds to wait for the whole load, from its start."
-    )
+class ExportParams(_SlotParams):
+    """On a producer (P): copy prompt block i into ``slots[i]`` as soon as it is computed."""
+
+
+class LoadParams(_SlotParams):
+    """On a consumer (RLD/MD): take prompt block i from ``slots[i]`` instead of computing it."""
 
 
 class RequestKvParams(_Msg):
@@ -64,22 +85,22 @@ class RequestKvParams(_Msg):
 
 
 class ExportResult(_Msg):
-    """Returned by P when its request finishes; the router forwards it as a LoadParams."""
+    """Returned by P when its request finishes: which slots hold the prompt's blocks."""
 
-    transfer_id: str
-    num_tokens: int = Field(description="Prompt tokens whose KV entered the stream.")
-    num_blocks: int
-    complete: bool = Field(description="False if the export was cut short (abort, preemption).")
+    num_blocks: int = Field(description="slots[:num_blocks] hold prompt blocks 0..num_blocks-1.")
+    num_tokens: int = Field(description="num_blocks * block_size.")
+    complete: bool = Field(description="Every requested slot was filled.")
+    error: str | None = Field(None, description="Why the export was refused.")
 
 
 class LoadResult(_Msg):
-    """Returned by D when its request finishes: how the load went."""
+    """Returned by D when its request finishes: how much of the prompt came from slots."""
 
-    transfer_id: str
-    num_tokens: int = Field(description="Prompt tokens asked from the stream.")
-    num_blocks: int
-    ok: bool = Field(description="False: the load failed and vLLM recomputed the prompt.")
-    seconds: float = Field(description="Load start to end, in the worker.")
+    num_blocks: int = Field(description="Blocks copied from slots[first_block:...].")
+    first_block: int = Field(description="Blocks below came from vLLM's own prefix cache.")
+    num_tokens: int = Field(description="Prompt tokens with KV before computing (cache + load).")
+    ok: bool = Field(description="False: the load was refused; vLLM computed the prompt.")
+    seconds: float | None = Field(None, description="Copy time; None if not reported yet.")
     error: str | None = None
 
 
@@ -88,22 +109,10 @@ def wrap(**entries: _Msg) -> dict[str, Any]:
     return {PARAMS_KEY: {k: v.model_dump() for k, v in entries.items()}}
 
 
-class ChannelSpec(_Msg):
-    """Which KV channel implementation to build, and its options."""
-
-    kind: str = Field(
-        "shm",
-        description="'shm' (directory store, tests and single host) or 'package.module' of a "
-        "module with make_sink(options, layout) and make_source(options, layout).",
-    )
-    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the factory.")
-
-
 class ConnectorSettings(_Msg):
-    """PddConnector's ``kv_connector_extra_config``."""
+    """PddConnector's ``kv_connector_extra_config``: the shell's arenas, by name."""
 
-    channel: ChannelSpec = Field(default_factory=ChannelSpec)
-    lease_s: float = Field(
-        30.0, gt=0, description="Default hold time of a finished request's blocks on P."
+    arena: ArenaRef = Field(..., description="The KV slot arena (slot_bytes = one KV block).")
+    fences: ArenaRef | None = Field(
+        None, description="The fence board (8-byte slots); needed by requests with a fence."
     )
-    load_deadline_s: float = Field(30.0, gt=0, description="Default deadline of one load.")

@@ -1,18 +1,19 @@
-"""Scheduler half of PddConnector: which blocks to export, which to load, when to free.
+"""Scheduler half of PddConnector: which blocks to copy to/from which slots, and when.
 
-Runs in vLLM's scheduler (the engine-core process), on the engine-core thread; never does I/O.
-It owns the per-request bookkeeping:
+Runs in vLLM's scheduler (the engine-core process), on the engine-core thread; no I/O, no
+bytes. Owns ``_reqs``: one record per request that carries pdd kv_transfer_params, from the
+first time vLLM shows it to us until ``request_finished``. Params are checked once, against
+the arena size and the prompt; a refused request runs as if it had none (vLLM computes) and
+its result says why.
 
-- producer: ``_exports[req_id]`` from the first allocation until ``request_finished``. Each
-  step, the blocks that this step's forward completes become an ExportJob; the last job
-  (prompt complete) seals the stream, counting the partial last block. ``request_finished``
-  returns True (vLLM must not free the blocks) iff a job was ever emitted, because only then
-  does the worker hold views of them; the worker reports the request in ``finished_sending``
-  exactly once, when the stream is terminal or its lease ran out.
-- consumer: ``_loads[req_id]`` from ``update_state_after_alloc`` (blocks allocated) until
-  ``request_finished``. ``get_num_new_matched_tokens`` answers (n, True): n prompt tokens
-  arrive asynchronously; vLLM parks the request in WAITING_FOR_REMOTE_KVS until the worker
-  reports it in ``finished_recving`` (and ``failed_recving`` on failure: vLLM recomputes).
+- export (producer): each step, the prompt blocks this step's forward completes (and, on the
+  first step, those vLLM's prefix cache already held) become a save job, up to len(slots).
+  ``request_finished`` never delays the free: the copies already ran.
+- load (consumer): ``get_num_new_matched_tokens`` answers (n, False): n tokens are available
+  *synchronously*, so vLLM schedules the request at once and runs ``start_load_kv`` before the
+  forward; the load job copies blocks [local hit, end) from their slots. At least one prompt
+  token is always left to compute (vLLM needs one to sample from).
+- fence: in the first step scheduled after ``request_finished``, the worker posts it.
 """
 
 from __future__ import annotations
@@ -24,19 +25,13 @@ from typing import Any
 from pydantic import ValidationError
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
-from pdd.engine.connector_meta import (
-    ExportJob,
-    LoadJob,
-    PddConnectorMetadata,
-    PddWorkerMetadata,
-)
+from pdd.engine.connector_meta import CopyJob, PddConnectorMetadata, PddWorkerMetadata
 from pdd.engine.connector_params import (
     ConnectorSettings,
-    ExportParams,
     ExportResult,
-    LoadParams,
+    FenceRef,
     LoadResult,
     RequestKvParams,
     wrap,
@@ -46,169 +41,164 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Export:
+class _Req:
     request: Request
-    params: ExportParams
-    next_block: int = 0  # first stream block not yet handed to the worker
-    emitted: bool = False  # some job reached the worker: it holds views of our blocks
-    sealed: bool = False
-    dead: bool = False  # cut short (preempted): no more jobs
-
-
-@dataclass
-class _Load:
-    params: LoadParams
-    job: LoadJob
-    result: LoadResult | None = None
+    slots: tuple[int, ...]
+    is_export: bool
+    fence: FenceRef | None
+    error: str | None = None
+    next_block: int = 0  # export: first block not yet handed to the worker
+    local_hit: int = 0  # load: block-aligned local prefix hit seen by the last match query
+    loaded: LoadResult | None = None
 
 
 class SchedulerHalf:
     def __init__(
         self, settings: ConnectorSettings, block_size: int, producer: bool, consumer: bool
     ):
-        self._settings = settings
+        self._num_slots = settings.arena.num_slots
+        self._num_fences = settings.fences.num_slots if settings.fences is not None else 0
         self._block_size = block_size
-        self._producer = producer
-        self._consumer = consumer
+        self._producer, self._consumer = producer, consumer
         self._block_ids_of = None  # set by bind(): req_id -> tuple of block-id lists
-        self._exports: dict[str, _Export] = {}
-        self._loads: dict[str, _Load] = {}
-        self._probes: dict[str, int] = {}  # req_id -> local hit seen by the last match query
-        self._new_loads: list[LoadJob] = []
-        self._cancels: list[str] = []
+        self._reqs: dict[str, _Req] = {}
+        self._new_loads: list[CopyJob] = []
+        self._fences: list[tuple[int, int]] = []
 
     def bind(self, kv_cache_manager: Any) -> None:
         self._block_ids_of = kv_cache_manager.get_block_ids
 
-    # --- consumer: how many tokens arrive from outside --------------------------------------
+    # --- consumer: how many prompt tokens come from slots -----------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        params = self._params(request)
-        if params is None or params.load is None or request.request_id in self._loads:
-            return 0, False  # a second query after a load started (preemption): recompute
-        if not self._consumer:
-            log.warning("request %s asks for a load on a producer-only engine", request.request_id)
+    def get_num_new_matched_tokens(self, request: Request, local_hit: int) -> tuple[int, bool]:
+        rec = self._record(request)
+        if rec is None or rec.is_export or rec.error is not None:
             return 0, False
-        available = min(params.load.num_tokens, request.num_prompt_tokens)
-        if available <= num_computed:
-            return 0, False
-        self._probes[request.request_id] = num_computed
-        return available - num_computed, True
+        rec.local_hit = local_hit
+        end = min(len(rec.slots) * self._block_size, request.num_tokens - 1)
+        if end <= local_hit:
+            return 0, False  # vLLM's own prefix cache already holds every slotted block
+        return end - local_hit, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external: int) -> None:
-        params = self._params(request)
-        if params is None:
+        rec = self._record(request)
+        if rec is None or rec.is_export or rec.error is not None or num_external == 0:
             return
-        rid = request.request_id
-        if params.export is not None and rid not in self._exports:
-            if self._producer:
-                self._exports[rid] = _Export(request, params.export)
-            else:
-                log.warning("request %s asks for an export on a consumer-only engine", rid)
-        if params.load is not None and num_external > 0 and rid in self._probes:
-            self._start_load(request, params.load, blocks.get_block_ids()[0], num_external)
-
-    def _start_load(
-        self, request: Request, params: LoadParams, block_ids: list[int], num_external: int
-    ) -> None:
-        rid = request.request_id
-        local = self._probes.pop(rid)  # block-aligned: vLLM passes a block-aligned local hit
-        end = local + num_external
-        first = local // self._block_size
-        last = -(-end // self._block_size)  # ceil: the partial last block is loaded too
-        job = LoadJob(
-            req_id=rid,
-            transfer_id=params.transfer_id,
-            first_block=first,
-            block_ids=tuple(block_ids[first:last]),
-            num_tokens=end,
-            deadline_s=params.deadline_s or self._settings.load_deadline_s,
+        bs = self._block_size
+        first, end = rec.local_hit // bs, rec.local_hit + num_external
+        last = -(-end // bs)  # ceil: a last block cut short at num_tokens - 1 is copied whole
+        block_ids = blocks.get_block_ids()[0]
+        self._new_loads.append(
+            CopyJob(request.request_id, tuple(block_ids[first:last]), rec.slots[first:last])
         )
-        self._loads[rid] = _Load(params, job)
-        self._new_loads.append(job)
+        rec.loaded = LoadResult(num_blocks=last - first, first_block=first, num_tokens=end, ok=True)
 
-    # --- per step: build the worker's work list ---------------------------------------------
+    # --- per step: the worker's copy list ---------------------------------------------------
 
     def build_meta(self, out: SchedulerOutput) -> PddConnectorMetadata:
-        meta = PddConnectorMetadata(loads=self._new_loads, cancels=self._cancels)
-        self._new_loads, self._cancels = [], []
-        for rid in out.preempted_req_ids or ():
-            self._cut_export(rid, meta)
+        meta = PddConnectorMetadata(loads=self._new_loads, fences=self._fences)
+        self._new_loads, self._fences = [], []
         for rid, num_new in out.num_scheduled_tokens.items():
-            export = self._exports.get(rid)
-            if export is not None and not export.sealed and not export.dead:
-                job = self._export_job(export, num_new)
+            rec = self._reqs.get(rid)
+            if rec is not None and rec.is_export and rec.error is None:
+                job = self._save_job(rec, num_new)
                 if job is not None:
-                    meta.exports.append(job)
+                    meta.saves.append(job)
         return meta
 
-    def _export_job(self, export: _Export, num_new: int) -> ExportJob | None:
-        """The blocks complete after this step: all whole blocks, plus the tail at the end."""
-        req = export.request
-        prompt = req.num_prompt_tokens
-        done = min(req.num_computed_tokens + num_new, prompt)  # num_computed: before this step
-        sealing = done >= prompt
-        end = -(-prompt // self._block_size) if sealing else done // self._block_size
-        if end <= export.next_block and not sealing:
+    def _save_job(self, rec: _Req, num_new: int) -> CopyJob | None:
+        """The slotted blocks whole once this step ran (num_computed_tokens: before the step).
+
+        ``[next_block, end)``, end = min(tokens computed after this step // block_size, slots).
+        """
+        req = rec.request
+        done = min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
+        end = min(done // self._block_size, len(rec.slots))
+        if end <= rec.next_block:
             return None
         block_ids = self._block_ids_of(req.request_id)[0]
-        job = ExportJob(
-            req_id=req.request_id,
-            transfer_id=export.params.transfer_id,
-            first_block=export.next_block,
-            block_ids=tuple(block_ids[export.next_block : end]),
-            open=not export.emitted,
-            seal_num_tokens=prompt if sealing else None,
-            lease_s=export.params.lease_s or self._settings.lease_s,
-        )
-        export.next_block, export.emitted, export.sealed = end, True, sealing
-        return job
-
-    def _cut_export(self, rid: str, meta: PddConnectorMetadata) -> None:
-        """A preempted producer request loses its blocks: the worker stops reading them now."""
-        export = self._exports.get(rid)
-        if export is not None and export.emitted and not export.sealed and not export.dead:
-            export.dead = True
-            meta.cancels.append(rid)
-            log.info("export of %s cut short by preemption", rid)
-
-    # --- results from the worker and the end of a request -----------------------------------
+        start, rec.next_block = rec.next_block, end
+        return CopyJob(req.request_id, tuple(block_ids[start:end]), rec.slots[start:end])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PddWorkerMetadata):
             return
-        for rid, result in meta.loads.items():
-            if rid in self._loads:
-                self._loads[rid].result = result
-        for sent in meta.sends:
-            log.info("export %s of %s ended %s after %.3f s", sent.transfer_id, sent.req_id,
-                     sent.state, sent.seconds)  # fmt: skip
+        for rid, stat in meta.loads.items():
+            rec = self._reqs.get(rid)
+            if rec is not None and rec.loaded is not None:
+                rec.loaded = rec.loaded.model_copy(update={"seconds": stat.seconds})
+        for rid, stat in meta.saves.items():
+            log.debug("export of %s: %d blocks copied in %.4f s", rid, stat.blocks, stat.seconds)
+
+    # --- the end of a request ---------------------------------------------------------------
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        self._probes.pop(rid, None)
-        load = self._loads.pop(rid, None)
-        export = self._exports.pop(rid, None)
-        if export is not None and export.emitted:
-            aborted = request.status == RequestStatus.FINISHED_ABORTED
-            if aborted or not export.sealed:
-                self._cancels.append(rid)
+        """Never delays the free: every copy of this request has run (see the module doc)."""
+        rec = self._reqs.pop(request.request_id, None)
+        if rec is None:
+            return False, None
+        if rec.fence is not None:
+            self._fences.append((rec.fence.index, rec.fence.ticket))
+        if rec.is_export:
+            done = rec.next_block
             result = ExportResult(
-                transfer_id=export.params.transfer_id,
-                num_tokens=request.num_prompt_tokens if export.sealed else 0,
-                num_blocks=export.next_block,
-                complete=export.sealed and not export.dead and not aborted,
+                num_blocks=done,
+                num_tokens=done * self._block_size,
+                complete=rec.error is None and done == len(rec.slots),
+                error=rec.error,
             )
-            return True, wrap(exported=result)
-        if load is not None and load.result is not None:
-            return False, wrap(loaded=load.result)
-        return False, None
+            return False, wrap(exported=result)
+        loaded = rec.loaded or LoadResult(  # refused, or all in vLLM's prefix cache
+            num_blocks=0,
+            first_block=min(rec.local_hit // self._block_size, len(rec.slots)),
+            num_tokens=rec.local_hit,
+            ok=rec.error is None,
+            error=rec.error,
+        )
+        return False, wrap(loaded=loaded)
 
-    def _params(self, request: Request) -> RequestKvParams | None:
+    # --- params -----------------------------------------------------------------------------
+
+    def _record(self, request: Request) -> _Req | None:
+        """The request's record, made (and checked) the first time it is seen."""
+        rid = request.request_id
+        if rid in self._reqs:
+            return self._reqs[rid]
         try:
-            return RequestKvParams.parse(request.kv_transfer_params)
+            params = RequestKvParams.parse(request.kv_transfer_params)
         except ValidationError as exc:
-            log.warning("request %s: ignoring bad pdd kv_transfer_params: %s", request.request_id,
-                        exc)  # fmt: skip
+            log.warning("request %s: ignoring bad pdd kv_transfer_params: %s", rid, exc)
             return None
+        if params is None or (params.export is None and params.load is None):
+            return None
+        p = params.export or params.load
+        rec = _Req(request, tuple(p.slots), params.export is not None, p.fence)
+        rec.error = self._refusal(request, params)
+        if rec.error is not None:
+            log.warning("request %s: pdd KV params refused: %s", rid, rec.error)
+            if rec.fence is not None and rec.fence.index >= self._num_fences:
+                rec.fence = None  # cannot post it; the shell learns why from the result
+        self._reqs[rid] = rec
+        return rec
+
+    def _refusal(self, request: Request, params: RequestKvParams) -> str | None:
+        """Why these params cannot be served, or None."""
+        if params.export is not None and params.load is not None:
+            return "a request may export or load, not both"
+        p = params.export or params.load
+        if params.export is not None and not self._producer:
+            return "export asked of an engine that is not a kv_producer"
+        if params.load is not None and not self._consumer:
+            return "load asked of an engine that is not a kv_consumer"
+        if max(p.slots) >= self._num_slots:
+            return f"slot {max(p.slots)} out of range: the arena has {self._num_slots} slots"
+        whole = request.num_prompt_tokens // self._block_size
+        if len(p.slots) > whole:
+            return (
+                f"{len(p.slots)} slots but the prompt ({request.num_prompt_tokens} tokens) has "
+                f"only {whole} whole blocks of {self._block_size} tokens"
+            )
+        if p.fence is not None and p.fence.index >= self._num_fences:
+            return f"fence index {p.fence.index} out of range: the board has {self._num_fences}"
+        return None

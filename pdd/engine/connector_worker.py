@@ -1,253 +1,164 @@
-"""Worker half of PddConnector: moves block bytes between vLLM's paged KV cache and the channel.
+"""Worker half of PddConnector: copies KV blocks between vLLM's paged cache and arena slots.
 
-Runs in vLLM's worker process (with ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` a separate process
-from the scheduler; see docs/notes/vllm-connector.md), on the model-runner thread, plus one
-loader thread of its own. Owns:
+Runs in vLLM's worker (the engine-core process with the "uni" executor, a child of it with
+"mp"), on the model-runner thread. Every copy is synchronous, on that thread:
 
-- ``PagedKv``: per-layer byte views of the paged cache (block id -> one memoryview per layer).
-- the sink (producer) and its open streams ``_sends`` (req_id -> _Send). A stream is created by
-  the first ExportJob and removed exactly once, when it is reported in ``finished_sending``:
-  after the request finished AND (the sink says terminal OR its lease expired -> cancel).
-- the source (consumer) and the ``Loader`` thread. Every LoadJob ends in exactly one
-  LoadResult, reported in ``finished_recving`` (and ``failed_recving`` if not ok).
+- ``load`` (``start_load_kv``, before the forward of a step with sync loads): slots -> blocks;
+  first it posts the fences the scheduler half sent (requests finished in earlier steps).
+- ``save`` (``wait_for_save``, after the forward): blocks this step computed -> slots.
+
+Owns: ``PagedKv`` (uint8 views of every layer's KV tensor), the attached arena and fence board
+(mapped here, owned by the worker shell), and the per-step copy statistics. Holds no request
+state: the scheduler half decides every copy.
+
+Wire layout of one slot (``KvLayout``; the same on P and D, checked via slot_bytes):
+
+    slot = | layer 0 block | layer 1 block | ... | layer L-1 block |
+    layer block (CPU) = [num_kv_heads, block_size, 2 * head_dim] of the KV dtype (K, V packed)
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from pdd.engine.connector_channel import (
-    KvLayout,
-    KvSink,
-    KvSource,
-    SendState,
-    make_sink,
-    make_source,
-)
-from pdd.engine.connector_meta import (
-    ExportJob,
-    LoadJob,
-    PddConnectorMetadata,
-    PddWorkerMetadata,
-    SendOutcome,
-)
-from pdd.engine.connector_params import ConnectorSettings, LoadResult
-from pdd.errors import TransferCancelled, TransferError
+from pdd.cache.arena import FenceBoard, SlotArena
+from pdd.engine.connector_meta import CopyJob, CopyStat, PddConnectorMetadata, PddWorkerMetadata
+from pdd.engine.connector_params import ConnectorSettings
+from pdd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-class PagedKv:
-    """Byte views of vLLM's per-layer KV tensors, [num_blocks, layer_block_bytes] each.
+@dataclass(frozen=True)
+class KvLayout:
+    """Shape of one engine's paged KV cache as the arena sees it."""
 
-    CPU layout per layer: [num_blocks, num_kv_heads, block_size, 2 * head_dim], contiguous, so
-    one block of one layer is one contiguous run of bytes (K rows then V rows per head).
+    layer_names: tuple[str, ...]
+    layer_block_bytes: int  # bytes of one block in one layer
+    dtype: str  # e.g. "torch.float32"
+    block_shape: tuple[int, ...]  # one layer's block, e.g. (num_kv_heads, block_size, 2*head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers: one arena slot."""
+        return self.layer_block_bytes * len(self.layer_names)
+
+
+class PagedKv:
+    """uint8 views of vLLM's per-layer KV tensors, each [num_blocks, layer_block_bytes].
+
+    Needs every layer as one contiguous tensor with the block index first (vLLM's CPU layout
+    [num_blocks, num_kv_heads, block_size, 2 * head_dim]); raises ConfigError otherwise.
     """
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
         for name, t in kv_caches.items():
             if not t.is_contiguous() or t.shape != first.shape or t.dtype != first.dtype:
-                raise TransferError(f"KV layer {name}: unsupported layout {tuple(t.shape)}")
+                raise ConfigError(f"KV layer {name}: unsupported layout {tuple(t.shape)}")
         self.layout = KvLayout(
             layer_names=tuple(kv_caches),
             layer_block_bytes=first[0].numel() * first.element_size(),
-            block_size=block_size,
             dtype=str(first.dtype),
             block_shape=tuple(first.shape[1:]),
         )
-        # uint8 views share memory with the tensors: writes land in the paged cache.
-        self._layers = [
-            t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in kv_caches.values()
-        ]
-
-    def block(self, block_id: int) -> list[memoryview]:
-        return [memoryview(layer[block_id]) for layer in self._layers]
+        # Views share memory with vLLM's tensors: writes land in the paged cache.
+        self.layers = [t.view(torch.uint8).view(t.shape[0], -1) for t in kv_caches.values()]
 
 
-@dataclass
-class _Send:
-    job: ExportJob  # the opening job (transfer id, lease)
-    started: float
-    lease_deadline: float | None = None  # set when the request finished
+class SlotCopier:
+    """Copies whole blocks, all layers, between a PagedKv and a SlotArena."""
 
+    def __init__(self, kv: PagedKv, arena: SlotArena) -> None:
+        layout = kv.layout
+        if arena.slot_bytes != layout.block_bytes:
+            raise ConfigError(
+                f"arena {arena.ref.name!r} has {arena.slot_bytes}-byte slots, but one KV block "
+                f"of this engine is {layout.block_bytes} bytes ({len(layout.layer_names)} "
+                f"layers x {layout.layer_block_bytes}, {layout.dtype})"
+            )
+        self._layers = kv.layers
+        # [num_slots, num_layers, layer_block_bytes]; shares memory with the arena.
+        flat = torch.frombuffer(arena.buffer, dtype=torch.uint8)
+        self._slots = flat.view(arena.num_slots, len(kv.layers), layout.layer_block_bytes)
 
-class Loader:
-    """One thread running LoadJobs in order; results are drained with ``take_results``."""
+    def save(self, block_ids: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        """Paged blocks -> slots (one block of every layer per slot)."""
+        for b, s in zip(block_ids, slots, strict=True):
+            dst = self._slots[s]
+            for i, layer in enumerate(self._layers):
+                dst[i].copy_(layer[b])
 
-    def __init__(self, source: KvSource, kv: PagedKv) -> None:
-        self._source, self._kv = source, kv
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _cancelled (read by the thread between blocks)
-        self._cancelled: set[str] = set()
-        self._pending: set[str] = set()  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="pdd-kv-loader", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: LoadJob) -> None:
-        self._pending.add(job.req_id)
-        self._jobs.put(job)
-
-    def cancel(self, req_id: str) -> None:
-        if req_id in self._pending:
-            with self._lock:
-                self._cancelled.add(req_id)
-
-    def take_results(self) -> list[tuple[str, LoadResult]]:
-        out = []
-        while not self._results.empty():
-            rid, result = self._results.get()
-            self._pending.discard(rid)
-            with self._lock:
-                self._cancelled.discard(rid)
-            out.append((rid, result))
-        return out
+    def load(self, slots: tuple[int, ...], block_ids: tuple[int, ...]) -> None:
+        """Slots -> paged blocks."""
+        for s, b in zip(slots, block_ids, strict=True):
+            src = self._slots[s]
+            for i, layer in enumerate(self._layers):
+                layer[b].copy_(src[i])
 
     def close(self) -> None:
-        with self._lock:
-            self._cancelled.update(self._pending)
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            started = time.monotonic()
-            error = self._load(job, started + job.deadline_s)
-            result = LoadResult(
-                transfer_id=job.transfer_id,
-                num_tokens=job.num_tokens,
-                num_blocks=len(job.block_ids),
-                ok=error is None,
-                seconds=time.monotonic() - started,
-                error=error,
-            )
-            self._results.put((job.req_id, result))
-
-    def _load(self, job: LoadJob, deadline: float) -> str | None:
-        """Copy every block of the job; the error text, or None when all landed."""
-        try:
-            for i, block_id in enumerate(job.block_ids):
-                with self._lock:
-                    cancelled = job.req_id in self._cancelled
-                if cancelled:
-                    raise TransferCancelled(f"load of {job.req_id} cancelled")
-                dst = self._kv.block(block_id)
-                self._source.fetch(job.transfer_id, job.first_block + i, dst, deadline)
-        except TransferError as exc:
-            log.warning("load %s of %s failed: %s", job.transfer_id, job.req_id, exc)
-            return f"{type(exc).__name__}: {exc.message}"
-        return None
+        self._slots = None  # drop the arena view before the arena is unmapped
 
 
 class WorkerHalf:
-    def __init__(
-        self, settings: ConnectorSettings, block_size: int, producer: bool, consumer: bool
-    ):
+    def __init__(self, settings: ConnectorSettings) -> None:
         self._settings = settings
-        self._block_size = block_size
-        self._producer, self._consumer = producer, consumer
-        self._kv: PagedKv | None = None
-        self._sink: KvSink | None = None
-        self._loader: Loader | None = None
-        self._sends: dict[str, _Send] = {}
-        self._finished: set[str] = set()  # finished req ids we may still have to report
+        self._copier: SlotCopier | None = None
+        self._arena: SlotArena | None = None
+        self._fences: FenceBoard | None = None
         self._out = PddWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv = PagedKv(kv_caches, self._block_size)
-        ch = self._settings.channel
-        if self._producer:
-            self._sink = make_sink(ch.kind, ch.options, self._kv.layout)
-        if self._consumer:
-            self._loader = Loader(make_source(ch.kind, ch.options, self._kv.layout), self._kv)
+        """Map the shell's arenas; raises ConfigError (engine start fails) when they do not fit."""
+        kv = PagedKv(kv_caches)
+        self._arena = SlotArena.attach_ref(self._settings.arena)
+        self._copier = SlotCopier(kv, self._arena)
+        if self._settings.fences is not None:
+            self._fences = FenceBoard.attach(self._settings.fences)
+        log.info("PddConnector: arena %s, %d slots of %d bytes", self._arena.ref.name,
+                 self._arena.num_slots, self._arena.slot_bytes)  # fmt: skip
 
     # --- called by the model runner each step -----------------------------------------------
 
-    def apply_cancels(self, meta: PddConnectorMetadata) -> None:
-        """Before the forward: stop reading blocks vLLM is about to reuse (idempotent)."""
-        for rid in meta.cancels:
-            send = self._sends.get(rid)
-            if send is not None and self._sink is not None:
-                self._sink.cancel(send.job.transfer_id)
-
-    def start_loads(self, meta: PddConnectorMetadata) -> None:
+    def load(self, meta: PddConnectorMetadata) -> None:
+        """Post fences, then copy this step's loads (before the forward that reads them)."""
+        for index, ticket in meta.fences:
+            assert self._fences is not None, "fence without a board (scheduler checks this)"
+            self._fences.post(index, ticket)
         for job in meta.loads:
-            if self._loader is None:
-                raise TransferError("load requested on an engine without a consumer role")
-            self._loader.submit(job)
+            self._out.loads[job.req_id] = self._copy(job, self._c().load, job.slots, job.block_ids)
 
-    def export(self, meta: PddConnectorMetadata) -> None:
-        """After the forward: offer the blocks it completed. Queues only; never waits on I/O."""
-        for job in meta.exports:
-            assert self._sink is not None and self._kv is not None
-            if job.open:
-                self._sink.open(job.transfer_id)
-                self._sends[job.req_id] = _Send(job, time.monotonic())
-            elif job.req_id not in self._sends:
-                continue
-            for i, block_id in enumerate(job.block_ids):
-                self._sink.offer(job.transfer_id, job.first_block + i, self._kv.block(block_id))
-            if job.seal_num_tokens is not None:
-                self._sink.seal(job.transfer_id, job.seal_num_tokens)
+    def save(self, meta: PddConnectorMetadata) -> None:
+        """Copy the blocks this step's forward computed into their slots."""
+        for job in meta.saves:
+            stat = self._copy(job, self._c().save, job.block_ids, job.slots)
+            prev = self._out.saves.get(job.req_id)
+            self._out.saves[job.req_id] = prev + stat if prev else stat
 
-    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        res = KVConnectorTransferResults()
-        now = time.monotonic()
-        for rid in finished_req_ids:
-            if rid in self._sends:
-                send = self._sends[rid]
-                send.lease_deadline = now + send.job.lease_s
-                self._finished.add(rid)
-            if self._loader is not None:
-                self._loader.cancel(rid)
-        for rid in list(self._finished):
-            state = self._end_state(self._sends[rid], now)
-            if state is not None:
-                res.finished_sending.add(rid)
-                self._report_send(rid, state, now)
-        if self._loader is not None:
-            for rid, result in self._loader.take_results():
-                res.finished_recving.add(rid)
-                if not result.ok:
-                    res.failed_recving.add(rid)
-                self._out.loads[rid] = result
-        return res
-
-    def _end_state(self, send: _Send, now: float) -> str | None:
-        assert self._sink is not None and send.lease_deadline is not None
-        state = self._sink.poll(send.job.transfer_id)
-        if state.terminal:
-            return state.value
-        if now >= send.lease_deadline:
-            self._sink.cancel(send.job.transfer_id)  # on return the sink reads no more views
-            return "lease_expired"
-        return None
-
-    def _report_send(self, rid: str, state: str, now: float) -> None:
-        send = self._sends.pop(rid)
-        self._finished.discard(rid)
-        assert self._sink is not None
-        self._sink.release(send.job.transfer_id)
-        self._out.sends.append(SendOutcome(rid, send.job.transfer_id, state, now - send.started))
-        if state != SendState.DONE.value:
-            log.warning("export %s of %s ended %s", send.job.transfer_id, rid, state)
+    def _copy(self, job: CopyJob, fn, src: tuple[int, ...], dst: tuple[int, ...]) -> CopyStat:
+        started = time.perf_counter()
+        fn(src, dst)
+        return CopyStat(len(job.slots), time.perf_counter() - started)
 
     def take_worker_meta(self) -> PddWorkerMetadata | None:
-        if not self._out.loads and not self._out.sends:
+        if not self._out.loads and not self._out.saves:
             return None
         out, self._out = self._out, PddWorkerMetadata()
         return out
 
     def shutdown(self) -> None:
-        if self._loader is not None:
-            self._loader.close()
-        if self._sink is not None:
-            self._sink.close()
+        """Unmap the arenas (the shell owns and unlinks them)."""
+        if self._copier is not None:
+            self._copier.close()
+        if self._fences is not None:
+            self._fences.close()
+        if self._arena is not None:
+            self._arena.close()
+
+    def _c(self) -> SlotCopier:
+        assert self._copier is not None, "copy before register_kv_caches"
+        return self._copier

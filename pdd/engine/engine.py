@@ -109,6 +109,7 @@ class Engine:
         self._inflight: set[str] = set()
         self._eos_ids: tuple[int, ...] = ()
         self.vocab_size = 0
+        self.kv_block_bytes = 0
         self.startup_s: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -138,6 +139,7 @@ class Engine:
         self._llm = llm
         self.vocab_size = llm.model_config.get_vocab_size()
         self._eos_ids = _eos_ids(llm)
+        self.kv_block_bytes = _kv_block_bytes(llm, self.engine_config.block_size)
         self.startup_s = time.monotonic() - started
         log.info("engine ready in %.1f s (model %s)", self.startup_s, path)
 
@@ -305,6 +307,9 @@ class Engine:
             prefix_cache_hits=c.prefix_hits,
             generated_tokens=c.generated_tokens,
             max_model_len=self.max_model_len,
+            block_size=self.engine_config.block_size,
+            max_num_seqs=self.engine_config.max_num_seqs,
+            kv_block_bytes=self.kv_block_bytes,
         )
 
     def _require_llm(self) -> AsyncLLM:
@@ -341,6 +346,13 @@ class Engine:
             )
         except (VLLMClientError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+
+def _kv_block_bytes(llm: AsyncLLM, block_size: int) -> int:
+    """K and V of one block over all layers: 2 x layers x kv_heads x head_dim x dtype x block."""
+    mc, pc = llm.model_config, llm.vllm_config.parallel_config
+    per_token = 2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
+    return per_token * mc.dtype.itemsize * block_size
 
 
 def _eos_ids(llm: AsyncLLM) -> tuple[int, ...]:

@@ -117,6 +117,9 @@ class EngineStats:
     prefix_cache_hits: int  # of which were found
     generated_tokens: int
     max_model_len: int
+    block_size: int = 0
+    max_num_seqs: int = 0
+    kv_block_bytes: int = 0  # one block's K and V across all layers (0 before start)
 
 
 @dataclass(frozen=True)

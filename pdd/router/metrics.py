@@ -2,7 +2,12 @@
 
 Names follow vLLM's where the meaning is the same, prefixed ``pdd_``; histogram buckets are
 vLLM 0.32's (``vllm/v1/metrics/buckets.py``). Labels are bounded: pipeline, finish_reason,
-reason, worker id and role from the config. Never request ids.
+reason, handoff mode, tier (p | rld | md | d | colocated), worker id and role from the
+config. Never request ids.
+
+PDD series: route decisions by pipeline (counted at routing), and per closed request the
+handoff (mode, rounds, stall: the gap between the last RLD token and the first MD token at
+the switch), output tokens per tier, and the KV bytes P queued for MD (``pdd_wan_kv_bytes``).
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from pdd.protocol import HandoffMode
+from pdd.router.fleet import FleetView
 from pdd.router.record import RequestRecord
-from pdd.router.routing import FleetView
 
 # vLLM 0.32 TIME_TO_FIRST_TOKEN_BUCKETS, INTER_TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS.
 TTFT_BUCKETS = (
@@ -26,6 +32,9 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+ROUNDS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+STALL_BUCKETS = ITL_BUCKETS
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -66,6 +75,7 @@ class RouterMetrics:
             "pdd_requests_rejected", "Requests refused before routing.", ["reason"], registry=r
         )
         self.in_flight = Gauge("pdd_requests_in_flight", "Requests admitted.", registry=r)
+        self._pdd_metrics(r)
         self.worker_healthy = Gauge(
             "pdd_worker_healthy", "1 if the worker's last health poll succeeded.",
             ["worker", "role"], registry=r,
@@ -73,6 +83,32 @@ class RouterMetrics:
         self.worker_in_flight = Gauge(
             "pdd_worker_requests_in_flight", "Requests this router has on the worker.",
             ["worker", "role"], registry=r,
+        )  # fmt: skip
+
+    def _pdd_metrics(self, r: CollectorRegistry) -> None:
+        self.route_decisions = Counter(
+            "pdd_route_decisions", "Requests routed, by the pipeline chosen.", ["pipeline"],
+            registry=r,
+        )  # fmt: skip
+        self.handoffs = Counter(
+            "pdd_handoffs", "Finished p_rld_md requests by handoff mode "
+            "(one_shot | catch_up | rld_finished).", ["mode"], registry=r,
+        )  # fmt: skip
+        self.handoff_rounds = Histogram(
+            "pdd_handoff_rounds", "MD Generate calls per handoff (warm-ups + the switch).",
+            ["mode"], buckets=ROUNDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.handoff_stall = Histogram(
+            "pdd_handoff_stall_seconds", "Gap between the last RLD token and the first MD "
+            "token at a handoff switch.", ["mode"], buckets=STALL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tier_tokens = Counter(
+            "pdd_output_tokens", "Output tokens given to clients, by the tier that produced "
+            "them.", ["tier"], registry=r,
+        )  # fmt: skip
+        self.wan_kv_bytes = Counter(
+            "pdd_wan_kv_bytes", "KV bytes P queued for MD (pd baselines: for D).",
+            ["pipeline"], registry=r,
         )  # fmt: skip
 
     def observe(self, record: RequestRecord) -> None:
@@ -88,6 +124,21 @@ class RouterMetrics:
         self.prompt_tokens.labels(pipeline).inc(record.prompt_tokens)
         self.generation_tokens.labels(pipeline).inc(record.completion_tokens)
         self.cached_tokens.labels(pipeline).inc(record.cached_tokens)
+        self._observe_pdd(record)
+
+    def _observe_pdd(self, record: RequestRecord) -> None:
+        t = record.trace
+        for tier, n in t.tokens.items():
+            self.tier_tokens.labels(tier).inc(n)
+        if t.wan_kv_bytes:
+            self.wan_kv_bytes.labels(t.pipeline.value).inc(t.wan_kv_bytes)
+        happened = t.handoff_rounds > 0 or t.handoff is HandoffMode.RLD_FINISHED
+        if t.handoff is HandoffMode.NONE or not happened:
+            return
+        self.handoffs.labels(t.handoff.value).inc()
+        self.handoff_rounds.labels(t.handoff.value).observe(t.handoff_rounds)
+        if t.handoff_stall_s is not None:
+            self.handoff_stall.labels(t.handoff.value).observe(t.handoff_stall_s)
 
     def update_fleet(self, view: FleetView) -> None:
         for w in view.workers:

@@ -7,7 +7,8 @@ serving event loop), ``stop()`` at shutdown. ``view()`` is the snapshot routing 
 Health: every ``router.health_interval_s`` each worker gets Health (and Stats when ready), with
 ``router.worker_rpc_timeout_s`` deadlines. A worker is healthy after a ready Health and
 unhealthy after any failure; transitions are logged. A worker with port 0 has no known
-address (the launcher passes real ports with ``--set``) and stays unhealthy.
+address (the launcher passes real ports with ``--set``) and stays unhealthy. In router.mode
+pdd the same loop keeps each MainDecode's DRC view fresh (``drc_views.DrcViews``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import PddError, UnavailableError
 from pdd.proto import worker_pb2
-from pdd.router.routing import FleetView, WorkerView
+from pdd.protocol import Role, RouterMode
+from pdd.router.drc_views import DrcViews
+from pdd.router.fleet import FleetView, WorkerView
 from pdd.router.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _WorkerState:
     config: WorkerConfig
+    max_num_seqs: int  # the engine config's; the worker's Stats override it when set
     client: WorkerClient | None = None
     healthy: bool = False
     in_flight: int = 0
@@ -42,7 +46,13 @@ class WorkerPool:
 
     def __init__(self, cfg: PddConfig):
         self._cfg = cfg
-        self._states = {w.id: _WorkerState(w) for w in cfg.workers}
+        self._states = {
+            w.id: _WorkerState(w, cfg.engine_for(w.id).max_num_seqs) for w in cfg.workers
+        }
+        mds = [w.id for w in cfg.workers if w.role is Role.MAIN_DECODE]
+        self.drc: DrcViews | None = None
+        if cfg.router.mode is RouterMode.PDD:
+            self.drc = DrcViews(mds, cfg.model)
         self._poller: asyncio.Task[None] | None = None
         self._first_poll = asyncio.Event()
 
@@ -71,7 +81,11 @@ class WorkerPool:
 
     def view(self) -> FleetView:
         workers = tuple(_worker_view(st) for st in self._states.values())
-        return FleetView(mode=self._cfg.router.mode, workers=workers)
+        return FleetView(self._cfg.router.mode, workers, self._cfg.router.pdd)
+
+    def md_cached_tokens(self, prompt_token_ids: tuple[int, ...]) -> dict[str, int]:
+        """Per MainDecode, prompt tokens its DRC holds (router's view; empty outside pdd)."""
+        return {} if self.drc is None else self.drc.cached_tokens(prompt_token_ids)
 
     def client(self, worker_id: str) -> WorkerClient:
         st = self._states.get(worker_id)
@@ -93,9 +107,15 @@ class WorkerPool:
                 "in_flight": st.in_flight,
                 "running": st.stats.running_requests if st.stats else None,
                 "last_error": None if st.healthy else st.last_error,
+                **self._describe_drc(st),
             }
             for st in self._states.values()
         ]
+
+    def _describe_drc(self, st: _WorkerState) -> dict[str, object]:
+        if self.drc is None or st.config.role is not Role.MAIN_DECODE:
+            return {}
+        return {"drc": self.drc.describe(st.config.id)}
 
     @contextlib.contextmanager
     def track(self, worker_id: str) -> Iterator[None]:
@@ -133,6 +153,8 @@ class WorkerPool:
             self._set_health(st, False, exc.message)
             return
         self._set_health(st, True, "")
+        if self.drc is not None and st.config.role is Role.MAIN_DECODE:
+            await self.drc.refresh(st.config.id, st.client)
 
     def _set_health(self, st: _WorkerState, healthy: bool, reason: str) -> None:
         if healthy != st.healthy:
@@ -146,13 +168,19 @@ class WorkerPool:
 
 
 def _worker_view(st: _WorkerState) -> WorkerView:
-    stats = st.stats
+    stats = st.stats or worker_pb2.StatsResponse()
     return WorkerView(
         id=st.config.id,
         role=st.config.role,
         healthy=st.healthy,
         in_flight=st.in_flight,
-        running=stats.running_requests if stats else 0,
-        waiting=stats.waiting_requests if stats else 0,
-        kv_cache_usage=stats.kv_cache_usage if stats else 0.0,
+        running=stats.running_requests,
+        waiting=stats.waiting_requests,
+        kv_cache_usage=stats.kv_cache_usage,
+        datacenter=st.config.datacenter,
+        max_num_seqs=stats.max_num_seqs or st.max_num_seqs,
+        block_size=stats.block_size,
+        kv_block_bytes=stats.kv_block_bytes,
+        wan_bandwidth_bps=stats.wan_bandwidth_bps,
+        wan_rtt_s=stats.wan_rtt_s,
     )

@@ -1,16 +1,90 @@
-"""The per-request record the router owns: route, timings, token counts, outcome.
+"""The per-request record the router owns: route, timings, token counts, outcome, PDD trace.
 
 Created when a request is routed, updated on every token event, closed exactly once when the
 request ends for any reason (finish, stop string, client gone, error). Metrics and the
 request log read closed records only. Times are ``time.monotonic()`` seconds.
+
+``PddTrace`` is the part the pipeline driver writes while it runs (what it actually did: the
+bytes P queued for MD, tokens per tier, the handoff), and it becomes the ``pdd`` object of
+the response (``summary()``): the final stream chunk (the one with ``finish_reason``) and the
+whole non-streamed body carry it.
+
+    pipeline          colocated | pd | p_md | p_rld_md
+    md_cached_tokens  prompt tokens MD already held (PrepareKv's answer; before it: the view)
+    wan_kv_bytes      bytes SendKv queued for the MD destination (pd baselines: for D)
+    rld_tokens        tokens the client got from RLD
+    handoff           none | one_shot | catch_up | rld_finished
+    handoff_rounds    MD Generate calls made for the handoff (warm-ups + the switch)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdd.protocol import Pipeline
-from pdd.router.routing import Decision
+from pdd.protocol import HandoffMode, Pipeline, Role
+from pdd.router.fleet import Decision
+from pdd.router.types import PddSummary
+
+TIERS = ("p", "rld", "md", "d", "colocated")
+_TIER_OF_ROLE = {
+    Role.PREFILL: "p",
+    Role.RELAY_DECODE: "rld",
+    Role.MAIN_DECODE: "md",
+    Role.COLOCATED: "colocated",
+}
+
+
+def tier_of(role: Role) -> str:
+    return _TIER_OF_ROLE[role]
+
+
+@dataclass(slots=True)
+class PddTrace:
+    """What the driver did for one request. Written by the driver, read at close."""
+
+    pipeline: Pipeline
+    prompt_tokens: int
+    p: str | None = None
+    rld: str | None = None
+    md: str | None = None
+    md_cached_tokens: int = 0
+    wan_kv_bytes: int = 0
+    handoff: HandoffMode = HandoffMode.NONE
+    handoff_rounds: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens given to the client
+    handoff_stall_s: float | None = None  # last RLD token -> first MD token at the switch
+    kv_state: str = ""  # AwaitKv's final state on MD (or D), "" when not awaited
+
+    @classmethod
+    def for_decision(cls, decision: Decision, prompt_tokens: int) -> PddTrace:
+        if decision.pipeline is Pipeline.COLOCATED:
+            return cls(decision.pipeline, prompt_tokens)
+        return cls(
+            decision.pipeline,
+            prompt_tokens,
+            p=decision.maybe_worker(Role.PREFILL),
+            rld=decision.maybe_worker(Role.RELAY_DECODE),
+            md=decision.decoder,
+            md_cached_tokens=decision.md_cached_tokens,
+            handoff=decision.handoff,
+        )
+
+    def count(self, tier: str, n: int) -> None:
+        self.tokens[tier] = self.tokens.get(tier, 0) + n
+
+    def summary(self) -> PddSummary:
+        return PddSummary(
+            pipeline=self.pipeline.value,
+            prompt_tokens=self.prompt_tokens,
+            md_cached_tokens=self.md_cached_tokens,
+            wan_kv_bytes=self.wan_kv_bytes,
+            rld_tokens=self.tokens.get("rld", 0),
+            handoff=self.handoff.value,
+            handoff_rounds=self.handoff_rounds,
+            p=self.p,
+            rld=self.rld,
+            md=self.md,
+        )
 
 
 @dataclass(slots=True)
@@ -28,6 +102,10 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     inter_token_gaps: list[float] = field(default_factory=list)
+    trace: PddTrace = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.trace = PddTrace.for_decision(self.decision, self.prompt_tokens)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -63,9 +141,17 @@ class RequestRecord:
         workers = ",".join(f"{role.value}={wid}" for role, wid in self.decision.assignments)
         ttft = f"{self.ttft * 1000:.1f}ms" if self.ttft is not None else "-"
         e2e = f"{self.e2e * 1000:.1f}ms" if self.e2e is not None else "-"
+        t = self.trace
+        pdd = ""
+        if self.pipeline is not Pipeline.COLOCATED:
+            pdd = (
+                f" md_cached={t.md_cached_tokens} wan_bytes={t.wan_kv_bytes} "
+                f"handoff={t.handoff.value}/{t.handoff_rounds} tokens={t.tokens} "
+                f"kv={t.kv_state or '-'}"
+            )
         return (
             f"request {self.request_id} pipeline={self.pipeline.value} {workers} "
             f"prompt={self.prompt_tokens} cached={self.cached_tokens} "
             f"completion={self.completion_tokens} ttft={ttft} e2e={e2e} "
-            f"finish={self.finish_reason}" + (f" error={self.error!r}" if self.error else "")
+            f"finish={self.finish_reason}{pdd}" + (f" error={self.error!r}" if self.error else "")
         )

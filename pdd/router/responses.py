@@ -5,6 +5,10 @@ Pure formatting from ``OutputDelta``s (no I/O). Shapes follow OpenAI's API refer
 ``text_completion`` (legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset).
 With ``stream_options.include_usage`` every chunk carries ``"usage": null`` and one extra chunk
 with empty ``choices`` carries the usage, as OpenAI does.
+
+Extension: the request's ``"pdd"`` record (``types.PddSummary``) is a top-level key of the
+whole response and of the streamed chunk that carries ``finish_reason`` (always sent, unlike
+the usage chunk); other chunks have no ``pdd`` key.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd.router.types import LogprobText, OutputDelta, Usage
+from pdd.router.types import LogprobText, OutputDelta, PddSummary, Usage
 
 LOGPROB_FLOOR = -9999.0
 
@@ -37,6 +41,7 @@ class Collected:
     logprobs: list[LogprobText] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    pdd: PddSummary | None = None
 
 
 async def collect(deltas: AsyncIterator[OutputDelta]) -> Collected:
@@ -46,6 +51,8 @@ async def collect(deltas: AsyncIterator[OutputDelta]) -> Collected:
         async for d in deltas:
             parts.append(d.text)
             out.logprobs.extend(d.logprobs)
+            if d.pdd is not None:
+                out.pdd = d.pdd
             if d.finish_reason is not None:
                 out.finish_reason, out.usage = d.finish_reason, d.usage
     out.text = "".join(parts)
@@ -61,6 +68,12 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+def with_pdd(body: dict[str, Any], summary: PddSummary | None) -> dict[str, Any]:
+    if summary is not None:
+        body["pdd"] = summary.as_json()
+    return body
 
 
 def _lp(value: float) -> float:
@@ -95,7 +108,7 @@ class ChatFormat:
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": delta.finish_reason,
         }
-        return self._chunk([choice])
+        return with_pdd(self._chunk([choice]), delta.pdd if delta.finish_reason else None)
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         body = self._chunk([])
@@ -110,10 +123,10 @@ class ChatFormat:
             "logprobs": self._logprobs(result.logprobs),
             "finish_reason": result.finish_reason,
         }
-        return {
+        return with_pdd({
             "id": c.response_id, "object": "chat.completion", "created": c.created,
             "model": c.model, "choices": [choice], "usage": usage_body(result.usage),
-        }  # fmt: skip
+        }, result.pdd)  # fmt: skip
 
     def _logprobs(self, entries: list[LogprobText] | tuple[LogprobText, ...]) -> Any:
         if not self.ctx.logprobs:
@@ -152,7 +165,7 @@ class CompletionFormat:
         body = self._body([self._choice(delta.text, delta.logprobs, delta.finish_reason)])
         if self.ctx.include_usage:
             body["usage"] = None
-        return body
+        return with_pdd(body, delta.pdd if delta.finish_reason else None)
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         body = self._body([])
@@ -162,7 +175,7 @@ class CompletionFormat:
     def response(self, result: Collected) -> dict[str, Any]:
         body = self._body([self._choice(result.text, result.logprobs, result.finish_reason)])
         body["usage"] = usage_body(result.usage)
-        return body
+        return with_pdd(body, result.pdd)
 
     def _choice(self, text: str, entries: Any, finish_reason: str | None) -> dict[str, Any]:
         return {

@@ -3,7 +3,8 @@
 Handlers stay thin: validate (``validation``), tokenize in a thread, hand the typed request to
 ``RouterService.stream``, format (``responses``). A streamed response waits for the first
 delta before sending headers, so routing and worker failures before the first token still
-get their proper status (429/503/502) instead of an error inside a 200 stream.
+get their proper status (429/503/502) instead of an error inside a 200 stream. Every
+completion response carries the ``x-pdd-pipeline`` header (the pipeline that served it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pdd.router.sse import (
     cancel_on_disconnect,
     sse_event,
 )
-from pdd.router.types import GenerationRequest, OutputDelta
+from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
 from pdd.router.validation import (
     build_chat_request,
     build_completion_request,
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from pdd.router.app import RouterState
 
 router = APIRouter()
+
+PIPELINE_HEADER = "x-pdd-pipeline"
 
 Format = ChatFormat | CompletionFormat
 
@@ -98,13 +101,17 @@ async def _respond(
     try:
         if not stream:
             result = await cancel_on_disconnect(request.receive, collect(deltas))
-            return JSONResponse(fmt.response(result))
+            return JSONResponse(fmt.response(result), headers=_pdd_headers(result.pdd))
         first = await cancel_on_disconnect(request.receive, anext(deltas))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads this; the request was cancelled
     except StopAsyncIteration:
         raise WorkerError("the request ended without output") from None
-    return EventStreamResponse(_sse(fmt, first, deltas))
+    return EventStreamResponse(_sse(fmt, first, deltas), headers=_pdd_headers(first.pdd))
+
+
+def _pdd_headers(summary: PddSummary | None) -> dict[str, str]:
+    return {} if summary is None else {PIPELINE_HEADER: summary.pipeline}
 
 
 async def _sse(

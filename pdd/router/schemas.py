@@ -31,6 +31,15 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class PddOptions(BaseModel):
+    """Extension: per-request routing overrides (``"pdd": {...}``), mainly for tests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str | None = Field(None, description="auto | p_md | p_rld_md (router.mode pdd).")
+    handoff: str | None = Field(None, description="auto | one_shot | catch_up (p_rld_md).")
+
+
 class SamplingFields(_Body):
     """Fields shared by both endpoints. ``None`` means "not given" (defaults apply later)."""
 
@@ -52,6 +61,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = Field(False, description="Extension (vLLM).")
     include_stop_str_in_output: bool = Field(False, description="Extension (vLLM).")
     skip_special_tokens: bool = Field(True, description="Extension (vLLM).")
+    pdd: PddOptions | None = Field(None, description="Extension (pdd): routing overrides.")
     user: str | None = None
 
 

@@ -6,6 +6,9 @@ whether the request finishes, hits a stop string, fails, or the client goes away
 closes or cancels the generator; the driver then cancels gRPC streams and aborts on workers).
 
 Admission is a bounded count of requests in flight (``router.max_queued_requests``, 429 above).
+
+The request's ``pdd`` summary (``record.PddTrace``) rides on the deltas: the first one (so the
+API can set the ``x-pdd-pipeline`` header before streaming) and the last one (final values).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from pdd.config import PddConfig
 from pdd.errors import OverloadedError, PddError, UnavailableError, WorkerError
@@ -25,7 +29,7 @@ from pdd.router.pool import WorkerPool
 from pdd.router.record import RequestRecord
 from pdd.router.routing import Decision, RouteRequest, choose
 from pdd.router.tokenizer import TextCodec
-from pdd.router.types import GenerationRequest, OutputDelta
+from pdd.router.types import GenerationRequest, OutputDelta, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,9 @@ class RouterService:
         self._codec = codec
         self._pool = pool
         self._metrics = metrics
-        self._drivers: dict[Pipeline, PipelineDriver] = build_drivers(cfg.router.mode, pool)
+        self._drivers: dict[Pipeline, PipelineDriver] = build_drivers(
+            cfg.router.mode, pool, cfg.router.pdd
+        )
         self._in_flight = 0
         metrics.in_flight.set_function(lambda: self._in_flight)
 
@@ -69,15 +75,18 @@ class RouterService:
                 req.request_id, decision, req.arrival, time.monotonic(), len(req.prompt_token_ids)
             )
             processor = OutputProcessor(self._codec, req)
+            driver = self._drivers[decision.pipeline]
+            first = True
             try:
-                async with aclosing(self._drivers[decision.pipeline].run(req, decision)) as events:
+                async with aclosing(driver.run(req, decision, record.trace)) as events:
                     async for event in events:
-                        record.on_tokens(len(event.token_ids), time.monotonic())
-                        if event.finish_reason == "error":
-                            raise WorkerError(f"worker {event.worker_id} failed the request")
-                        delta = processor.process(event)
-                        if delta is not None:
-                            yield delta
+                        delta = self._process(record, processor, event)
+                        if delta is None:
+                            continue
+                        if first or processor.finished:
+                            delta = replace(delta, pdd=record.trace.summary())
+                        first = False
+                        yield delta
                         if processor.finished:
                             break
             except PddError as exc:
@@ -88,15 +97,30 @@ class RouterService:
         finally:
             self._in_flight -= 1
 
+    @staticmethod
+    def _process(
+        record: RequestRecord, processor: OutputProcessor, event: TokenEvent
+    ) -> OutputDelta | None:
+        record.on_tokens(len(event.token_ids), time.monotonic())
+        if event.finish_reason == "error":
+            raise WorkerError(f"worker {event.worker_id} failed the request")
+        return processor.process(event)
+
     def _route(self, req: GenerationRequest) -> Decision:
+        route = RouteRequest(
+            prompt_tokens=len(req.prompt_token_ids),
+            max_tokens=req.sampling.max_tokens,
+            md_cached_tokens=self._pool.md_cached_tokens(req.prompt_token_ids),
+            pipeline=req.pipeline,
+            handoff=req.handoff,
+        )
         try:
-            return choose(
-                self._pool.view(),
-                RouteRequest(len(req.prompt_token_ids), req.sampling.max_tokens),
-            )
+            decision = choose(self._pool.view(), route)
         except UnavailableError:
             self._metrics.rejected.labels("unavailable").inc()
             raise
+        self._metrics.route_decisions.labels(decision.pipeline.value).inc()
+        return decision
 
     def _close_record(self, record: RequestRecord, processor: OutputProcessor) -> None:
         if processor.finish_reason is not None:

@@ -10,6 +10,9 @@ output. ``OutputDelta`` is what the API layer formats into OpenAI chunks and res
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pdd.protocol import HandoffMode, Pipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class GenerationRequest:
     sampling: SamplingSpec
     text: TextOptions
     arrival: float
+    pipeline: Pipeline | None = None  # body "pdd": {"pipeline": ...}; None: auto
+    handoff: HandoffMode | None = None  # body "pdd": {"handoff": ...}; None: auto
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,16 @@ class TokenEvent:
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
     worker_id: str = ""
+    kv_staged_blocks: int = 0  # P with kv_stage: whole prompt blocks staged (last event)
+
+
+@dataclass(frozen=True, slots=True)
+class KvIn:
+    """Where a Generate's prompt KV comes from: ``transfer`` (RLD, baseline D) or ``drc`` (MD)."""
+
+    source: str
+    kv_request_id: str
+    wait_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +128,28 @@ class OutputDelta:
     logprobs: tuple[LogprobText, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    pdd: PddSummary | None = None  # on the first and the last delta of a request
+
+
+@dataclass(frozen=True, slots=True)
+class PddSummary:
+    """The ``pdd`` object of a response: how the request was served (see ``record``)."""
+
+    pipeline: str
+    prompt_tokens: int
+    md_cached_tokens: int = 0
+    wan_kv_bytes: int = 0
+    rld_tokens: int = 0
+    handoff: str = HandoffMode.NONE.value
+    handoff_rounds: int = 0
+    p: str | None = None
+    rld: str | None = None
+    md: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "pipeline": self.pipeline, "prompt_tokens": self.prompt_tokens,
+            "md_cached_tokens": self.md_cached_tokens, "wan_kv_bytes": self.wan_kv_bytes,
+            "rld_tokens": self.rld_tokens, "handoff": self.handoff,
+            "handoff_rounds": self.handoff_rounds, "p": self.p, "rld": self.rld, "md": self.md,
+        }  # fmt: skip

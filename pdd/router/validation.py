@@ -14,13 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from pdd.errors import ContextLengthError, InvalidRequestError, ModelError, ModelNotFoundError
-from pdd.router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdd.protocol import HandoffMode, Pipeline
+from pdd.router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, PddOptions
 from pdd.router.types import GenerationRequest, SamplingSpec, TextOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_REPETITION_PENALTY = 100.0  # vLLM has no bound; past this every token is suppressed anyway
 MAX_LOGPROBS = 20
+PIPELINE_OVERRIDES = {"auto": None, "p_md": Pipeline.P_MD, "p_rld_md": Pipeline.P_RLD_MD}
+HANDOFF_OVERRIDES = {
+    "auto": None, "one_shot": HandoffMode.ONE_SHOT, "catch_up": HandoffMode.CATCH_UP
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +191,30 @@ def _build(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
-    return GenerationRequest(request_id, tuple(prompt_ids), sampling, text, arrival)
+    pipeline, handoff = pdd_overrides(body.pdd)
+    return GenerationRequest(
+        request_id, tuple(prompt_ids), sampling, text, arrival, pipeline, handoff
+    )
+
+
+def pdd_overrides(opts: PddOptions | None) -> tuple[Pipeline | None, HandoffMode | None]:
+    """The body's ``"pdd"`` overrides (None: auto). 400 for values pdd does not know."""
+    if opts is None:
+        return None, None
+    return (
+        _choice(opts.pipeline, PIPELINE_OVERRIDES, "pdd.pipeline"),
+        _choice(opts.handoff, HANDOFF_OVERRIDES, "pdd.handoff"),
+    )
+
+
+def _choice(value: str | None, choices: dict[str, Any], param: str) -> Any:
+    if value is None:
+        return None
+    if value not in choices:
+        raise InvalidRequestError(
+            f"{param} must be one of {' | '.join(choices)}, got {value!r}", param=param
+        )
+    return choices[value]
 
 
 def _prompt_word(body: Any) -> str:

@@ -4,15 +4,19 @@
 Lifecycle: created inside the router's event loop (``WorkerPool.start``), used by many
 requests at once, ``close()`` once at shutdown (waits for pending Aborts, closes the channel).
 
-Every control RPC (Health, Stats, Abort) carries ``router.worker_rpc_timeout_s``; Generate
-carries ``router.request_timeout_s``. gRPC errors become pdd errors here, at the adapter.
+Every control RPC (Health, Stats, Abort, PrepareKv, SendKv, CancelKv, DrcEvents) carries
+``router.worker_rpc_timeout_s``; AwaitKv its own timeout plus that; Generate carries
+``router.request_timeout_s``. gRPC errors become pdd errors here, at the adapter.
+Fire-and-forget calls (Abort of an abandoned stream, CancelKv on a failure path) run as
+background tasks the client owns and ``close()`` waits for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,7 +29,7 @@ from pdd.errors import (
     WorkerError,
 )
 from pdd.proto import worker_pb2, worker_pb2_grpc
-from pdd.router.types import GenerationRequest, TokenEvent, TokenLogprob, TopLogprob
+from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,28 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
+
+
+_KV_SOURCES = {"transfer": worker_pb2.KvIn.TRANSFER, "drc": worker_pb2.KvIn.DRC}
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A destination's PrepareKv answer. ``address`` goes back verbatim in SendKv."""
+
+    cached_blocks: int
+    reserved_blocks: int
+    address: worker_pb2.PeerAddress
+
+
+@dataclass(frozen=True, slots=True)
+class KvState:
+    """AwaitKv's answer: state is done | failed | cancelled | timeout | unknown."""
+
+    state: str
+    bytes_received: int = 0
+    blocks_ready: int = 0
+    reason: str = ""
 
 
 def grpc_target(host: str, port: int) -> str:
@@ -50,7 +76,7 @@ class WorkerClient:
         self._request_timeout = router.request_timeout_s
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._aborts: set[asyncio.Task[bool]] = set()
+        self._background: set[asyncio.Task[object]] = set()
 
     async def health(self) -> worker_pb2.HealthResponse:
         try:
@@ -73,14 +99,17 @@ class WorkerClient:
             raise rpc_error(exc, self.id, "Abort") from None
         return resp.found
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None
+    ) -> AsyncIterator[TokenEvent]:
         """Stream token events until the worker reports a finish reason.
 
         If the consumer stops early (stop string, client disconnect, cancellation), the gRPC
         stream is cancelled and an Abort is sent in the background, so the worker frees the
         request even if the cancellation is lost. Raises PddError subclasses on RPC failure.
         """
-        call = self._stub.Generate(request_to_proto(req), timeout=self._request_timeout)
+        msg = request_to_proto(req, kv_stage=kv_stage, kv_in=kv_in)
+        call = self._stub.Generate(msg, timeout=self._request_timeout)
         finished = False
         try:
             while True:
@@ -99,24 +128,85 @@ class WorkerClient:
                 call.cancel()
                 self._abort_in_background(req.request_id)
 
-    def _abort_in_background(self, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.abort(request_id))
-        self._aborts.add(task)
-        task.add_done_callback(self._abort_done)
+    async def prepare_kv(
+        self, kv_request_id: str, prompt_token_ids: Sequence[int], lease_s: float
+    ) -> Prepared:
+        """Reserve landing slots for the prompt blocks this worker lacks; get its address."""
+        msg = worker_pb2.PrepareKvRequest(
+            kv_request_id=kv_request_id, prompt_token_ids=list(prompt_token_ids), lease_s=lease_s
+        )
+        resp = await self._call(self._stub.PrepareKv, msg, "PrepareKv")
+        return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address)
 
-    def _abort_done(self, task: asyncio.Task[bool]) -> None:
-        self._aborts.discard(task)
+    async def send_kv(
+        self,
+        kv_request_id: str,
+        destinations: Sequence[worker_pb2.KvDestination],
+        deadline_s: float,
+    ) -> list[int]:
+        """Ask P to send its staged blocks; returns the bytes queued per destination."""
+        msg = worker_pb2.SendKvRequest(
+            kv_request_id=kv_request_id, destinations=list(destinations), deadline_s=deadline_s
+        )
+        resp = await self._call(self._stub.SendKv, msg, "SendKv")
+        return list(resp.bytes_per_destination)
+
+    async def await_kv(self, kv_request_id: str, timeout_s: float) -> KvState:
+        """Wait up to ``timeout_s`` for this worker's inbound KV of a request."""
+        msg = worker_pb2.AwaitKvRequest(kv_request_id=kv_request_id, timeout_s=timeout_s)
+        resp = await self._call(
+            self._stub.AwaitKv, msg, "AwaitKv", timeout=timeout_s + self._rpc_timeout
+        )
+        return KvState(resp.state, resp.bytes_received, resp.blocks_ready, resp.reason)
+
+    async def cancel_kv(self, kv_request_id: str, reason: str) -> bool:
+        msg = worker_pb2.CancelKvRequest(kv_request_id=kv_request_id, reason=reason)
+        return (await self._call(self._stub.CancelKv, msg, "CancelKv")).found
+
+    async def drc_events(self, since: int) -> worker_pb2.DrcEventsResponse:
+        msg = worker_pb2.DrcEventsRequest(since=since)
+        return await self._call(self._stub.DrcEvents, msg, "DrcEvents")
+
+    async def _call(self, method, msg, name: str, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        try:
+            return await method(msg, timeout=timeout or self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, self.id, name) from None
+
+    def cancel_kv_in_background(
+        self, kv_request_id: str, reason: str, after: Awaitable[object] | None = None
+    ) -> None:
+        """CancelKv without waiting, after ``after`` (the PrepareKv in flight) settles, so the
+        cancel never overtakes the reservation it must release."""
+
+        async def cancel() -> bool:
+            if after is not None:
+                await asyncio.gather(after, return_exceptions=True)
+            return await self.cancel_kv(kv_request_id, reason)
+
+        self._in_background(cancel(), "CancelKv")
+
+    def _abort_in_background(self, request_id: str) -> None:
+        self._in_background(self.abort(request_id), "Abort")
+
+    def _in_background(self, coro: Awaitable[object], what: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._background_done(t, what))
+
+    def _background_done(self, task: asyncio.Task[object], what: str) -> None:
+        self._background.discard(task)
         if task.cancelled():
             return
         exc = task.exception()
         if exc is not None:
-            log.warning("abort on worker %s failed: %s", self.id, exc)
+            log.warning("%s on worker %s failed: %s", what, self.id, exc)
 
     async def close(self) -> None:
-        """Wait (bounded) for pending Aborts, then close the channel."""
-        if self._aborts:
-            await asyncio.wait(set(self._aborts), timeout=self._rpc_timeout)
-        for task in list(self._aborts):
+        """Wait (bounded) for pending background calls, then close the channel."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self._rpc_timeout)
+        for task in list(self._background):
             task.cancel()
         await self._channel.close()
 
@@ -136,7 +226,9 @@ def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddErro
     return WorkerError(text)
 
 
-def request_to_proto(req: GenerationRequest) -> worker_pb2.GenerateRequest:
+def request_to_proto(
+    req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None
+) -> worker_pb2.GenerateRequest:
     s = req.sampling
     sampling = worker_pb2.SamplingParams(
         temperature=s.temperature,
@@ -153,9 +245,21 @@ def request_to_proto(req: GenerationRequest) -> worker_pb2.GenerateRequest:
     )
     if s.seed is not None:
         sampling.seed = s.seed
-    return worker_pb2.GenerateRequest(
-        request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling=sampling
+    msg = worker_pb2.GenerateRequest(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling=sampling,
+        kv_stage=kv_stage,
     )
+    if kv_in is not None:
+        msg.kv_in.CopyFrom(
+            worker_pb2.KvIn(
+                source=_KV_SOURCES[kv_in.source],
+                kv_request_id=kv_in.kv_request_id,
+                wait_s=kv_in.wait_s,
+            )
+        )
+    return msg
 
 
 def event_from_proto(msg: worker_pb2.GenerateResponse, worker_id: str) -> TokenEvent:
@@ -175,4 +279,5 @@ def event_from_proto(msg: worker_pb2.GenerateResponse, worker_id: str) -> TokenE
         num_cached_tokens=msg.num_cached_tokens,
         stop_token_id=stop_id if stopped_on_token and stop_id >= 0 else None,
         worker_id=worker_id,
+        kv_staged_blocks=msg.kv_staged_blocks,
     )

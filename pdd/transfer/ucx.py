@@ -41,12 +41,14 @@ from pdd.transfer.wire import (
     PREFIX,
     FrameKind,
     checksum,
+    pack_bye,
     pack_cancel,
     unpack_ack,
     unpack_prefix,
 )
 
 ACK_POSTS = 8
+BYE_FLUSH_S = 0.5
 _ID = struct.Struct("<Q")
 ACK_BYTES = PREFIX.size + BODY_SIZE[FrameKind.ACK]
 log = logging.getLogger(__name__)
@@ -78,10 +80,12 @@ class UcxTransport(BaseTransport):
         super().__init__(*args, **kwargs)
         self.loop = UcxLoop("ucx", self.config.ucx_progress_timeout_ms)
         self.loop.on_error = self._loop_error
+        self.loop.on_tick = self._check_alive
         self.host_id = host_id()
         self._peers: dict[str, UcxPeer] = {}
         self._receiver = UcxReceiver(self) if self.inbound is not None else None
         self._errors: list[str] = []
+        self._worker_address = self.loop.worker.address.tobytes()
 
     @property
     def address(self) -> PeerAddress:
@@ -89,9 +93,16 @@ class UcxTransport(BaseTransport):
         return PeerAddress(
             host=self.config.listen_host,
             port=port,
-            ucx_address=self.loop.worker.address.tobytes(),
+            ucx_address=self._worker_address,
             host_id=self.host_id,
         )
+
+    def _check_alive(self) -> None:
+        for p in list(self._peers.values()):
+            if p.broken is None and p.ctrl is not None and not p.ctrl.alive:
+                self._break(p, "receiver connection lost")
+        if self._receiver is not None:
+            self._receiver.check_alive()
 
     def _loop_error(self, exc: BaseException) -> None:
         self._errors.append(f"{type(exc).__name__}: {exc}")
@@ -106,12 +117,15 @@ class UcxTransport(BaseTransport):
     def _close_io(self) -> None:
         def teardown() -> None:
             for p in list(self._peers.values()):
+                self._say_bye(p)
+            for p in list(self._peers.values()):
                 self._break(p, "transport closed")
             if self._receiver is not None:
                 self._receiver.close()
 
         self.loop.call(teardown)
         self.loop.close()
+        self._peers.clear()  # the last references to endpoints: UCX can now release them
 
     def _io_threads(self) -> list[threading.Thread]:
         return [self.loop.thread]
@@ -169,6 +183,16 @@ class UcxTransport(BaseTransport):
         self.loop.track(p.ctrl.stream_recv(Array(welcome)), on_welcome, welcome)
         return p
 
+    def _say_bye(self, p: UcxPeer) -> None:
+        """Tell a live peer we are closing (ordered after our data) and let it go out."""
+        if not p.ready or p.broken is not None:
+            return
+        frame = np.frombuffer(_ID.pack(self.sender_id) + pack_bye(self.sender_id), np.uint8)
+        req = p.data.tag_send(Array(frame), ucx.UCXXTag(HDR_TAG))
+        deadline = time.monotonic() + BYE_FLUSH_S
+        while not req.completed and time.monotonic() < deadline:
+            self.loop.worker.progress_worker_event(1)
+
     def _pump(self, p: UcxPeer) -> None:
         """Post chunks while the peer's window has room (FIFO: oldest transfer first)."""
         window = self.config.window_chunks
@@ -191,7 +215,7 @@ class UcxTransport(BaseTransport):
             payload = bytearray(payload)  # fault injection only: flip one byte in a copy
             payload[0] ^= 0xFF
         p.inflight += 1
-        self.loop.send(p.data, head, HDR_TAG, lambda e: None)
+        self.loop.send(p.data, head, HDR_TAG, lambda e: None, owner=p)
         tid = rec.transfer_id
 
         def sent(error: str | None) -> None:
@@ -200,7 +224,7 @@ class UcxTransport(BaseTransport):
                 self._break(p, f"send to {p.key} failed: {error}")
 
         if header.nbytes:
-            self.loop.send(p.data, payload, data_tag(tid, header.chunk_index), sent)
+            self.loop.send(p.data, payload, data_tag(tid, header.chunk_index), sent, owner=p)
         else:
             sent(None)
 
@@ -235,3 +259,4 @@ class UcxTransport(BaseTransport):
                 ep.close_blocking(10_000, 100)  # plain close() hangs on failed eps
             except Exception as exc:  # ucxx: already closed or errored; nothing to release
                 log.debug("endpoint close: %s", exc)
+        self.loop.abandon(p, reason)

@@ -26,6 +26,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 Done = Callable[[str | None], None]
 CLOSE_DRAIN_S = 5.0
+TICK_S = 0.05
 
 # Tags: the top 2 bits say what a message is; receives match on them with KIND_MASK.
 KIND_MASK = 3 << 62
@@ -49,10 +50,14 @@ class UcxLoop:
         self.worker = ucx.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self._calls: deque[Callable[[], None]] = deque()
-        self._pending: list[tuple[Any, Done, Any]] = []  # (request, callback, kept alive)
+        # (request, callback, kept alive, owner): owner names the peer a request belongs to
+        self._pending: list[tuple[Any, Done, Any, Any]] = []
+        self._abandoned: list[Any] = []  # requests of dead peers, kept so UCX never frees them
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"{name}-ucx-io", daemon=True)
         self.on_error: Callable[[BaseException], None] | None = None
+        self.on_tick: Callable[[], None] | None = None  # every TICK_S: liveness checks
+        self._next_tick = 0.0
 
     def start(self) -> None:
         self.thread.start()
@@ -61,20 +66,36 @@ class UcxLoop:
         """Run `fn` on the I/O thread (within one progress timeout)."""
         self._calls.append(fn)
 
-    def track(self, request: Any, done: Done, keep: Any = None) -> None:
+    def track(self, request: Any, done: Done, keep: Any = None, owner: Any = None) -> None:
         """Call `done` when `request` completes; `keep` stays referenced until then."""
-        self._pending.append((request, done, keep))
+        self._pending.append((request, done, keep, owner))
 
-    def send(self, ep: Any, data: Any, tag: int, done: Done) -> None:
-        self.track(ep.tag_send(Array(data), ucx.UCXXTag(tag)), done, data)
+    def send(self, ep: Any, data: Any, tag: int, done: Done, owner: Any = None) -> None:
+        self.track(ep.tag_send(Array(data), ucx.UCXXTag(tag)), done, data, owner)
 
-    def recv(self, owner: Any, data: Any, tag: int, mask: int, done: Done) -> None:
+    def recv(self, on: Any, data: Any, tag: int, mask: int, done: Done, owner: Any = None):
         """Post a tag receive on the worker, or on an endpoint so closing it cancels this."""
-        if isinstance(owner, ucx.UCXWorker):
-            req = owner.tag_recv(Array(data), ucx.UCXXTag(tag), ucx.UCXXTagMask(mask))
+        if isinstance(on, ucx.UCXWorker):
+            req = on.tag_recv(Array(data), ucx.UCXXTag(tag), ucx.UCXXTagMask(mask))
         else:
-            req = owner.tag_recv(Array(data), ucx.UCXXTag(tag))
-        self.track(req, done, data)
+            req = on.tag_recv(Array(data), ucx.UCXXTag(tag))
+        self.track(req, done, data, owner)
+
+    def abandon(self, owner: Any, reason: str) -> None:
+        """Fail every pending request of a dead peer now.
+
+        Endpoints built from a worker address have no UCX error handling (that is what
+        allows shared memory), so a send to a dead peer never completes, even after its
+        endpoint is closed. The dead peer can no longer read or write our buffers, so the
+        owner gets its buffers back; the request objects are kept until close.
+        """
+        mine = [item for item in self._pending if item[3] == owner]
+        if not mine:
+            return
+        self._pending = [item for item in self._pending if item[3] != owner]
+        for request, callback, _keep, _owner in mine:
+            self._abandoned.append(request)
+            self._guard(lambda cb=callback: cb(reason))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -87,6 +108,10 @@ class UcxLoop:
             self._guard(fn)
         self.worker.progress_worker_event(timeout_ms)
         self._reap()
+        now = time.monotonic()
+        if self.on_tick is not None and now >= self._next_tick:
+            self._next_tick = now + TICK_S
+            self._guard(self.on_tick)
 
     def _reap(self) -> None:
         if not self._pending:
@@ -95,7 +120,7 @@ class UcxLoop:
         for item in self._pending:
             (done if item[0].completed else still).append(item)
         self._pending = still
-        for request, callback, _keep in done:
+        for request, callback, _keep, _owner in done:
             try:
                 request.check_error()
                 error = None
@@ -111,18 +136,24 @@ class UcxLoop:
                 self.on_error(exc)
 
     def _drain(self) -> None:
-        """Cancel what is in flight and fire every callback (bounded by CLOSE_DRAIN_S)."""
+        """Cancel what is in flight and fire every callback.
+
+        Requests that hold a caller's buffer (they have an owner) get up to CLOSE_DRAIN_S
+        to complete or cancel; our own posted header/ack receives are simply dropped.
+        """
         while self._calls:
             self._guard(self._calls.popleft())
         if self._pending:
             self.worker.cancel_inflight_requests()
         deadline = time.monotonic() + CLOSE_DRAIN_S
-        while self._pending and time.monotonic() < deadline:
+        while any(item[3] is not None for item in self._pending):
+            if time.monotonic() > deadline:
+                break
             self.worker.progress_worker_event(1)
             self._reap()
-        for _request, callback, _keep in self._pending:  # never completed: report anyway
+        for _request, callback, _keep, _owner in self._pending:  # never completed
             self._guard(lambda cb=callback: cb("ucx request abandoned at close"))
-        self._pending = []
+        self._pending, self._abandoned = [], []
 
     def close(self) -> None:
         self._stop.set()

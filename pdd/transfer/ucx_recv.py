@@ -49,6 +49,7 @@ class UcxReceiver:
         self.port = 0
         self._senders: dict[int, Any] = {}  # sender id -> its control endpoint
         self._conns: list[Any] = []
+        self._lost: dict[int, Any] = {}  # id(endpoint) -> its `lost` handler
         self._closed = False
 
     def listen(self) -> None:
@@ -65,6 +66,12 @@ class UcxReceiver:
         self._conns, self._senders = [], {}
         self.listener = None
 
+    def check_alive(self) -> None:
+        """Backstop for close callbacks that UCX does not always deliver: poll `alive`."""
+        for ep in list(self._conns):
+            if not ep.alive and id(ep) in self._lost:
+                self._lost[id(ep)]()
+
     def _on_conn(self, conn_request: Any) -> None:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
         self._conns.append(ep)
@@ -80,7 +87,9 @@ class UcxReceiver:
                 )
             if ep in self._conns:
                 self._conns.remove(ep)
+            self._lost.pop(id(ep), None)
             _close(ep)  # cancels this sender's posted receives: their buffers come back
+            self.loop.abandon(ep, "sender connection lost")
 
         def on_hello(error: str | None) -> None:
             if error is not None:
@@ -93,6 +102,7 @@ class UcxReceiver:
 
         # UCX calls this from inside progress, where closing the endpoint would deadlock.
         ep.set_close_callback(lambda: self.loop.call(lost))
+        self._lost[id(ep)] = lost
         self.loop.track(ep.stream_recv(Array(hello)), on_hello, hello)
 
     def _post_header_recv(self) -> None:
@@ -113,6 +123,10 @@ class UcxReceiver:
                 self.inbound.stop(tid, *cancel_outcome(reason))
             elif kind is FrameKind.DATA:
                 self._on_data_header(sender, ChunkHeader.unpack(body))
+            elif kind is FrameKind.BYE:
+                self.inbound.stop_where(
+                    lambda r: r.source == sender, TransferState.FAILED, "sender closed"
+                )
 
         self.loop.recv(self.loop.worker, buf, HDR_TAG, KIND_MASK, on_header)
 
@@ -143,7 +157,7 @@ class UcxReceiver:
             else:
                 self._ack(ep, header, self.inbound.end_chunk(tid, header.nbytes))
 
-        self.loop.recv(ep, target, data_tag(tid, header.chunk_index), 0, landed)
+        self.loop.recv(ep, target, data_tag(tid, header.chunk_index), 0, landed, owner=ep)
 
     def _ack(self, ep: Any, header: ChunkHeader, status: AckStatus) -> None:
         frame = np.frombuffer(

@@ -8,6 +8,7 @@ followed by a fixed-size body per kind. A DATA frame's body is the `ChunkHeader`
     ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA
     CANCEL  sender -> receiver   (transfer_id, reason): stop; chunks still in flight are dropped
     HELLO   sender -> receiver   (sender_id, stream_index, stream_count): first frame of a stream
+    BYE     sender -> receiver   (sender_id): the sender is closing; its open transfers fail
 
 Chunks: each segment of a request is cut into byte ranges of at most `chunk_bytes`; the
 header carries the segment's block and layer range, dtype and shape, the byte offset of the
@@ -43,6 +44,7 @@ class FrameKind(enum.IntEnum):
     ACK = 2
     CANCEL = 3
     HELLO = 4
+    BYE = 5
 
 
 class AckStatus(enum.IntEnum):
@@ -83,6 +85,7 @@ _DATA = struct.Struct(f"<QIIHIIHHQIQQIIBB{REQUEST_ID_BYTES}s{DTYPE_BYTES}s{MAX_D
 _ACK = struct.Struct("<QIBxxxI")
 _CANCEL = struct.Struct("<QB7x")
 _HELLO = struct.Struct("<QHH4x")
+_BYE = struct.Struct("<Q")
 # checksum and deadline_ms sit right after the 12 leading fields of the DATA body
 _SENT = struct.Struct("<II")
 _SENT_OFFSET = PREFIX.size + struct.calcsize("<QIIHIIHHQIQQ")
@@ -91,6 +94,7 @@ BODY_SIZE = {
     FrameKind.ACK: _ACK.size,
     FrameKind.CANCEL: _CANCEL.size,
     FrameKind.HELLO: _HELLO.size,
+    FrameKind.BYE: _BYE.size,
 }
 
 
@@ -210,6 +214,10 @@ def pack_hello(sender_id: int, stream_index: int, stream_count: int) -> bytes:
 
 def unpack_hello(body: bytes) -> tuple[int, int, int]:
     return _HELLO.unpack(body)
+
+
+def pack_bye(sender_id: int) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.BYE) + _BYE.pack(sender_id)
 
 
 def unpack_prefix(prefix: bytes) -> FrameKind:

@@ -61,4 +61,7 @@ def stats_to_proto(worker_id: str, role: str, s: EngineStats) -> pb.StatsRespons
         prefix_cache_hits=s.prefix_cache_hits,
         num_generated_tokens=s.generated_tokens,
         max_model_len=s.max_model_len,
+        block_size=s.block_size,
+        max_num_seqs=s.max_num_seqs,
+        kv_block_bytes=s.kv_block_bytes,
     )

@@ -1,25 +1,25 @@
 """PddConnector end to end: a real producer engine (P) and a real consumer engine (D).
 
-Both are pdd.engine.engine.Engine (vLLM AsyncLLM, engine core + worker in child processes)
-on the default model in float32, joined by the shm KV channel in a /dev/shm tmp dir. The
-oracle is P's own greedy run of the same prompt (a single engine, no connector traffic).
-Each test uses a fresh prompt so that neither engine's prefix cache can answer for the channel.
+Both are pdd.engine.engine.Engine (vLLM AsyncLLM, connector halves in the engine-core child)
+on the default model in float32. The test plays both worker shells: it owns one slot arena and
+one fence board, which both engines map. The oracle is P's own greedy run of the same prompt
+after its export (a single engine: the prompt's whole blocks from its prefix cache, the tail
+computed), which is exactly the computation D does with the blocks loaded from slots. Each
+test uses a fresh prompt so that no prefix cache answers for the arena, and its own slots.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
+from pdd.cache.arena import FenceBoard, SlotArena
+from pdd.cache.host_tier import kv_block_bytes
 from pdd.config import EngineConfig, ModelConfig
-from pdd.engine.connector_params import ExportParams, LoadParams, wrap
+from pdd.engine.connector_params import ConnectorSettings, ExportParams, FenceRef, LoadParams, wrap
 from pdd.engine.engine import Engine
 from pdd.engine.types import EngineDelta, KvConnectorSpec, SamplingSpec
 
@@ -28,16 +28,12 @@ pytestmark = pytest.mark.slow
 BLOCK = 32
 PREFILL_CHUNK = 128
 VOCAB_LO, VOCAB_HI = 200, 40000
+DTYPE = "float32"
 
 
-def _prompt(seed: int, n: int) -> list[int]:
+def prompt_of(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
-
-
-def _model() -> ModelConfig:
-    fp32 = ModelConfig(dtype="float32")
-    return fp32 if fp32.resolved_path().is_dir() else ModelConfig(dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -47,37 +43,67 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="module")
-def store():
-    root = tempfile.mkdtemp(prefix="pdd-kv-test-", dir="/dev/shm")
-    yield Path(root)
-    shutil.rmtree(root, ignore_errors=True)
+class Shell:
+    """What the worker shell owns: the arena, the fence board and the next ticket."""
+
+    def __init__(self, dtype: str, num_slots: int) -> None:
+        # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
+        slot_bytes = kv_block_bytes(30, 3, 64, BLOCK, 4 if dtype == "float32" else 2)
+        self.arena = SlotArena.create(num_slots, slot_bytes, "pddtest-e2e")
+        self.fences = FenceBoard.create(16, "pddtest-e2e-fence")
+        self.settings = ConnectorSettings(arena=self.arena.ref, fences=self.fences.ref)
+        self._tickets = 0
+
+    def fence(self, index: int) -> FenceRef:
+        self._tickets += 1
+        return FenceRef(index=index, ticket=self._tickets)
+
+    def wait_fence(self, fence: FenceRef, deadline_s: float = 20.0) -> None:
+        end = time.monotonic() + deadline_s
+        while self.fences.read(fence.index) != fence.ticket:
+            assert time.monotonic() < end, f"fence {fence} never posted"
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        for owned in (self.arena, self.fences):
+            owned.close()
+            owned.unlink()
 
 
-@pytest.fixture(scope="module")
-def engines(loop, store):
-    settings = {
-        "channel": {"kind": "shm", "options": {"root": str(store)}},
-        "lease_s": 10.0,
-        "load_deadline_s": 30.0,
-    }
+def start_pair(loop, shell: Shell, dtype: str):
+    """P (producer, 128-token prefill chunks: exports span several steps) and D (consumer)."""
+    extra = shell.settings.model_dump()
     cfg = {"max_model_len": 2048, "kv_cache_space_gib": 0.25, "block_size": BLOCK}
-    # P prefills in 128-token chunks: a fresh prompt is exported over several engine steps.
+    model = ModelConfig(dtype=dtype)
     p_cfg = EngineConfig(**cfg, max_num_batched_tokens=PREFILL_CHUNK)
-    p = Engine(_model(), p_cfg, KvConnectorSpec(role="kv_producer", extra_config=settings))
-    d = Engine(
-        _model(), EngineConfig(**cfg), KvConnectorSpec(role="kv_consumer", extra_config=settings)
-    )
+    p = Engine(model, p_cfg, KvConnectorSpec(role="kv_producer", extra_config=extra))
+    d_cfg = EngineConfig(**cfg, max_num_batched_tokens=PREFILL_CHUNK)
+    d = Engine(model, d_cfg, KvConnectorSpec(role="kv_consumer", extra_config=extra))
+    loop.run_until_complete(p.start())
+    loop.run_until_complete(d.start())
+    return p, d
+
+
+@pytest.fixture(scope="module")
+def shell():
+    shell = Shell(DTYPE, num_slots=64)
+    yield shell
+    shell.close()
+
+
+@pytest.fixture(scope="module")
+def engines(loop, shell):
+    p = d = None
     try:
-        loop.run_until_complete(p.start())
-        loop.run_until_complete(d.start())
+        p, d = start_pair(loop, shell, DTYPE)
         yield p, d
     finally:
-        loop.run_until_complete(d.stop())
-        loop.run_until_complete(p.stop())
+        for engine in (d, p):
+            if engine is not None:
+                loop.run_until_complete(engine.stop())
 
 
-async def _run(engine: Engine, rid: str, prompt: list[int], n: int, params=None):
+async def collect(engine: Engine, rid: str, prompt: list[int], n: int, params=None):
     """Greedy-decode ``n`` tokens; the token ids and the final delta."""
     spec = SamplingSpec(temperature=0.0, max_tokens=n, ignore_eos=True)
     tokens: list[int] = []
@@ -89,81 +115,120 @@ async def _run(engine: Engine, rid: str, prompt: list[int], n: int, params=None)
     return tokens, last
 
 
-def _wait_no_blocks_in_use(loop, engine: Engine, deadline_s: float = 20.0) -> None:
-    """Poll (with a deadline) until the engine reports no KV block in use."""
+def run(loop, engine, rid, prompt, n, params=None):
+    return loop.run_until_complete(collect(engine, rid, prompt, n, params))
+
+
+def wait_idle(loop, engine: Engine, deadline_s: float = 20.0) -> None:
+    """Poll (with a deadline) until the engine runs nothing and holds no KV block."""
     end = time.monotonic() + deadline_s
-    while engine.stats().kv_cache_usage != 0.0:
-        assert time.monotonic() < end, f"blocks still held: usage {engine.stats().kv_cache_usage}"
+    while (s := engine.stats()).kv_cache_usage != 0.0 or s.running or s.waiting:
+        assert time.monotonic() < end, f"engine not idle: {s}"
         # A tiny request makes the engine step and publish fresh stats.
-        loop.run_until_complete(_run(engine, f"probe-{time.monotonic_ns()}", [11, 12], 1))
+        run(loop, engine, f"probe-{time.monotonic_ns()}", [11, 12], 1)
 
 
-def _export(loop, p: Engine, rid: str, prompt: list[int], transfer_id: str):
-    params = wrap(export=ExportParams(transfer_id=transfer_id))
-    tokens, last = loop.run_until_complete(_run(p, rid, prompt, 1, params))
+def export(loop, shell: Shell, p: Engine, rid: str, prompt: list[int], slots: list[int]):
+    fence = shell.fence(0)
+    params = wrap(export=ExportParams(slots=slots, fence=fence))
+    tokens, last = run(loop, p, rid, prompt, 1, params)
+    shell.wait_fence(fence)
     return tokens, last.kv_transfer_params["pdd"]["exported"]
 
 
-def _seal(store: Path, transfer_id: str, deadline_s: float = 20.0) -> dict:
-    path = store / transfer_id / "sealed.json"
-    end = time.monotonic() + deadline_s
-    while not path.exists():
-        assert time.monotonic() < end, f"{transfer_id} never sealed"
-        time.sleep(0.01)
-    return json.loads(path.read_bytes())
-
-
-def test_d_decodes_from_p_kv_like_a_single_engine(loop, engines, store):
+def test_d_decodes_from_p_kv_like_a_single_engine(loop, engines, shell):
     p, d = engines
-    prompt = _prompt(1, 450)  # 14 whole blocks + a 2-token tail; 4 prefill chunks on P
-    first, exported = _export(loop, p, "p-1", prompt, "t-1")
-    assert exported == {"transfer_id": "t-1", "num_tokens": 450, "num_blocks": 15, "complete": True}
-    seal = _seal(store, "t-1")
-    assert (seal["num_tokens"], seal["num_blocks"]) == (450, 15)
-    want, _ = loop.run_until_complete(_run(p, "base-1", prompt, 12))
+    prompt = prompt_of(1, 450)  # 14 whole blocks + a 2-token tail; 4 prefill chunks on P
+    slots = list(range(13, -1, -1))  # block i -> slot 13 - i
+    first, exported = export(loop, shell, p, "p-1", prompt, slots)
+    assert exported == {"num_blocks": 14, "num_tokens": 448, "complete": True, "error": None}
+    want, _ = run(loop, p, "base-1", prompt, 12)
     assert first == want[:1]
 
-    load = wrap(load=LoadParams(transfer_id="t-1", num_tokens=450))
-    got, last = loop.run_until_complete(_run(d, "d-1", prompt, 12, load))
+    fence = shell.fence(1)
+    got, last = run(loop, d, "d-1", prompt, 12, wrap(load=LoadParams(slots=slots, fence=fence)))
     assert got == want
     loaded = last.kv_transfer_params["pdd"]["loaded"]
-    assert (loaded["ok"], loaded["num_tokens"], loaded["num_blocks"]) == (True, 450, 15)
-    assert 450 - last.num_cached_tokens <= 450 % BLOCK  # D computed only the tail itself
-    print(
-        f"\nexport 450 tok: {seal['sealed_at'] - seal['opened_at']:.4f} s, {seal['bytes']} B; "
-        f"load: {loaded['seconds']:.4f} s; D cached {last.num_cached_tokens}"
-    )
-    _wait_no_blocks_in_use(loop, p)
-    _wait_no_blocks_in_use(loop, d)
+    assert {k: loaded[k] for k in ("ok", "num_blocks", "first_block", "num_tokens")} == {
+        "ok": True, "num_blocks": 14, "first_block": 0, "num_tokens": 448}  # fmt: skip
+    assert last.num_cached_tokens == 448  # D computed only the 2-token tail
+    shell.wait_fence(fence)
+    print(f"\nD load of 14 blocks ({14 * shell.arena.slot_bytes} B): {loaded['seconds']:.4f} s")
+    wait_idle(loop, p)
+    wait_idle(loop, d)
 
 
-def test_failed_load_is_recomputed(loop, engines):
+def test_extend_recomputes_only_the_tail_and_the_new_tokens(loop, engines, shell):
     p, d = engines
-    prompt = _prompt(2, 380)
-    want, _ = loop.run_until_complete(_run(p, "base-2", prompt, 8))
+    prompt = prompt_of(3, 520)  # 16 whole blocks + an 8-token tail
+    slots = [20 + 2 * i for i in range(16)]  # every other slot
+    _, exported = export(loop, shell, p, "p-3", prompt, slots)
+    assert (exported["num_blocks"], exported["complete"]) == (16, True)
+    want, _ = run(loop, p, "base-3", prompt, 16)
 
-    load = wrap(load=LoadParams(transfer_id="t-missing", num_tokens=380, deadline_s=0.5))
-    got, last = loop.run_until_complete(_run(d, "d-2", prompt, 8, load))
-    assert got == want
-    loaded = last.kv_transfer_params["pdd"]["loaded"]
-    assert loaded["ok"] is False and loaded["error"].startswith("TransferTimeout")
-    assert last.num_cached_tokens == 0
-    _wait_no_blocks_in_use(loop, d)
-
-
-def test_extend_recomputes_only_the_new_tokens(loop, engines, store):
-    p, d = engines
-    prompt = _prompt(3, 520)  # 16 whole blocks + an 8-token tail
-    want, _ = loop.run_until_complete(_run(p, "base-3", prompt, 16))
-    _export(loop, p, "p-3", prompt, "t-3")
-    _seal(store, "t-3")
-
-    k = 5  # tokens "RLD" emitted; D gets prompt + those, with the prompt's KV loaded
-    load = wrap(load=LoadParams(transfer_id="t-3", num_tokens=len(prompt)))
-    got, last = loop.run_until_complete(_run(d, "d-3", prompt + want[:k], 16 - k, load))
+    k = 5  # tokens "RLD" emitted; D gets prompt + those, with the prompt's blocks loaded
+    got, last = run(loop, d, "d-3", prompt + want[:k], 16 - k, wrap(load=LoadParams(slots=slots)))
     assert got == want[k:]
-    loaded = last.kv_transfer_params["pdd"]["loaded"]
-    assert (loaded["ok"], loaded["num_tokens"], loaded["num_blocks"]) == (True, 520, 17)
-    assert last.num_cached_tokens == len(prompt)  # only the k new tokens were computed
-    _wait_no_blocks_in_use(loop, p)
-    _wait_no_blocks_in_use(loop, d)
+    assert last.kv_transfer_params["pdd"]["loaded"]["num_blocks"] == 16
+    assert last.num_cached_tokens == 512  # computed: 8 tail tokens + the 5 emitted ones
+    wait_idle(loop, d)
+
+
+def test_a_whole_block_prompt_leaves_its_last_token_to_compute(loop, engines, shell):
+    p, d = engines
+    prompt = prompt_of(4, 256)  # exactly 8 blocks
+    slots = list(range(52, 60))
+    export(loop, shell, p, "p-4", prompt, slots)
+    want, _ = run(loop, p, "base-4", prompt, 6)
+    got, last = run(loop, d, "d-4", prompt, 6, wrap(load=LoadParams(slots=slots)))
+    assert got == want
+    assert last.num_cached_tokens == 255
+    assert last.kv_transfer_params["pdd"]["loaded"]["num_tokens"] == 255
+
+
+def test_more_slots_than_whole_prompt_blocks_is_refused_and_computed(loop, engines, shell):
+    p, d = engines
+    prompt = prompt_of(5, 200)  # 6 whole blocks + 8 tokens
+    want, _ = run(loop, p, "base-5", prompt, 6)
+    fence = shell.fence(2)
+    params = wrap(load=LoadParams(slots=list(range(7)), fence=fence))
+    got, last = run(loop, d, "d-5", prompt, 6, params)
+    assert got == want
+    assert last.num_cached_tokens == 0
+    assert last.kv_transfer_params["pdd"]["loaded"] == {
+        "num_blocks": 0, "first_block": 0, "num_tokens": 0, "ok": False, "seconds": None,
+        "error": "7 slots but the prompt (200 tokens) has only 6 whole blocks of 32 tokens"}  # fmt: skip
+    shell.wait_fence(fence)  # a refused request still releases its slots through the fence
+
+
+def test_abort_after_the_load_frees_every_block_and_posts_the_fence(loop, engines, shell):
+    p, d = engines
+    prompt = prompt_of(6, 1400)
+    slots = list(range(40, 48))  # the first 8 blocks come from P; D computes 1144 tokens
+    export(loop, shell, p, "p-6", prompt[:256], slots)
+    fence = shell.fence(3)
+    params = wrap(load=LoadParams(slots=slots, fence=fence))
+
+    async def abort_mid_prefill() -> list[EngineDelta]:
+        spec = SamplingSpec(temperature=0.0, max_tokens=8, ignore_eos=True)
+        return [delta async for delta in d.generate("d-6", prompt, spec, params)]
+
+    async def scenario() -> list[EngineDelta]:
+        task = asyncio.ensure_future(abort_mid_prefill())
+        end = time.monotonic() + 20
+        while d.stats().kv_cache_usage == 0.0:  # D holds blocks: the load step ran
+            assert time.monotonic() < end and not task.done(), "D never started the request"
+            await asyncio.sleep(0.002)
+        assert await d.abort("d-6")
+        return await task
+
+    deltas = loop.run_until_complete(scenario())
+    assert deltas[-1].finish_reason == "abort"
+    assert sum(len(x.token_ids) for x in deltas) == 0  # aborted while D was still prefilling
+    shell.wait_fence(fence)
+    wait_idle(loop, d)
+    # The blocks the aborted request loaded (now in D's prefix cache) are sound.
+    want, _ = run(loop, p, "base-6", prompt, 8)
+    got, _ = run(loop, d, "d-6b", prompt, 8, wrap(load=LoadParams(slots=slots)))
+    assert got == want
+    wait_idle(loop, d)

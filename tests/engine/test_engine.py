@@ -213,7 +213,10 @@ def test_stats_count_generated_tokens(h: Harness) -> None:
         h.collect("count", PARIS_PROMPT, SamplingSpec(temperature=0, max_tokens=5, ignore_eos=True))
     )
     assert h.engine.stats().generated_tokens - before == 5
-    assert h.engine.stats().max_model_len == MAX_MODEL_LEN
+    stats = h.engine.stats()
+    assert (stats.max_model_len, stats.block_size, stats.max_num_seqs) == (MAX_MODEL_LEN, BLOCK, 32)
+    # SmolLM2 bf16: 2 (K,V) x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 B/token.
+    assert stats.kv_block_bytes == 23_040 * BLOCK
 
 
 def test_stop_leaves_no_engine_process(h: Harness) -> None:

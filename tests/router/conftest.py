@@ -32,7 +32,7 @@ def harness(codec: TextCodec) -> Iterator[RouterHarness]:
 @pytest.fixture
 def router(harness: RouterHarness) -> Iterator[RouterHarness]:
     """The shared router with a fresh fake-worker script; checks nothing is left running."""
-    harness.fake.reset()
+    harness.reset()
     yield harness
     wait_until(lambda: not harness.fake.running, "fake worker still has running requests")
 

@@ -4,6 +4,12 @@ It emits a scripted, deterministic token sequence per Generate call and records 
 router did to it (requests, Aborts, cancelled streams, requests still running), so router
 tests can assert cleanup exactly. Behaviour is set by plain attributes between requests.
 Real-engine behaviour is tested end to end elsewhere; this only drives the router.
+
+Roles: one fake plays colocated, prefill, relay_decode or main_decode. The scripted tokens
+are "the model's output" for any prompt: a Generate that continues a request (``kv_in``
+set) starts at the position ``len(prompt) - len(original prompt)`` and first checks that
+its prompt is exactly the original prompt plus the scripted tokens before that position
+(else it records a violation and fails the request). The KV RPCs are ``fake_kv``'s.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdd.proto import worker_pb2, worker_pb2_grpc
+from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE, FakeKvNode, FakeKvPlane
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -31,11 +38,28 @@ class Script:
     error_after: int | None = None  # finish with "error" after this many tokens
     cached_tokens: int = 0
 
+    def token(self, i: int) -> int | None:
+        """The model's i-th output token (None past the end of a non-repeating script)."""
+        if self.repeat:
+            return self.tokens[i % len(self.tokens)]
+        return self.tokens[i] if i < len(self.tokens) else None
+
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str = "fake-0", max_model_len: int = 512):
+    def __init__(
+        self,
+        worker_id: str = "fake-0",
+        max_model_len: int = 512,
+        role: str = "colocated",
+        plane: FakeKvPlane | None = None,
+    ):
         self.worker_id = worker_id
         self.max_model_len = max_model_len
+        self.role = role
+        self.kv = FakeKvNode(plane, worker_id, role) if plane is not None else None
+        self.max_num_seqs = 8
+        self.stats_running = 0  # extra running requests reported in Stats (load scripting)
+        self.wan_bandwidth_bps = 0.0
         self.script = Script()
         self.ready = True
         self.requests: list[worker_pb2.GenerateRequest] = []
@@ -43,36 +67,64 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.aborts: list[str] = []
         self.cancelled: list[str] = []
         self.finished: dict[str, str] = {}
+        self.violations: list[str] = []
 
     def reset(self) -> None:
         self.script = Script()
         self.ready = True
+        self.stats_running = 0
         self.requests.clear()
         self.aborts.clear()
         self.cancelled.clear()
         self.finished.clear()
+        self.violations.clear()
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         rid = request.request_id
         self.requests.append(request)
         self.running.add(rid)
         script = self.script
+        kv_id = request.kv_in.kv_request_id if request.HasField("kv_in") else ""
         try:
             if script.fail_code is not None:
                 await context.abort(script.fail_code, "scripted failure")
             if script.first_delay_s:
                 await asyncio.sleep(script.first_delay_s)
-            async for resp in self._steps(request, script):
+            start = self._continuation_start(request, script)
+            if start is None:
+                yield worker_pb2.GenerateResponse(finish_reason="error", stop_token_id=-1)
+                return
+            if kv_id and self.kv is not None:
+                await self.kv.load(kv_id, request.kv_in.wait_s)
+            async for resp in self._steps(request, script, start):
                 yield resp
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
         finally:
             self.running.discard(rid)
+            if kv_id and self.kv is not None:
+                self.kv.release(kv_id, "done")  # the request's load ended either way
 
-    async def _steps(self, request, script: Script):
+    def _continuation_start(self, request, script: Script) -> int | None:
+        """Output position this Generate continues from; None if its prompt is wrong."""
+        if not request.HasField("kv_in") or self.kv is None:
+            return 0
+        original = self.kv.plane.prompts.get(request.kv_in.kv_request_id)
+        prompt = tuple(request.prompt_token_ids)
+        if original is None:
+            self.violations.append(f"{request.request_id}: unknown kv_request_id")
+            return None
+        tail = prompt[len(original) :]
+        expected = tuple(script.token(i) for i in range(len(tail)))
+        if prompt[: len(original)] != original or tail != expected:
+            self.violations.append(f"{request.request_id}: continues {tail}, want {expected}")
+            return None
+        return len(tail)
+
+    async def _steps(self, request, script: Script, start: int):
         s, rid = request.sampling, request.request_id
-        emitted, i, first = 0, 0, True
+        emitted, i, first = 0, start, True
         while True:
             if rid in self.aborts:
                 self.finished[rid] = "abort"
@@ -103,11 +155,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     @staticmethod
     def _take(script: Script, i: int) -> list[int]:
-        n = script.tokens_per_step
-        if script.repeat:
-            toks = script.tokens
-            return [toks[(i + k) % len(toks)] for k in range(n)]
-        return list(script.tokens[i : i + n])
+        step = [script.token(i + k) for k in range(script.tokens_per_step)]
+        return [t for t in step if t is not None]
 
     def _response(self, request, step, finish, stop_id, first) -> worker_pb2.GenerateResponse:
         k = request.sampling.logprobs
@@ -119,6 +168,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     for r in range(k)
                 ]
                 logprobs.append(worker_pb2.TokenLogprob(token_id=t, logprob=-0.5, top=top))
+        staged = 0
+        if finish and request.kv_stage and self.kv is not None:
+            staged = self.kv.stage(request.request_id, list(request.prompt_token_ids))
         return worker_pb2.GenerateResponse(
             token_ids=step,
             logprobs=logprobs,
@@ -126,6 +178,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             num_prompt_tokens=len(request.prompt_token_ids) if first else 0,
             num_cached_tokens=self.script.cached_tokens if first else 0,
             stop_token_id=stop_id,
+            kv_staged_blocks=staged,
         )
 
     async def Abort(self, request, context):  # noqa: N802
@@ -134,16 +187,49 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Health(self, request, context):  # noqa: N802
         return worker_pb2.HealthResponse(
-            ready=self.ready, worker_id=self.worker_id, role="colocated", model="fake"
+            ready=self.ready, worker_id=self.worker_id, role=self.role, model="fake"
         )
 
     async def Stats(self, request, context):  # noqa: N802
         return worker_pb2.StatsResponse(
             worker_id=self.worker_id,
-            role="colocated",
-            running_requests=len(self.running),
+            role=self.role,
+            running_requests=len(self.running) + self.stats_running,
             max_model_len=self.max_model_len,
+            block_size=BLOCK_SIZE if self.kv else 0,
+            kv_block_bytes=BLOCK_BYTES if self.kv else 0,
+            max_num_seqs=self.max_num_seqs,
+            wan_bandwidth_bps=self.wan_bandwidth_bps,
+            pinned_slots=len(self.kv.held()) if self.kv else 0,
         )
+
+    # --- KV plane ---------------------------------------------------------------------------
+
+    def _node(self) -> FakeKvNode:
+        assert self.kv is not None, f"{self.worker_id} has no KV plane"
+        return self.kv
+
+    async def PrepareKv(self, request, context):  # noqa: N802
+        return self._node().prepare(request.kv_request_id, list(request.prompt_token_ids))
+
+    async def SendKv(self, request, context):  # noqa: N802
+        sent = self._node().send(request.kv_request_id, list(request.destinations))
+        if sent is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing staged")
+        return worker_pb2.SendKvResponse(
+            staged_blocks=self._node().staged.get(request.kv_request_id, 0),
+            bytes_per_destination=sent,
+        )
+
+    async def AwaitKv(self, request, context):  # noqa: N802
+        return await self._node().await_kv(request.kv_request_id, request.timeout_s)
+
+    async def CancelKv(self, request, context):  # noqa: N802
+        found = self._node().cancel(request.kv_request_id, request.reason)
+        return worker_pb2.CancelKvResponse(found=found)
+
+    async def DrcEvents(self, request, context):  # noqa: N802
+        return self._node().drc_events(request.since)
 
 
 async def start_fake_worker(fake: FakeWorker) -> tuple[grpc.aio.Server, int]:

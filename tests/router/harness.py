@@ -1,7 +1,11 @@
-"""Runs the real router (app + uvicorn on a free port) wired to a FakeWorker, in one
+"""Runs the real router (app + uvicorn on a free port) wired to fake workers, in one
 background thread with its own event loop, so tests can use the blocking `openai` client and
 httpx against a real HTTP server. ``start()`` waits for the ready callback and a healthy
-worker, each with a deadline; ``stop()`` shuts both servers down and joins the thread.
+fleet, each with a deadline; ``stop()`` shuts the servers down and joins the thread.
+
+``RouterHarness(codec)`` is one colocated fake ("w0"); ``RouterHarness.pdd(codec, mode)``
+is a PDD fleet: P and RLD in dc-a, MD in dc-b (plus a dc-a main_decode "dl" for pd_local),
+linked by one ``FakeKvPlane``.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from pdd.config import PddConfig
 from pdd.router.app import build_app
 from pdd.router.main import RouterServer, bind_socket
 from pdd.router.tokenizer import TextCodec
+from tests.router.fake_kv import FakeKvPlane
 from tests.router.fake_worker import FakeWorker, start_fake_worker
 
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 65536
 MAX_QUEUED = 4
+DATACENTER = {"prefill": "dc-a", "relay_decode": "dc-a", "main_decode": "dc-b"}
 
 
-def test_config(worker_port: int, **router: Any) -> PddConfig:
+def test_config(workers: list[dict[str, Any]], **router: Any) -> PddConfig:
     return PddConfig.model_validate(
         {
             "engine": {"max_model_len": MAX_MODEL_LEN},
@@ -38,22 +44,57 @@ def test_config(worker_port: int, **router: Any) -> PddConfig:
                 "request_timeout_s": 30.0,
                 **router,
             },
-            "workers": [{"id": "w0", "role": "colocated", "port": worker_port}],
+            "workers": workers,
         }
     )
 
 
 class RouterHarness:
-    def __init__(self, codec: TextCodec):
+    def __init__(
+        self,
+        codec: TextCodec,
+        fakes: list[FakeWorker] | None = None,
+        plane: FakeKvPlane | None = None,
+        **router: Any,
+    ):
         self.codec = codec
-        self.fake = FakeWorker("w0", MAX_MODEL_LEN)
+        self.fakes = fakes or [FakeWorker("w0", MAX_MODEL_LEN)]
+        self.fake = self.fakes[0]
+        self.plane = plane
+        self.datacenters: dict[str, str] = {}
+        self.router_overrides = router
         self.cfg: PddConfig | None = None
         self.url = ""  # http://127.0.0.1:PORT/v1
-        self.fake_target = ""  # the fake worker's gRPC address
+        self.fake_target = ""  # the first fake worker's gRPC address
         self._server: RouterServer | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="router-harness", daemon=True)
+
+    @classmethod
+    def pdd(cls, codec: TextCodec, mode: str = "pdd", **policy: Any) -> RouterHarness:
+        """P, RLD, MD (and a dc-a main_decode "dl") sharing one fake KV plane."""
+        plane = FakeKvPlane()
+        fakes = [
+            FakeWorker("p0", MAX_MODEL_LEN, "prefill", plane),
+            FakeWorker("rld0", MAX_MODEL_LEN, "relay_decode", plane),
+            FakeWorker("md0", MAX_MODEL_LEN, "main_decode", plane),
+            FakeWorker("dl0", MAX_MODEL_LEN, "main_decode", plane),
+        ]
+        h = cls(codec, fakes, plane, mode=mode, pdd=policy)
+        h.datacenters = {"dl0": "dc-a"}
+        if mode == "pdd":  # the dc-a main_decode only serves the pd_local baseline
+            h.fakes = fakes[:3]
+        return h
+
+    def by_id(self, worker_id: str) -> FakeWorker:
+        return next(f for f in self.fakes if f.worker_id == worker_id)
+
+    def reset(self) -> None:
+        for f in self.fakes:
+            f.reset()
+        if self.plane is not None:
+            self.plane.reset()
 
     @property
     def root(self) -> str:
@@ -65,6 +106,7 @@ class RouterHarness:
             self.stop()
             raise RuntimeError(f"router harness did not start: {self._error!r}")
         self.wait_health(200, timeout)
+        self.wait_all_healthy(timeout)
 
     def wait_health(self, status: int, timeout: float = 10.0) -> None:
         """Poll /health until it answers ``status`` (deadline, no fixed sleeps)."""
@@ -76,6 +118,17 @@ class RouterHarness:
                 return
             time.sleep(0.02)
         raise TimeoutError(f"/health stayed {last}, wanted {status}")
+
+    def workers(self) -> list[dict[str, Any]]:
+        return httpx.get(self.root + "/debug/workers", timeout=2.0).json()["workers"]
+
+    def wait_all_healthy(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(w["healthy"] for w in self.workers()):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"workers not all healthy: {self.workers()}")
 
     def stop(self) -> None:
         if self._server is not None:
@@ -91,15 +144,23 @@ class RouterHarness:
             self._ready.set()
 
     async def _main(self) -> None:
-        grpc_server, port = await start_fake_worker(self.fake)
-        self.fake_target = f"127.0.0.1:{port}"
+        servers, workers = [], []
         try:
-            self.cfg = test_config(port)
+            for fake in self.fakes:
+                server, port = await start_fake_worker(fake)
+                servers.append(server)
+                dc = self.datacenters.get(fake.worker_id, DATACENTER.get(fake.role, "dc-a"))
+                workers.append(
+                    {"id": fake.worker_id, "role": fake.role, "port": port, "datacenter": dc}
+                )
+            self.fake_target = f"127.0.0.1:{workers[0]['port']}"
+            self.cfg = test_config(workers, **self.router_overrides)
             app = build_app(self.cfg, codec=self.codec)
             self._server = RouterServer(app, bind_socket("127.0.0.1", 0), on_ready=self._on_ready)
             await self._server.serve()
         finally:
-            await grpc_server.stop(None)
+            for server in servers:
+                await server.stop(None)
 
     def _on_ready(self, url: str) -> None:
         self.url = url

@@ -37,13 +37,13 @@ def idle(t) -> bool:
 class Pair:
     """A receiving and a sending transport of one kind, in this process."""
 
-    def __init__(self, kind: str, config: TransferConfig, zone: LandingZone, faults: FaultHooks):
+    def __init__(self, kind, config, zone: LandingZone, faults: FaultHooks, sender_config=None):
         self.kind, self.zone = kind, zone
         self.results: list = []
         self._lock = threading.Lock()
         hooks = ReceiverHooks(zone, on_received=self._on_received)
         self.receiver = create_transport(kind, config, hooks=hooks)
-        self.sender = create_transport(kind, config, faults=faults)
+        self.sender = create_transport(kind, sender_config or config, faults=faults)
         self.receiver.start()
         self.sender.start()
 
@@ -67,11 +67,15 @@ class Pair:
 @pytest.fixture
 def make_pair(request):
     """`make_pair(kind, **config)`: a started pair; teardown asserts nothing leaked."""
+
     pairs: list[Pair] = []
 
-    def make(kind: str, zone: LandingZone | None = None, faults: FaultHooks | None = None, **cfg):
+    def make(kind: str, zone=None, faults=None, sender: dict | None = None, **cfg):
+        """`sender` overrides config fields on the sending side only (e.g. TLS identity)."""
         cfg.setdefault("deadline_s", 30.0)
-        pair = Pair(kind, TransferConfig(**cfg), zone or LandingZone(), faults or FaultHooks())
+        sender_config = TransferConfig(**{**cfg, **sender}) if sender else None
+        zone, faults = zone or LandingZone(), faults or FaultHooks()
+        pair = Pair(kind, TransferConfig(**cfg), zone, faults, sender_config)
         pairs.append(pair)
         return pair
 

@@ -206,7 +206,7 @@ def test_sender_death_fails_the_receiver(kind, make_pair, peers):
     kill()
     result = pair.result(tid, timeout_s=15)
     assert result.state is TransferState.FAILED
-    assert 0 < result.chunks < 128
+    assert result.chunks < 128  # chunk 0 itself may fail: the sender died mid-chunk
 
 
 def test_close_with_open_transfers_releases_everything(kind, make_pair):

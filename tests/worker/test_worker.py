@@ -128,6 +128,18 @@ def test_health_reports_ready(worker: Worker) -> None:
     assert [ln for ln in worker.lines if ln.startswith("pdd worker ready")] == worker.lines
 
 
+def test_stats_describe_the_engine(worker: Worker) -> None:
+    s = call(worker, lambda stub: stub.Stats(pb.StatsRequest(), timeout=5))
+    assert (s.worker_id, s.role, s.running_requests, s.waiting_requests) == (
+        "w0",
+        "colocated",
+        0,
+        0,
+    )
+    assert (s.max_model_len, s.block_size, s.max_num_seqs) == (MAX_MODEL_LEN, 32, 32)
+    assert s.kv_block_bytes == 23_040 * 32  # SmolLM2 bf16: 23,040 bytes of KV per token
+
+
 def test_generate_greedy_paris(worker: Worker) -> None:
     resps = call(worker, lambda s: generate(s, "paris", PARIS_PROMPT, sampling(max_tokens=2)))
     assert [t for r in resps for t in r.token_ids] == [PARIS, PERIOD]

@@ -1,0 +1,95 @@
+"""The benchmark's config and command line: profiles, overrides, modes, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdd.bench.serve import main
+from pdd.bench.serve.cli import parse_args, resolve_config
+from pdd.bench.serve.config import SHORT_PROFILE, ModeConfig, load_bench_config
+from pdd.bench.serve.systems import ServedTopology, mode_workers
+from pdd.errors import ConfigError
+from tests.helpers import REPO
+
+EXAMPLE = Path(REPO) / "configs/bench/agentic.yaml"
+
+
+def _cfg(*argv):
+    return resolve_config(parse_args(list(argv)))
+
+
+def test_example_config_loads_and_fits_its_context():
+    cfg = load_bench_config(EXAMPLE)
+    assert cfg.workloads == ["agentic", "sweep"]
+    assert [m.name for m in cfg.modes] == ["colocated"]
+    assert "engine.max_model_len=8192" in cfg.modes[0].overrides
+    assert cfg.agentic.prompt_tokens_max + cfg.agentic.output_tokens_max <= 8192
+    assert cfg.sweep.prompt_tokens + cfg.sweep.output_tokens <= 8192
+
+
+def test_short_profile_then_user_overrides():
+    cfg = _cfg("--short", "--set", "agentic.requests=5", "--set", "sla.ttft_s=0.5")
+    assert (cfg.agentic.requests, cfg.agentic.conversations) == (5, 4)
+    assert cfg.sweep.buckets == [0.0, 0.5, 0.9, 1.0]
+    assert cfg.sla.ttft_s == 0.5
+    assert "agentic.requests=24" in SHORT_PROFILE
+
+
+def test_mode_endpoints_and_selection():
+    cfg = _cfg("--mode", "colocated=http://127.0.0.1:1/v1", "--mode", "pdd=http://127.0.0.1:2")
+    assert [(m.name, m.url, m.config) for m in cfg.modes] == [
+        ("colocated", "http://127.0.0.1:1/v1", None),
+        ("pdd", "http://127.0.0.1:2", None),
+    ]
+    cfg = _cfg("--mode", "pdd=http://x", "--modes", "pdd", "--workloads", "sweep")
+    assert [m.name for m in cfg.modes] == ["pdd"] and cfg.workloads == ["sweep"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "agentic.nope=1"], "agentic.nope: unknown key"),
+        (["--set", "agentic.prompt_tokens_min=9000"], "prompt_tokens_min is above"),
+        (["--set", "sweep.buckets=[0.5,1.5]"], "buckets must lie in [0, 1]"),
+        (["--workloads", "trace"], "workload trace needs trace.path"),
+        (["--modes", "pdd"], "--modes: unknown mode(s) ['pdd']"),
+        (["--mode", "colocated"], "--mode expects NAME=URL"),
+        (["--config", "nope.yaml"], "benchmark config not found: nope.yaml"),
+    ],
+)
+def test_bad_arguments_are_explained(argv, message):
+    with pytest.raises(ConfigError) as info:
+        _cfg(*argv)
+    assert message in info.value.message
+
+
+def test_main_exits_2_on_a_bad_trace_before_starting_anything(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "max_tokens": 4}\n')
+    argv = ["--workloads", "trace", "--set", f"trace.path={trace}", "--out", str(tmp_path / "o")]
+    argv += ["--set", "tokenizer=estimate"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:1: give exactly one of messages and prompt" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_workers_and_cost_of_a_mode():
+    cfg = load_bench_config()
+    colocated = ModeConfig(name="colocated", config=Path(REPO) / "configs/colocated.yaml")
+    assert mode_workers(colocated, cfg.cost) == {"gpu_a": 1}
+    explicit = ModeConfig(name="pdd", url="http://x", workers={"gpu_a": 2, "gpu_b": 1})
+    assert mode_workers(explicit, cfg.cost) == {"gpu_a": 2, "gpu_b": 1}
+    assert mode_workers(ModeConfig(name="x", url="http://x"), cfg.cost) == {}
+
+
+def test_served_topology_command_line(tmp_path):
+    mode = ModeConfig(name="colocated", config=Path("configs/colocated.yaml"), overrides=["a.b=1"])
+    topo = ServedTopology(mode, 10, tmp_path / "serve.log")
+    assert topo.argv()[1:] == [
+        "-m", "pdd.cli", "serve", "--config", "configs/colocated.yaml",
+        "--set", "router.port=0", "--set", "a.b=1",
+    ]  # fmt: skip
+    topo.stop()  # never started: nothing to do

@@ -1,0 +1,221 @@
+"""PddConnector's two halves without an engine (fast).
+
+The worker half copies for real between torch tensors shaped like vLLM's CPU KV cache and a
+real shared-memory arena. The scheduler half runs on real vLLM ``Request`` objects; only the
+block table and the scheduler output are small fakes (its inputs are plain data).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.request import Request
+
+from pdd.cache.arena import FenceBoard, SlotArena
+from pdd.engine.connector_meta import CopyJob, PddConnectorMetadata
+from pdd.engine.connector_params import (
+    ConnectorSettings,
+    ExportParams,
+    FenceRef,
+    LoadParams,
+    wrap,
+)
+from pdd.engine.connector_scheduler import SchedulerHalf
+from pdd.engine.connector_worker import WorkerHalf
+from pdd.errors import ConfigError
+
+BLOCK = 32
+LAYERS = 3
+SHAPE = (8, 3, BLOCK, 128)  # [num_blocks, num_kv_heads, block_size, 2*head_dim] per layer
+PREFIX = "pddtest-conn"
+
+
+def _caches(seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.attn": torch.randn(SHAPE, generator=g).to(dtype) for i in range(LAYERS)}
+
+
+def _slot_bytes(dtype=torch.float32) -> int:
+    return LAYERS * SHAPE[1] * SHAPE[2] * SHAPE[3] * torch.tensor([], dtype=dtype).element_size()
+
+
+@pytest.fixture
+def arenas():
+    made: list = []
+
+    def make(num_slots: int, dtype=torch.float32, fences: int = 0) -> ConnectorSettings:
+        arena = SlotArena.create(num_slots, _slot_bytes(dtype), PREFIX)
+        made.append(arena)
+        board = None
+        if fences:
+            board = FenceBoard.create(fences, PREFIX)
+            made.append(board)
+        return ConnectorSettings(arena=arena.ref, fences=board.ref if board else None)
+
+    yield make
+    for a in made:
+        a.close()
+        a.unlink()
+
+
+def _worker(settings: ConnectorSettings, caches) -> WorkerHalf:
+    half = WorkerHalf(settings)
+    half.register_kv_caches(caches)
+    return half
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_round_trip_through_non_contiguous_slots_byte_exact(arenas, dtype):
+    settings = arenas(6, dtype)
+    src, dst = _caches(1, dtype), _caches(2, dtype)
+    p, d = _worker(settings, src), _worker(settings, dst)
+    try:
+        p.save(PddConnectorMetadata(saves=[CopyJob("r", (5, 1, 6), (4, 0, 2))]))
+        d.load(PddConnectorMetadata(loads=[CopyJob("r", (0, 3, 7), (4, 0, 2))]))
+        untouched = _caches(2, dtype)
+        for name in src:
+            assert torch.equal(dst[name][[0, 3, 7]], src[name][[5, 1, 6]])
+            assert torch.equal(dst[name][[1, 2, 4, 5, 6]], untouched[name][[1, 2, 4, 5, 6]])
+        assert p.take_worker_meta().saves["r"].blocks == 3
+        assert d.take_worker_meta().loads["r"].blocks == 3
+        assert p.take_worker_meta() is None
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_slot_layout_is_layer_order_of_raw_block_bytes(arenas):
+    settings = arenas(2)
+    src = _caches(3)
+    half = _worker(settings, src)
+    try:
+        half.save(PddConnectorMetadata(saves=[CopyJob("r", (4,), (1,))]))
+        view = SlotArena.attach_ref(settings.arena)
+        want = b"".join(t[4].numpy().tobytes() for t in src.values())
+        assert bytes(view.view(1)) == want
+        view.close()
+    finally:
+        half.shutdown()
+
+
+def test_an_arena_of_the_wrong_slot_size_fails_engine_start(arenas):
+    settings = arenas(2, torch.bfloat16)
+    with pytest.raises(ConfigError, match="one KV block of this engine is 147456 bytes"):
+        WorkerHalf(settings).register_kv_caches(_caches(1, torch.float32))
+
+
+def test_fences_are_posted_at_the_start_of_a_step(arenas):
+    settings = arenas(2, fences=4)
+    half = _worker(settings, _caches(1))
+    board = FenceBoard.attach(settings.fences)
+    try:
+        half.load(PddConnectorMetadata(fences=[(2, 7), (0, 9)]))
+        assert [board.read(i) for i in range(4)] == [9, 0, 7, 0]
+    finally:
+        board.close()
+        half.shutdown()
+
+
+# ---- scheduler half --------------------------------------------------------------------------
+
+
+def _request(rid: str, n: int, pdd: dict | None) -> Request:
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": pdd} if pdd else None)
+    return Request(rid, list(range(100, 100 + n)), sp, None)
+
+
+class _Table:
+    """Block table fake: request id -> its block ids (vLLM's get_block_ids shape)."""
+
+    def __init__(self, ids: dict[str, list[int]]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self, rid: str | None = None):
+        return (self.ids[rid],)
+
+
+def _sched(num_slots=16, fences=4, producer=True, consumer=True) -> SchedulerHalf:
+    arena = {"name": "x", "num_slots": num_slots, "slot_bytes": 8}
+    board = {"name": "y", "num_slots": fences, "slot_bytes": 8} if fences else None
+    settings = ConnectorSettings.model_validate({"arena": arena, "fences": board})
+    return SchedulerHalf(settings, BLOCK, producer, consumer)
+
+
+def _step(s: SchedulerHalf, req: Request, n: int) -> PddConnectorMetadata:
+    meta = s.build_meta(SimpleNamespace(num_scheduled_tokens={req.request_id: n}))
+    req.num_computed_tokens += n
+    return meta
+
+
+def test_export_copies_each_block_in_the_step_that_completes_it():
+    s = _sched()
+    req = _request("p", 200, wrap(export=ExportParams(slots=[9, 8, 7, 6, 5], fence=FenceRef(
+        index=1, ticket=5))))  # fmt: skip
+    s.bind(_Table({"p": [40, 41, 42, 43, 44, 45, 46]}))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, None, 0)
+    saves = [_step(s, req, 80).saves, _step(s, req, 40).saves, _step(s, req, 80).saves]
+    assert saves == [
+        [CopyJob("p", (40, 41), (9, 8))],  # tokens 0-79: blocks 0-1 whole
+        [CopyJob("p", (42,), (7,))],  # tokens 80-119: block 2 whole (96)
+        [CopyJob("p", (43, 44), (6, 5))],  # tokens 120-199: blocks 3-4 whole; 6 not slotted
+    ]
+    assert s.request_finished(req) == (False, {"pdd": {"exported": {
+        "num_blocks": 5, "num_tokens": 160, "complete": True, "error": None}}})  # fmt: skip
+    assert s.build_meta(SimpleNamespace(num_scheduled_tokens={})).fences == [(1, 5)]
+
+
+def test_load_covers_slotted_blocks_past_the_local_hit_and_leaves_one_token():
+    s = _sched()
+    req = _request("d", 128, wrap(load=LoadParams(slots=[3, 2, 1, 0])))
+    assert s.get_num_new_matched_tokens(req, 32) == (127 - 32, False)  # 4 whole blocks: 127
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+    s.update_state_after_alloc(req, blocks, 95)
+    meta = _step(s, req, 1)
+    assert meta.loads == [CopyJob("d", (11, 12, 13), (2, 1, 0))]
+    _, params = s.request_finished(req)
+    assert params == {"pdd": {"loaded": {"num_blocks": 3, "first_block": 1, "num_tokens": 127,
+                                         "ok": True, "seconds": None, "error": None}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("params", "producer", "error"),
+    [
+        (wrap(load=LoadParams(slots=list(range(4)))), False, "only 3 whole blocks"),
+        (wrap(load=LoadParams(slots=[0, 16])), False, "slot 16 out of range"),
+        (wrap(load=LoadParams(slots=[0], fence=FenceRef(index=4, ticket=1))), False, "fence"),
+        (wrap(load=LoadParams(slots=[0])), True, "not a kv_consumer"),
+    ],
+)
+def test_refused_loads_compute_everything_and_say_why(params, producer, error):
+    s = _sched(producer=producer, consumer=not producer)
+    req = _request("d", 127, params)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, None, 0)
+    assert _step(s, req, 127).loads == []
+    loaded = s.request_finished(req)[1]["pdd"]["loaded"]
+    assert (loaded["ok"], loaded["num_blocks"]) == (False, 0)
+    assert error in loaded["error"]
+
+
+def test_refused_export_copies_nothing_but_still_posts_its_fence():
+    s = _sched(num_slots=2)
+    req = _request("p", 100, wrap(export=ExportParams(slots=[0, 2], fence=FenceRef(
+        index=0, ticket=3))))  # fmt: skip
+    s.bind(_Table({"p": [1, 2, 3, 4]}))
+    s.update_state_after_alloc(req, None, 0)
+    assert _step(s, req, 100).saves == []
+    exported = s.request_finished(req)[1]["pdd"]["exported"]
+    assert (exported["complete"], exported["num_blocks"]) == (False, 0)
+    assert "slot 2 out of range" in exported["error"]
+    assert s.build_meta(SimpleNamespace(num_scheduled_tokens={})).fences == [(0, 3)]
+
+
+def test_requests_without_pdd_params_are_left_alone():
+    s = _sched()
+    req = _request("x", 100, None)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.request_finished(req) == (False, None)
