@@ -138,19 +138,27 @@ class Topology:
         return f"http://{self.cfg.router.host}:{self.cfg.router.port}/v1"
 
     def start(self, timeout_s: float, cancel: threading.Event) -> None:
-        """Start every child and wait until all are ready; raise PddError when one fails."""
+        """Start the workers, wait until all are ready, then the router (so its first health
+        poll already sees them); raise PddError when a child fails or the deadline passes."""
         env = child_env()
-        for child in self.children:
-            child.start(env)
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
+        workers, router = self.children[:-1], self.children[-1]
+        for child in workers:
+            child.start(env)
+        self._wait_ready(workers, deadline, cancel)
+        router.start(env)
+        self._wait_ready([router], deadline, cancel)
+
+    @staticmethod
+    def _wait_ready(children: list[Child], deadline: float, cancel: threading.Event) -> None:
+        for child in children:
             while not child.ready.wait(timeout=0.2):
                 if cancel.is_set():
                     raise PddError("interrupted before every process was ready")
                 if not child.alive():
                     raise PddError(_failure(child, "exited before it was ready"))
                 if time.monotonic() > deadline:
-                    raise PddError(_failure(child, f"not ready after {timeout_s:.0f}s"))
+                    raise PddError(_failure(child, "not ready before the deadline"))
 
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if not c.alive()), None)

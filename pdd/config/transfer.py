@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from pdd.config.base import Section
@@ -47,6 +49,14 @@ class TransferConfig(Section):
     tls_key_file: str | None = Field(None, description="PEM private key of this process.")
     tls_ca_file: str | None = Field(
         None, description="PEM CA that signed every peer; peers without such a cert are refused."
+    )
+    checksum: Literal["xxh3", "crc32c", "crc32", "none"] = Field(
+        "xxh3",
+        description=(
+            "Per-chunk integrity check: xxh3 (~32 GiB/s), crc32c (hardware, ~15 GiB/s), crc32 "
+            "(zlib, ~6 GiB/s), each falling back to the next if its package is missing; none "
+            "only to measure the check's cost."
+        ),
     )
     ucx_progress_timeout_ms: int = Field(
         1,

@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdd.cache.arena import FenceBoard, SlotArena
@@ -66,8 +67,9 @@ class PagedKv:
             dtype=str(first.dtype),
             block_shape=tuple(first.shape[1:]),
         )
-        # Views share memory with vLLM's tensors: writes land in the paged cache.
-        self.layers = [t.view(torch.uint8).view(t.shape[0], -1) for t in kv_caches.values()]
+        # numpy views share memory with vLLM's tensors: writes land in the paged cache. (numpy
+        # copies of single blocks cost ~2x less per call than torch's; CPU tensors only.)
+        self.layers = [t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in kv_caches.values()]
 
 
 class SlotCopier:
@@ -83,22 +85,22 @@ class SlotCopier:
             )
         self._layers = kv.layers
         # [num_slots, num_layers, layer_block_bytes]; shares memory with the arena.
-        flat = torch.frombuffer(arena.buffer, dtype=torch.uint8)
-        self._slots = flat.view(arena.num_slots, len(kv.layers), layout.layer_block_bytes)
+        flat = np.frombuffer(arena.buffer, dtype=np.uint8)
+        self._slots = flat.reshape(arena.num_slots, len(kv.layers), layout.layer_block_bytes)
 
     def save(self, block_ids: tuple[int, ...], slots: tuple[int, ...]) -> None:
         """Paged blocks -> slots (one block of every layer per slot)."""
         for b, s in zip(block_ids, slots, strict=True):
             dst = self._slots[s]
             for i, layer in enumerate(self._layers):
-                dst[i].copy_(layer[b])
+                dst[i] = layer[b]
 
     def load(self, slots: tuple[int, ...], block_ids: tuple[int, ...]) -> None:
         """Slots -> paged blocks."""
         for s, b in zip(slots, block_ids, strict=True):
             src = self._slots[s]
             for i, layer in enumerate(self._layers):
-                layer[b].copy_(src[i])
+                layer[b] = src[i]
 
     def close(self) -> None:
         self._slots = None  # drop the arena view before the arena is unmapped

@@ -9,7 +9,7 @@ ends on MD, unless RLD finishes it first (the anomaly: then the WAN transfer is 
       |-- AwaitKv (polled) -------------------------------------------> |
       |<- done --------------------------------------------------------- |
     One-Shot (the switch):
-      |-- cancel stream + Abort ->|  (tokens after this point are dropped, never emitted)
+      |-- cancel stream + Abort, CancelKv ->|  (later tokens are dropped, never emitted)
       |-- Generate(prompt+[t1..tk], kv_in=DRC, max_tokens-k) ----------> |
       |<- t(k+1) ... (emitted) ----------------------------------------- |
     Catch-Up (while gap = k - tokens MD computed >= catch_up_threshold_tokens):
@@ -81,6 +81,7 @@ class RelayHandoff:
                     break
             await self._stop_rld()
             run = self._run
+            run.release_kv("handed off to MD", [self._rld])  # RLD may never have loaded it
             run.trace.handoff_rounds = self._rounds + 1
             run.mark_switch()
             async for event in run.finish_on(self._md, "md", kv_source="drc", await_kv=False):

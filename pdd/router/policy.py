@@ -15,8 +15,9 @@ A request may force ``pipeline`` (p_md | p_rld_md) and ``handoff`` (one_shot | c
 There is no P-RLD pipeline: RLD finishing first is an outcome the driver handles, never a
 choice. Unknown block geometry (no Stats yet) counts as an infinite ETA: p_rld_md if it can.
 
-Baselines: pd_wan = P + the least loaded main_decode worker; pd_local = P + the least loaded
-decode worker (main_decode or relay_decode) in P's datacenter. P sends every block to D.
+Baselines (P sends every block to D, D emits every token):
+    pd_wan    D = least loaded main_decode in another datacenter than P (else any main_decode)
+    pd_local  D = least loaded main_decode in P's datacenter, else relay_decode there
 """
 
 from __future__ import annotations
@@ -96,15 +97,15 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
 def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
     """Baselines pd_wan / pd_local: P and one decoder that receives every block."""
     p = _need(view, Role.PREFILL, least_loaded(view.healthy(Role.PREFILL)))
+    mds = view.healthy(Role.MAIN_DECODE)
     if view.mode is RouterMode.PD_WAN:
-        d = _need(view, Role.MAIN_DECODE, least_loaded(view.healthy(Role.MAIN_DECODE)))
+        remote = [w for w in mds if w.datacenter != p.datacenter]
+        d = _need(view, Role.MAIN_DECODE, least_loaded(remote or mds))
     else:
-        local = [
-            w
-            for w in view.healthy(Role.MAIN_DECODE, Role.RELAY_DECODE)
-            if w.datacenter == p.datacenter
-        ]
-        d = least_loaded(local)
+        local_md = [w for w in mds if w.datacenter == p.datacenter]
+        rlds = view.healthy(Role.RELAY_DECODE)
+        local_rld = [w for w in rlds if w.datacenter == p.datacenter]
+        d = least_loaded(local_md or local_rld)  # type: ignore[assignment]
         if d is None:
             raise UnavailableError(
                 f"pd_local: no healthy main_decode or relay_decode worker in P's datacenter "

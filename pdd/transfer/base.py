@@ -49,7 +49,7 @@ class BaseTransport(Transport):
         # from different senders never collide at a receiver.
         self.sender_id = random.getrandbits(63)
         self._ids = itertools.count((random.getrandbits(31) << 32) + 1)
-        self.checksum_algo = default_checksum_algo()
+        self.checksum_algo = default_checksum_algo(self.config.checksum)
         self.outbound = OutboundLedger(on_finished)
         self.inbound = InboundLedger(hooks, self.config.inbound_grace_s) if hooks else None
         self._reaper = Reaper(self.kind, self._tick)

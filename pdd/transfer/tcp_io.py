@@ -13,7 +13,9 @@ import struct
 
 from pdd.config.transfer import TransferConfig
 from pdd.errors import ConfigError, TransferError
-from pdd.transfer.wire import BODY_SIZE, PREFIX, FrameKind, unpack_prefix
+from pdd.transfer.wire import BODY_SIZE, PREFIX, FrameKind, Hasher, unpack_prefix
+
+SLICE = 1 << 20  # checksum granularity: fits in L2 next to what the kernel copies
 
 # struct tcp_info (linux/tcp.h): 8 bytes of u8 fields, then u32s (tcpi_rtt is the 16th), then
 # u64 rates and byte counters; tcpi_min_rtt (the path's base RTT, without queueing) at 148.
@@ -112,19 +114,26 @@ class FrameReader:
         kind = unpack_prefix(self.read(PREFIX.size))
         return kind, self.read(BODY_SIZE[kind])
 
-    def readinto(self, dest: memoryview) -> None:
-        """Fill `dest` completely: first from the buffer, then directly from the socket."""
+    def readinto(self, dest: memoryview, algo: int = 0, slice_bytes: int = SLICE) -> int:
+        """Fill `dest` completely (buffered bytes first, then straight from the socket) and
+        return the checksum of what landed, computed slice by slice while it is hot in cache."""
         n = dest.nbytes
         have = min(n, self._end - self._start)
+        hasher = Hasher(algo)
         if have:
             dest[:have] = self._view[self._start : self._start + have]
             self._start += have
-        pos = have
+        done, pos = 0, have  # dest[:done] is checksummed, dest[:pos] has landed
         while pos < n:
-            got = self.sock.recv_into(dest[pos:])
+            got = self.sock.recv_into(dest[pos : min(n, pos + slice_bytes)])
             if got == 0:
                 raise ConnectionResetError("peer closed the connection mid-chunk")
             pos += got
+            if pos - done >= slice_bytes:
+                hasher.update(dest[done:pos])
+                done = pos
+        hasher.update(dest[done:n])
+        return hasher.digest()
 
     def skip(self, n: int) -> None:
         """Read and drop `n` payload bytes (a chunk of a transfer we no longer hold)."""

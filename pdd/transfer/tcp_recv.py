@@ -25,10 +25,10 @@ from pdd.transfer.tcp_io import (
     tune,
 )
 from pdd.transfer.wire import (
+    TRAILER,
     AckStatus,
     ChunkHeader,
     FrameKind,
-    checksum,
     pack_ack,
     unpack_cancel,
     unpack_hello,
@@ -139,14 +139,15 @@ class ReceiverStream:
         tid = header.transfer_id
         buf, status = inbound.begin_chunk(header, self.sender_id)
         if buf is None:
-            self.reader.skip(header.nbytes)
+            self.reader.skip(header.nbytes + TRAILER.size)
         else:
             try:
-                self.reader.readinto(buf)
+                crc = self.reader.readinto(buf, header.checksum_algo)
+                sent_crc = TRAILER.unpack(self.reader.read(TRAILER.size))[0]
             except BaseException:
                 inbound.end_chunk(tid, 0, AckStatus.REFUSED, "connection lost mid-chunk")
                 raise
-            if checksum(header.checksum_algo, buf) != header.checksum:
+            if crc != sent_crc:
                 reason = f"integrity check failed: chunk {header.chunk_index} CRC mismatch"
                 status = inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
             else:

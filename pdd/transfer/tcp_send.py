@@ -30,6 +30,7 @@ from pdd.transfer.api import PeerAddress, TransferState
 from pdd.transfer.estimate import LinkEstimator
 from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import (
+    SLICE,
     FrameReader,
     close_quietly,
     kernel_rtt_s,
@@ -37,7 +38,14 @@ from pdd.transfer.tcp_io import (
     shutdown_quietly,
     tune,
 )
-from pdd.transfer.wire import FrameKind, checksum, pack_cancel, pack_hello, unpack_ack
+from pdd.transfer.wire import (
+    TRAILER,
+    FrameKind,
+    Hasher,
+    pack_cancel,
+    pack_hello,
+    unpack_ack,
+)
 
 if TYPE_CHECKING:
     from pdd.transfer.tcp import TcpTransport
@@ -70,7 +78,9 @@ class PeerLink:
         if broken is not None:
             self.transport.outbound.stop(rec.transfer_id, TransferState.FAILED, broken)
             return
-        self._wake_all()
+        # Wake only as many streams as there are chunks: a one-block transfer wakes one.
+        for s in self.streams[: len(rec.chunks)]:
+            s.wake()
 
     def cancel(self, transfer_id: int, reason: int) -> None:
         with self._lock:
@@ -214,14 +224,23 @@ class SenderStream:
             chunk = rec.chunks[index]
             left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
             header = chunk.header
-            frame = header.pack_sent(checksum(header.checksum_algo, chunk.view), left_ms)
             payload = chunk.view
             corrupt = transport.faults.corrupt
             if corrupt is not None and header.nbytes and corrupt(header):
-                payload = bytearray(payload)  # fault injection only: flip one byte in a copy
+                payload = memoryview(bytearray(payload))  # fault injection: flip one byte
                 payload[0] ^= 0xFF
             self.link.estimator.on_send(header.nbytes, time.monotonic())
-            send_all(self.sock, [frame, payload])
+            hasher = Hasher(header.checksum_algo)
+            # The checksum is of the source bytes (chunk.view), computed per slice just
+            # before that slice is sent, while it is in cache; it travels as a trailer.
+            parts = [header.pack_sent(0, left_ms)]
+            for off in range(0, header.nbytes, SLICE):
+                end = min(header.nbytes, off + SLICE)
+                hasher.update(chunk.view[off:end])
+                parts.append(payload[off:end])
+                send_all(self.sock, parts)
+                parts = []
+            send_all(self.sock, [*parts, TRAILER.pack(hasher.digest())])
             self.unacked.append(header.nbytes)
         finally:
             transport.outbound.end_chunk(rec.transfer_id)

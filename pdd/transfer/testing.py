@@ -68,6 +68,7 @@ class LandingZone:
         self.slow_s = slow_s
         self.reuse = np.empty(reuse_bytes, np.uint8) if reuse_bytes else None
         self.headers: list[ChunkHeader] = []  # every chunk header, in arrival order
+        self.last_seen: dict[int, tuple[int, float]] = {}  # tid -> (chunks, monotonic time)
 
     def __call__(self, h: ChunkHeader) -> memoryview:
         """Allocator: the buffer for one chunk (blocks at the gate chunk until opened)."""
@@ -78,6 +79,8 @@ class LandingZone:
         if self.slow_s:
             time.sleep(self.slow_s)
         with self._lock:
+            count = self.last_seen.get(h.transfer_id, (0, 0.0))[0]
+            self.last_seen[h.transfer_id] = (count + 1, time.monotonic())
             if self.reuse is None:  # benchmarks keep nothing per chunk
                 self.headers.append(h)
             if self.reuse is not None:
@@ -115,7 +118,13 @@ def _child_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     config = TransferConfig(**json.loads(args.config))
     zone = LandingZone(args.gate_chunk, args.reuse_bytes, args.slow_ms / 1000)
-    hooks = ReceiverHooks(zone) if args.role == "receiver" else None
+    reported: dict[int, float] = {}  # tid -> monotonic time of its report (CLOCK_MONOTONIC is
+    # system-wide, so the parent on the same host can compare it with its own clock)
+
+    def on_received(result) -> None:
+        reported[result.transfer_id] = time.monotonic()
+
+    hooks = ReceiverHooks(zone, on_received) if args.role == "receiver" else None
     transport = create_transport(args.kind, config, hooks=hooks)
     transport.start()
     _reply({"event": "ready", "address": peer_to_json(transport.address), "pid": os.getpid()})
@@ -135,7 +144,9 @@ def _child_main(argv: list[str]) -> int:
             for r in transport.poll_received():
                 segs = zone.take(r.transfer_id)
                 crc = crc_of(np.concatenate(segs)) if segs else crc_of(b"")
-                out.append({**asdict(r), "state": r.state.value, "crc": crc})
+                _chunks, last = zone.last_seen.pop(r.transfer_id, (0, 0.0))
+                times = {"last_chunk_t": last, "reported_t": reported.pop(r.transfer_id, 0.0)}
+                out.append({**asdict(r), "state": r.state.value, "crc": crc, **times})
             _reply({"results": out})
         elif op == "send":
             data = keep.setdefault(cmd["seed"], pattern(cmd["seed"], cmd["nbytes"]))

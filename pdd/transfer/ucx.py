@@ -128,7 +128,7 @@ class UcxTransport(BaseTransport):
         self._peers.clear()  # the last references to endpoints: UCX can now release them
 
     def _io_threads(self) -> list[threading.Thread]:
-        return [self.loop.thread]
+        return [self.loop.thread, self.loop.helper]
 
     # --- sending (all below runs on the I/O thread unless noted) ---------------------------
 

@@ -4,7 +4,10 @@ API threads hand it work with `call(fn)`; it runs those, drives UCX progress in 
 mode (epoll with a short timeout: shared-memory transports do not signal the event fd, so
 progress must also run periodically) and fires completion callbacks of posted requests.
 
-    loop: run queued calls -> worker.progress_worker_event(timeout) -> reap completed requests
+    loop: run queued calls -> progress -> reap completed requests
+
+Progress polls while a caller's buffer is in flight and blocks in epoll (timeout
+`ucx_progress_timeout_ms`) when only our own header/ack receives are posted.
 
 A request's callback gets `None` on success or the error text. Closing cancels whatever is
 still in flight and waits (bounded) for every callback, so each buffer's owner hears back.
@@ -13,6 +16,7 @@ still in flight and waits (bounded) for every callback, so each buffer's owner h
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -27,6 +31,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 Done = Callable[[str | None], None]
 CLOSE_DRAIN_S = 5.0
 TICK_S = 0.05
+POLL_NAP_S = 20e-6
 
 # Tags: the top 2 bits say what a message is; receives match on them with KIND_MASK.
 KIND_MASK = 3 << 62
@@ -55,12 +60,31 @@ class UcxLoop:
         self._abandoned: list[Any] = []  # requests of dead peers, kept so UCX never frees them
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"{name}-ucx-io", daemon=True)
+        # A helper thread verifies checksums so progress (the next chunk's copy) goes on
+        # meanwhile; the checksum releases the GIL, so the two use both cores.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._helper_done = False
+        self.helper = threading.Thread(target=self._help, name=f"{name}-ucx-hash", daemon=True)
         self.on_error: Callable[[BaseException], None] | None = None
         self.on_tick: Callable[[], None] | None = None  # every TICK_S: liveness checks
         self._next_tick = 0.0
 
     def start(self) -> None:
         self.thread.start()
+        self.helper.start()
+
+    def offload(self, fn: Callable[[], Any], then: Callable[[Any], None]) -> None:
+        """Run `fn` on the helper thread, then `then(result)` back on the I/O thread."""
+        if self._helper_done:  # closing: run inline
+            then(fn())
+            return
+        self._jobs.put((fn, then))
+
+    def _help(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, then = job
+            result = fn()
+            self.call(lambda then=then, result=result: then(result))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the I/O thread (within one progress timeout)."""
@@ -106,16 +130,24 @@ class UcxLoop:
         while self._calls:
             fn = self._calls.popleft()
             self._guard(fn)
-        self.worker.progress_worker_event(timeout_ms)
-        self._reap()
+        if any(item[3] is not None for item in self._pending):
+            # Moving a caller's bytes: poll (shared memory never wakes epoll), yielding the
+            # CPU briefly when a pass completed nothing so a slow peer costs little.
+            self.worker.progress()
+            if not self._reap():
+                time.sleep(POLL_NAP_S)
+        else:
+            self.worker.progress_worker_event(timeout_ms)
+            self._reap()
         now = time.monotonic()
         if self.on_tick is not None and now >= self._next_tick:
             self._next_tick = now + TICK_S
             self._guard(self.on_tick)
 
-    def _reap(self) -> None:
+    def _reap(self) -> int:
+        """Fire callbacks of completed requests; returns how many completed."""
         if not self._pending:
-            return
+            return 0
         still, done = [], []
         for item in self._pending:
             (done if item[0].completed else still).append(item)
@@ -127,6 +159,7 @@ class UcxLoop:
             except Exception as exc:  # ucxx raises its own error types per status
                 error = f"{type(exc).__name__}: {exc}"
             self._guard(lambda cb=callback, e=error: cb(e))
+        return len(done)
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:
@@ -141,6 +174,9 @@ class UcxLoop:
         Requests that hold a caller's buffer (they have an owner) get up to CLOSE_DRAIN_S
         to complete or cancel; our own posted header/ack receives are simply dropped.
         """
+        self._jobs.put(None)
+        self.helper.join()
+        self._helper_done = True
         while self._calls:
             self._guard(self._calls.popleft())
         if self._pending:
@@ -159,3 +195,6 @@ class UcxLoop:
         self._stop.set()
         if self.thread.is_alive():
             self.thread.join()
+        if self.helper.is_alive():  # never started, or the I/O thread died
+            self._jobs.put(None)
+            self.helper.join()

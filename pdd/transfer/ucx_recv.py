@@ -151,7 +151,10 @@ class UcxReceiver:
             if error is not None:
                 self.inbound.end_chunk(tid, 0, AckStatus.REFUSED, f"receive failed: {error}")
                 return
-            if checksum(header.checksum_algo, buf) != header.checksum:
+            self.loop.offload(lambda: checksum(header.checksum_algo, buf), verified)
+
+        def verified(digest: int) -> None:
+            if digest != header.checksum:
                 reason = f"integrity check failed: chunk {header.chunk_index} CRC mismatch"
                 self._ack(ep, header, self.inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason))
             else:

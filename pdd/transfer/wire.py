@@ -2,7 +2,9 @@
 
 Every frame starts with an 8-byte prefix `magic "PDDK" | version u8 | kind u8 | 2 pad bytes`,
 followed by a fixed-size body per kind. A DATA frame's body is the `ChunkHeader`; its payload
-(`nbytes` bytes) follows it directly.
+(`nbytes` bytes) follows it directly. Over TCP a 4-byte CRC trailer follows the payload (the
+header's checksum field is 0): both sides checksum each slice while it is hot in cache, which
+halves the cost of the integrity check; UCX and inproc carry the CRC in the header.
 
     DATA    sender -> receiver   ChunkHeader, then payload
     ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA
@@ -27,9 +29,16 @@ from typing import Any
 
 from pdd.errors import InvalidRequestError, TransferError
 
-try:  # hardware CRC32C (SSE4.2/PCLMUL): ~28 GiB/s here against ~6.4 GiB/s for zlib.crc32
+# Integrity check speeds measured here (idle, one core): xxh3_64 32 GiB/s on 64 MiB (72 on
+# a cache-hot 4 MiB chunk), crc32c 15 (28 hot), zlib.crc32 6.4. Checksumming every byte on
+# both sides is what separates a transport from raw memory copies, so the fastest wins.
+try:
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - declared dependency; fall back to CRCs
+    _xxhash = None
+try:
     import crc32c as _crc32c
-except ImportError:  # pragma: no cover - the dependency is declared; fall back to zlib
+except ImportError:  # pragma: no cover - declared dependency; fall back to zlib
     _crc32c = None
 
 MAGIC = b"PDDK"
@@ -63,21 +72,59 @@ class ChecksumAlgo(enum.IntEnum):
     NONE = 0
     CRC32C = 1
     CRC32 = 2
+    XXH3 = 3  # low 32 bits of xxh3_64
 
 
-def default_checksum_algo() -> ChecksumAlgo:
-    return ChecksumAlgo.CRC32C if _crc32c is not None else ChecksumAlgo.CRC32
+def default_checksum_algo(name: str = "xxh3") -> ChecksumAlgo:
+    """The algorithm a sender uses (the best installed one at or below `name`); the
+    receiver follows whatever each header names."""
+    if name == "none":
+        return ChecksumAlgo.NONE
+    if name == "xxh3" and _xxhash is not None:
+        return ChecksumAlgo.XXH3
+    if name in ("xxh3", "crc32c") and _crc32c is not None:
+        return ChecksumAlgo.CRC32C
+    return ChecksumAlgo.CRC32
+
+
+class Hasher:
+    """Incremental checksum over slices; equals `checksum` of the concatenation."""
+
+    def __init__(self, algo: ChecksumAlgo | int):
+        self.algo = algo
+        self._value = 0
+        self._xxh = None
+        if algo == ChecksumAlgo.XXH3:
+            if _xxhash is None:
+                raise TransferError("peer uses xxh3 but the xxhash package is not installed")
+            self._xxh = _xxhash.xxh3_64()
+        elif algo == ChecksumAlgo.CRC32C and _crc32c is None:
+            raise TransferError("peer uses crc32c but the crc32c package is not installed")
+
+    def update(self, data: Any) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)
+        elif self.algo == ChecksumAlgo.CRC32C:
+            self._value = _crc32c.crc32c(data, self._value)
+        elif self.algo == ChecksumAlgo.CRC32:
+            self._value = zlib.crc32(data, self._value)
+
+    def digest(self) -> int:
+        if self._xxh is not None:
+            return self._xxh.intdigest() & 0xFFFFFFFF
+        return self._value
 
 
 def checksum(algo: ChecksumAlgo | int, data: Any) -> int:
-    """CRC of `data` (releases the GIL on large buffers for both algorithms)."""
-    if algo == ChecksumAlgo.CRC32C:
-        if _crc32c is None:
-            raise TransferError("peer uses crc32c but the crc32c package is not installed")
-        return _crc32c.crc32c(data)
-    if algo == ChecksumAlgo.CRC32:
-        return zlib.crc32(data)
-    return 0
+    """One-shot checksum of `data` (all three release the GIL on large buffers)."""
+    if algo == ChecksumAlgo.XXH3 and _xxhash is not None:
+        return _xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+    h = Hasher(algo)
+    h.update(data)
+    return h.digest()
+
+
+TRAILER = struct.Struct("<I")  # TCP: the payload's checksum follows the payload
 
 
 PREFIX = struct.Struct("<4sBB2x")
@@ -118,7 +165,7 @@ class ChunkHeader:
     segment_nbytes: int
     total_bytes: int  # payload bytes of the whole transfer
     checksum: int = 0
-    checksum_algo: int = ChecksumAlgo.CRC32C
+    checksum_algo: int = ChecksumAlgo.XXH3
     deadline_ms: int = 0  # time left when the chunk was sent; the receiver's own deadline
 
     def pack_sent(self, checksum: int, deadline_ms: int) -> bytes:
@@ -258,6 +305,13 @@ def plan_chunks(transfer_id: int, request: Any, chunk_bytes: int, algo: int) -> 
     """
     if len(request.request_id.encode()) > REQUEST_ID_BYTES:
         raise InvalidRequestError(f"request id longer than {REQUEST_ID_BYTES} bytes")
+    for seg in request.segments:
+        if len(seg.dtype.encode()) > DTYPE_BYTES or len(seg.shape) > MAX_DIMS:
+            raise InvalidRequestError(
+                f"dtype/shape too long for the header: {seg.dtype} {seg.shape}"
+            )
+        if not all(0 <= d < 1 << 32 for d in seg.shape):
+            raise InvalidRequestError(f"shape dimensions must fit 32 bits: {seg.shape}")
     views = [_as_bytes(seg.data) for seg in request.segments]
     total = sum(v.nbytes for v in views)
     pieces: list[tuple[int, int, int]] = []  # (segment index, offset, nbytes)

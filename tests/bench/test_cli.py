@@ -9,7 +9,7 @@ import pytest
 from pdd.bench.serve import main
 from pdd.bench.serve.cli import parse_args, resolve_config
 from pdd.bench.serve.config import SHORT_PROFILE, ModeConfig, load_bench_config
-from pdd.bench.serve.systems import ServedTopology, mode_workers
+from pdd.bench.serve.systems import ServedTopology, mode_workers, ready_url
 from pdd.errors import ConfigError
 from tests.helpers import REPO
 
@@ -93,3 +93,10 @@ def test_served_topology_command_line(tmp_path):
         "--set", "router.port=0", "--set", "a.b=1",
     ]  # fmt: skip
     topo.stop()  # never started: nothing to do
+
+
+def test_ready_line_is_found_even_when_a_child_line_runs_into_it():
+    assert ready_url("pdd ready: http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    line = "[w0] pdd worker ready: id=w0 metrics=127.0.0.1:51071pdd ready: http://h:1/v1"
+    assert ready_url(line) == "http://h:1/v1"
+    assert ready_url("[router] pdd router ready: http://h:1/v1") is None

@@ -29,8 +29,13 @@ def _sweep_workload():
         for warm in (True, False):
             reqs.append(
                 BenchRequest(
-                    index=len(reqs), group=g.name, warmup=warm, conversation=g.name,
-                    max_tokens=5, messages=(("user", "x"),), prompt_tokens=1000,
+                    index=len(reqs),
+                    group=g.name,
+                    warmup=warm,
+                    conversation=g.name,
+                    max_tokens=5,
+                    messages=(("user", "x"),),
+                    prompt_tokens=1000,
                     shared_tokens=int(1000 * g.hit),
                 )  # fmt: skip
             )
@@ -102,8 +107,9 @@ def test_no_bathtub_without_hit_buckets(tmp_path):
     )
     wl = Workload("agentic", [Group("agentic")], [])
     wl.requests.append(
-        BenchRequest(0, "agentic", False, "c0", 5, (("user", "x"),), prompt_tokens=10,
-                     shared_tokens=9)  # fmt: skip
+        BenchRequest(
+            0, "agentic", False, "c0", 5, (("user", "x"),), prompt_tokens=10, shared_tokens=9
+        )  # fmt: skip
     )
     files = write_report(tmp_path, BenchConfig(), {"agentic": wl}, [result], {})
     assert [p.name for p in files] == [

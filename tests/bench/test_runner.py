@@ -44,9 +44,7 @@ def req(name: str, index: int = 0, *, after=None, warmup=False, group="g", arriv
 
 
 async def _one(server: FakeServer, r: BenchRequest, timeout_s: float = 10.0):
-    async with httpx.AsyncClient(
-        base_url="http://fake/v1", transport=server.transport()
-    ) as http:
+    async with httpx.AsyncClient(base_url="http://fake/v1", transport=server.transport()) as http:
         return await stream_request(http, r, dict(r.payload(), model="m"), timeout_s, 0.0)
 
 
@@ -91,9 +89,7 @@ def _cfg(**load) -> BenchConfig:
 
 
 async def _phase(server: FakeServer, cfg: BenchConfig, wl: Workload):
-    async with httpx.AsyncClient(
-        base_url="http://fake/v1", transport=server.transport()
-    ) as http:
+    async with httpx.AsyncClient(base_url="http://fake/v1", transport=server.transport()) as http:
         runner = PhaseRunner(http, cfg, "fake-model", Progress(60))
         return await runner.run(wl, "test")
 

@@ -89,7 +89,12 @@ def _config_map(root: Path, gen: dict[str, Any], kust: dict[str, Any]) -> dict[s
         if "=" in name:
             raise KustomizeError(f"configMapGenerator: key=file form not supported: {name}")
         data[Path(name).name] = (root / name).read_text()
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": gen["name"]},
+        "data": data,
+    }
 
 
 def _patch(root: Path, patch: dict[str, Any], objects: list[dict[str, Any]]) -> None:
@@ -102,7 +107,9 @@ def _patch(root: Path, patch: dict[str, Any], objects: list[dict[str, Any]]) -> 
     ops = yaml.safe_load(text)
     if not isinstance(ops, list):
         raise KustomizeError("only JSON 6902 patches (a list of operations) are supported")
-    hits = [o for o in objects if (o["kind"], o["metadata"]["name"]) == (target["kind"], target["name"])]
+    hits = [
+        o for o in objects if (o["kind"], o["metadata"]["name"]) == (target["kind"], target["name"])
+    ]
     if not hits:
         raise KustomizeError(f"patch target not found: {target}")
     for obj in hits:

@@ -63,7 +63,7 @@ def set_overrides(args: list[str], env: dict[str, str]) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli_flags(command: str) -> frozenset[str]:
     """The long options ``pdd COMMAND --help`` lists (the real parser's, not a copy)."""
     out = subprocess.run(

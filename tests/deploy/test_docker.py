@@ -98,7 +98,10 @@ def test_healthcheck_passes_only_when_the_worker_is_ready(worker, capsys):
     main = _healthcheck()
     target = f"127.0.0.1:{port}"
     assert main(["--host", "127.0.0.1", "--port", str(port)]) == 0
-    assert capsys.readouterr().out == f"pdd-healthcheck: {target}: worker pdd-prefill-0 (prefill) ready\n"
+    assert (
+        capsys.readouterr().out
+        == f"pdd-healthcheck: {target}: worker pdd-prefill-0 (prefill) ready\n"
+    )
     servicer.ready = False
     assert main(["--host", "127.0.0.1", "--port", str(port)]) == 1
     assert capsys.readouterr().out.endswith("(prefill) not ready\n")

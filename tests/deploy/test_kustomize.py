@@ -15,7 +15,9 @@ def test_json_patch_operations():
     apply_op(doc, {"op": "add", "path": "/spec/limits/nvidia.com~1gpu", "value": "1"})
     apply_op(doc, {"op": "remove", "path": "/spec/limits/cpu"})
     apply_op(doc, {"op": "remove", "path": "/spec/items/0"})
-    assert doc == {"spec": {"replicas": 3, "items": ["b", "c", "d"], "limits": {"nvidia.com/gpu": "1"}}}
+    assert doc == {
+        "spec": {"replicas": 3, "items": ["b", "c", "d"], "limits": {"nvidia.com/gpu": "1"}}
+    }
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pdd.config import load_config
-from tests.deploy.support import DEPLOY, DOCS, REPO, by_kind, container, rendered
+from tests.deploy.support import DEPLOY, DOCS, REPO, config_of, container, rendered
 
 PROM = DEPLOY / "prometheus"
 CONFIGS = {"static": PROM / "prometheus.yml", "kubernetes": PROM / "prometheus-kubernetes.yml"}
@@ -131,9 +131,7 @@ def test_kubernetes_config_keeps_the_metrics_port_of_every_pdd_pod(tmp_path):
         "pdd-workers": {("metrics", "prefill", "dc-a"), ("metrics", "relay_decode", "dc-a")},
     }
     # Datacenter B's MainDecode pods: through the addresses datacenter A's config dials.
-    path = tmp_path / "pdd.yaml"
-    path.write_text(by_kind(objs, "ConfigMap")["pdd-config"]["data"]["pdd.yaml"])
-    md = [w for w in load_config(path).workers if w.role.value == "main_decode"]
+    md = [w for w in config_of(objs, tmp_path).workers if w.role.value == "main_decode"]
     (remote,) = jobs["pdd-workers"]["static_configs"]
     assert remote == {
         "targets": [f"{w.host}:{w.metrics_port}" for w in md],
@@ -147,7 +145,9 @@ def test_rules_read_only_the_documented_metrics():
     exprs = " ".join(r["expr"] for g in rules["groups"] for r in g["rules"])
     recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
     used = set(re.findall(r"\b(pdd_[a-z_]+)\b", exprs))
-    rows = re.findall(r"^\| `(pdd_[a-z_]+)(?:\{[^`]*\})?` \| (built|planned) \|", DOCS.read_text(), re.M)
+    rows = re.findall(
+        r"^\| `(pdd_[a-z_]+)(?:\{[^`]*\})?` \| (built|planned) \|", DOCS.read_text(), re.M
+    )
     documented = dict(rows)
     assert used <= set(documented), sorted(used - set(documented))
     assert all(name.startswith("pdd:") for name in recorded)
@@ -155,7 +155,9 @@ def test_rules_read_only_the_documented_metrics():
     for name, status in documented.items():
         base = re.sub(r"_(total|bucket)$", "", name)
         defined = f'"{base}"' in source
-        assert defined == (status == "built"), f"{name}: docs say {status}; pdd defines it: {defined}"
+        assert defined == (status == "built"), (
+            f"{name}: docs say {status}; pdd defines it: {defined}"
+        )
 
 
 @needs_promtool

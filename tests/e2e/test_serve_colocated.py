@@ -131,7 +131,8 @@ def oracle():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("ORACLE_JSON:")][-1]
+    return json.loads(line[len("ORACLE_JSON:") :])
 
 
 def test_greedy_tokens_equal_direct_vllm(client, model_name, oracle):

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdd.cache.hashing import BlockHash, block_hashes, model_salt
-from pdd.cache.messages import BlockStored, DrcEventBatch, DrcSnapshot
+from pdd.cache.messages import BlockRemoved, BlockStored, DrcEvent, DrcEventBatch, DrcSnapshot
 from pdd.proto import worker_pb2
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -67,13 +67,15 @@ class FakeKvNode:
         self.worker_id = worker_id
         self.role = role
         plane.nodes[worker_id] = self
-        self.drc: set[BlockHash] = set()
+        self.drc: dict[BlockHash, None] = {}  # insertion order: parents before children
         self.epoch = uuid.uuid4().hex
-        self.events: list[BlockStored] = []
+        self.events: list[DrcEvent] = []
         self.reset()
 
     def reset(self) -> None:
+        self.clear_drc()
         self.land_delay_s = 0.0
+        self.fail_landing = False  # the transfer breaks: AwaitKv answers "failed"
         self.staged: dict[str, int] = {}
         self.outbound: dict[str, set[str]] = {}
         self.leases: dict[str, Lease] = {}
@@ -92,10 +94,17 @@ class FakeKvNode:
         """Put a prompt's whole blocks into the DRC (as an earlier turn would); returns them."""
         return self._commit(prompt_hashes(prompt))
 
+    def clear_drc(self) -> None:
+        """Evict everything (one BlockRemoved event, children first)."""
+        if self.drc:
+            gone = tuple(reversed(self.drc))
+            self.drc.clear()
+            self.events.append(BlockRemoved(seq=len(self.events) + 1, block_hashes=gone))
+
     def _commit(self, hashes: list[BlockHash]) -> int:
         new = [h for h in hashes if h not in self.drc]
         if new:
-            self.drc.update(new)
+            self.drc.update(dict.fromkeys(new))
             parent = hashes[hashes.index(new[0]) - 1] if hashes.index(new[0]) > 0 else None
             seq = len(self.events) + 1
             self.events.append(BlockStored(seq=seq, parent_hash=parent, block_hashes=tuple(new)))
@@ -124,7 +133,10 @@ class FakeKvNode:
         if self.role == "main_decode":
             while cached < len(hashes) and hashes[cached] in self.drc:
                 cached += 1
-        self.leases[kv_id] = Lease(hashes, cached)
+        lease = self.leases[kv_id] = Lease(hashes, cached)
+        if cached == len(hashes):  # nothing to land
+            lease.state = "done"
+            lease.landed.set()
         transport = "tcp" if self.role == "main_decode" else "ucx"
         return worker_pb2.PrepareKvResponse(
             cached_blocks=cached,
@@ -146,8 +158,8 @@ class FakeKvNode:
         except asyncio.CancelledError:
             source.send_ended(kv_id, self.worker_id)
             raise
-        lease.state = "done"
-        if self.role == "main_decode":
+        lease.state = "failed" if self.fail_landing else "done"
+        if self.role == "main_decode" and lease.state == "done":
             self._commit(lease.hashes)
         lease.landed.set()
         source.send_ended(kv_id, self.worker_id)

@@ -83,7 +83,7 @@ class RouterHarness:
         ]
         h = cls(codec, fakes, plane, mode=mode, pdd=policy)
         h.datacenters = {"dl0": "dc-a"}
-        if mode == "pdd":  # the dc-a main_decode only serves the pd_local baseline
+        if mode == "pdd":  # the dc-a main_decode only serves the baselines
             h.fakes = fakes[:3]
         return h
 
@@ -129,6 +129,22 @@ class RouterHarness:
                 return
             time.sleep(0.02)
         raise TimeoutError(f"workers not all healthy: {self.workers()}")
+
+    def wait_drc_synced(self, timeout: float = 10.0) -> None:
+        """Until the router's DRC view of every MD fake is at the fake's newest event."""
+        if self.cfg is None or self.cfg.router.mode.value != "pdd":
+            return  # only mode pdd keeps DRC views
+        mds = {f.worker_id: f for f in self.fakes if f.role == "main_decode" and f.kv}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            views = {w["id"]: w.get("drc") for w in self.workers() if w["id"] in mds}
+            if all(
+                v is not None and not v["stale"] and v["seq"] == len(mds[i].kv.events)  # type: ignore[union-attr]
+                for i, v in views.items()
+            ):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"DRC views not in sync: {self.workers()}")
 
     def stop(self) -> None:
         if self._server is not None:

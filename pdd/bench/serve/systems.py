@@ -4,7 +4,7 @@
 
     start(): spawn `pdd serve --config FILE --set router.port=0 [--set ...]`
              -> pump its output into <results>/serve-<mode>.log
-             -> wait (deadline) for the line "pdd ready: URL" -> URL
+             -> wait (deadline) for "pdd ready: URL" in its output -> URL
     stop():  SIGTERM (pdd serve stops its children) -> wait -> SIGKILL after a grace period
 
 The child gets PR_SET_PDEATHSIG, so it goes down with the benchmark however that ends.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from pdd.bench.serve.config import CostConfig, ModeConfig
 from pdd.config import load_config
 from pdd.errors import ConfigError, PddError
 
-READY_PREFIX = "pdd ready: "
+_READY = re.compile(r"pdd ready: (https?://\S+)")
 STOP_GRACE_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
@@ -115,8 +116,9 @@ class ServedTopology:
                 log.flush()
                 line = line.rstrip("\n")
                 self.tail.append(line)
-                if not self._ready.is_set() and line.startswith(READY_PREFIX):
-                    self.url = line[len(READY_PREFIX) :].strip()
+                url = None if self._ready.is_set() else ready_url(line)
+                if url is not None:
+                    self.url = url
                     self._ready.set()
 
     def stop(self) -> None:
@@ -133,6 +135,13 @@ class ServedTopology:
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=10)
         self.proc = None
+
+
+def ready_url(line: str) -> str | None:
+    """The URL of a `pdd ready: URL` line. Searched anywhere in the line: `pdd serve` prints
+    its children's output to the same pipe, and a child's line can run into the ready line."""
+    match = _READY.search(line)
+    return match.group(1) if match else None
 
 
 def open_system(mode: ModeConfig, ready_timeout_s: float, results: Path) -> System:

@@ -1,0 +1,318 @@
+"""router.mode pdd through the HTTP API with fake P / RLD / MD workers.
+
+Each fake checks that what it continues is exactly the prompt plus the tokens emitted
+before (``FakeWorker.violations``); the ``pdd`` fixture checks afterwards that no fake runs
+anything or holds KV. Token streams are compared exactly: no repeats, no gaps.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.router.conftest import wait_until
+from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE
+from tests.router.fake_worker import EOS
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The quick brown fox jumps over the lazy dog near the river bank today"
+
+
+def script(h, n: int = 30, *, eos: bool = True) -> list[int]:
+    """The same 'model output' on every fake: n distinct tokens (then EOS)."""
+    ids = h.codec.encode("".join(f" w{i}" for i in range(200)), add_special_tokens=False)[:n]
+    ids = ids + ([EOS] if eos else [])
+    for f in h.fakes:
+        f.script.tokens = list(ids)
+    return ids
+
+
+def prompt_ids(h) -> list[int]:
+    return h.codec.encode(PROMPT)
+
+
+def complete(h, pipeline="auto", handoff="auto", **body):
+    payload = {"model": MODEL, "prompt": PROMPT, "pdd": {"pipeline": pipeline, "handoff": handoff}}
+    r = httpx.post(h.url + "/completions", json={**payload, **body}, timeout=20)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def stream_tokens(h, pipeline, handoff="auto", **body):
+    """(concatenated text, final chunk, header) of a streamed completion."""
+    payload = {"model": MODEL, "prompt": PROMPT, "stream": True,
+               "pdd": {"pipeline": pipeline, "handoff": handoff}, **body}  # fmt: skip
+    chunks = []
+    with httpx.stream("POST", h.url + "/completions", json=payload, timeout=20) as r:
+        assert r.status_code == 200
+        header = r.headers["x-pdd-pipeline"]
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(httpx.Response(200, content=line[6:]).json())
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks, header
+
+
+def gen_requests(h, worker_id):
+    return h.by_id(worker_id).requests
+
+
+def test_p_md_exact_stream_and_record(pdd):
+    ids = script(pdd, 12)
+    r = complete(pdd, "p_md")
+    body = r.json()
+    n_prompt = len(prompt_ids(pdd))
+    blocks = n_prompt // BLOCK_SIZE
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert body["usage"]["completion_tokens"] == len(ids)
+    assert r.headers["x-pdd-pipeline"] == "p_md"
+    assert body["pdd"] == {
+        "pipeline": "p_md", "prompt_tokens": n_prompt, "md_cached_tokens": 0,
+        "wan_kv_bytes": blocks * BLOCK_BYTES, "rld_tokens": 0, "handoff": "none",
+        "handoff_rounds": 0, "p": "p0", "rld": None, "md": "md0",
+    }  # fmt: skip
+    (p_req,) = gen_requests(pdd, "p0")
+    assert (p_req.sampling.max_tokens, p_req.kv_stage) == (1, True)
+    (md_req,) = gen_requests(pdd, "md0")
+    assert list(md_req.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
+    assert md_req.sampling.max_tokens == pdd.cfg.engine.max_model_len - n_prompt - 1
+    assert (md_req.kv_in.source, md_req.kv_in.kv_request_id) == (2, p_req.request_id)
+    assert pdd.by_id("p0").kv.sends == [(p_req.request_id, [("md0", 0)])]
+    assert gen_requests(pdd, "rld0") == [] and pdd.by_id("rld0").kv.prepares == []
+
+
+def test_p_md_sends_only_what_md_lacks(pdd):
+    ids = script(pdd, 5)
+    md = pdd.by_id("md0")
+    cached_blocks = md.kv.preload(prompt_ids(pdd)[: 2 * BLOCK_SIZE])
+    assert cached_blocks == 2
+    body = complete(pdd, "p_md").json()
+    blocks = len(prompt_ids(pdd)) // BLOCK_SIZE
+    assert body["pdd"]["md_cached_tokens"] == 2 * BLOCK_SIZE
+    assert body["pdd"]["wan_kv_bytes"] == (blocks - 2) * BLOCK_BYTES
+    rid = gen_requests(pdd, "p0")[0].request_id
+    assert pdd.by_id("p0").kv.sends == [(rid, [("md0", 2)])]
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+
+
+def test_p_md_full_hit_sends_nothing_and_releases_p(pdd):
+    script(pdd, 3)
+    pdd.by_id("md0").kv.preload(prompt_ids(pdd))
+    body = complete(pdd, "p_md").json()
+    assert (body["pdd"]["wan_kv_bytes"], body["pdd"]["md_cached_tokens"]) == (
+        0, len(prompt_ids(pdd)) // BLOCK_SIZE * BLOCK_SIZE,
+    )  # fmt: skip
+    rid = gen_requests(pdd, "p0")[0].request_id
+    assert pdd.by_id("p0").kv.sends == []
+    wait_until(lambda: pdd.by_id("p0").kv.cancels == [(rid, "nothing to send")], "P not freed")
+    assert pdd.by_id("md0").kv.awaits == []
+
+
+def relay_timing(h, *, rld_step=0.01, md_land=0.15):
+    h.by_id("rld0").script.step_delay_s = rld_step
+    h.by_id("md0").kv.land_delay_s = md_land
+
+
+def assert_handoff_stream(h, ids, body, rounds_at_least=1):
+    """Text exact; P gave 1 token, RLD k, MD the rest, MD continued prompt + the k+1."""
+    pd = body["pdd"]
+    assert body["choices"][0]["text"] == h.codec.decode(ids[:-1])
+    assert body["usage"]["completion_tokens"] == len(ids)
+    k = pd["rld_tokens"]
+    md_final = gen_requests(h, "md0")[-1]
+    assert list(md_final.prompt_token_ids) == prompt_ids(h) + ids[: 1 + k]
+    assert md_final.request_id == gen_requests(h, "p0")[0].request_id
+    assert pd["handoff_rounds"] >= rounds_at_least
+    rld_req = gen_requests(h, "rld0")[0]
+    assert list(rld_req.prompt_token_ids) == prompt_ids(h) + ids[:1]
+    assert rld_req.kv_in.source == 1  # TRANSFER
+
+
+def test_p_rld_md_one_shot(pdd):
+    ids = script(pdd, 60)
+    relay_timing(pdd)
+    r = complete(pdd, "p_rld_md", "one_shot")
+    body = r.json()
+    assert r.headers["x-pdd-pipeline"] == "p_rld_md"
+    pd = body["pdd"]
+    assert (pd["pipeline"], pd["handoff"], pd["handoff_rounds"]) == ("p_rld_md", "one_shot", 1)
+    assert (pd["p"], pd["rld"], pd["md"]) == ("p0", "rld0", "md0")
+    assert 0 < pd["rld_tokens"] < len(ids) - 1
+    assert_handoff_stream(pdd, ids, body)
+    rid = gen_requests(pdd, "p0")[0].request_id
+    assert len(gen_requests(pdd, "md0")) == 1
+    assert pdd.by_id("p0").kv.sends == [(rid, [("rld0", 0), ("md0", 0)])]
+    wait_until(lambda: rid in pdd.by_id("rld0").aborts, "RLD was not aborted at the switch")
+    assert pdd.by_id("rld0").kv.cancels == [(rid, "handed off to MD")]
+    assert pdd.by_id("md0").kv.cancels == [] and pdd.by_id("p0").kv.cancels == []
+
+
+def test_p_rld_md_catch_up_rounds(pdd):
+    ids = script(pdd, 80)
+    relay_timing(pdd, rld_step=0.01, md_land=0.1)
+    pdd.by_id("md0").script.first_delay_s = 0.03  # each MD round takes ~3 RLD tokens
+    body = complete(pdd, "p_rld_md", "catch_up").json()
+    pd = body["pdd"]
+    assert (pd["handoff"], pd["pipeline"]) == ("catch_up", "p_rld_md")
+    assert_handoff_stream(pdd, ids, body, rounds_at_least=2)
+    md_reqs = gen_requests(pdd, "md0")
+    warm, final = md_reqs[:-1], md_reqs[-1]
+    assert len(warm) == pd["handoff_rounds"] - 1 >= 1
+    assert [w.request_id.rsplit(".", 1)[1] for w in warm] == [
+        f"warm{i + 1}" for i in range(len(warm))
+    ]
+    assert all(w.sampling.max_tokens == 1 and w.kv_in.source == 2 for w in warm)
+    lengths = [len(w.prompt_token_ids) for w in warm] + [len(final.prompt_token_ids)]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+    # The switch happens once fewer than catch_up_threshold_tokens (4) are missing on MD,
+    # unless the round limit hit first.
+    gap = len(final.prompt_token_ids) - len(warm[-1].prompt_token_ids)
+    assert gap < 4 or len(warm) == 8
+
+
+def test_anomaly_rld_finishes_first_cancels_the_wan_transfer(pdd):
+    ids = script(pdd, 6)
+    relay_timing(pdd, rld_step=0.001, md_land=30.0)
+    body = complete(pdd, "p_rld_md", "one_shot").json()
+    pd = body["pdd"]
+    assert (pd["handoff"], pd["handoff_rounds"], pd["rld_tokens"]) == (
+        "rld_finished", 0, len(ids) - 1,
+    )  # fmt: skip
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert body["choices"][0]["finish_reason"] == "stop"
+    rid = gen_requests(pdd, "p0")[0].request_id
+    assert gen_requests(pdd, "md0") == []
+    for wid in ("p0", "md0"):
+        wait_until(lambda w=wid: (rid, "rld_finished") in pdd.by_id(w).kv.cancels,
+                   f"no CancelKv on {wid}")  # fmt: skip
+    assert pdd.by_id("md0").kv.final_states[rid] == "cancelled"
+
+
+def test_anomaly_by_max_tokens(pdd):
+    ids = script(pdd, 40)
+    relay_timing(pdd, rld_step=0.001, md_land=30.0)
+    body = complete(pdd, "p_rld_md", max_tokens=5).json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:5])
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert (body["pdd"]["handoff"], body["pdd"]["rld_tokens"]) == ("rld_finished", 4)
+    assert gen_requests(pdd, "rld0")[0].sampling.max_tokens == 4
+
+
+def test_streamed_handoff_is_exact_and_the_final_chunk_has_the_record(pdd):
+    ids = script(pdd, 50)
+    relay_timing(pdd)
+    text, chunks, header = stream_tokens(pdd, "p_rld_md", "one_shot")
+    assert header == "p_rld_md"
+    assert text == pdd.codec.decode(ids[:-1])
+    final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0] is chunks[-1]
+    assert final[0]["pdd"]["handoff"] == "one_shot"
+    assert all("pdd" not in c for c in chunks[:-1])
+
+
+def test_eos_from_p_finishes_on_p_and_cancels_everything(pdd):
+    for f in pdd.fakes:
+        f.script.tokens = [EOS]
+    body = complete(pdd, "p_rld_md").json()
+    assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == ("stop", 1)
+    assert body["pdd"]["rld_tokens"] == 0 and body["pdd"]["handoff_rounds"] == 0
+    rid = gen_requests(pdd, "p0")[0].request_id
+    for wid in ("p0", "rld0", "md0"):
+        wait_until(lambda w=wid: pdd.by_id(w).kv.cancels == [(rid, "finished on P")],
+                   f"no CancelKv on {wid}")  # fmt: skip
+    assert gen_requests(pdd, "rld0") == [] and gen_requests(pdd, "md0") == []
+
+
+def test_max_tokens_one_is_served_by_p_alone(pdd):
+    ids = script(pdd, 5)
+    body = complete(pdd, "p_md", max_tokens=1).json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:1])
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert gen_requests(pdd, "md0") == []
+
+
+def test_stop_string_on_md_ends_the_request(pdd):
+    ids = script(pdd, 20)
+    stop = pdd.codec.decode(ids[3:5]).strip()
+    body = complete(pdd, "p_md", stop=[stop]).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert stop not in body["choices"][0]["text"]
+    assert body["pdd"]["pipeline"] == "p_md"
+
+
+def test_auto_routing_follows_the_md_cache_view(pdd):
+    """A miss goes p_rld_md (the WAN is slow); its KV lands in MD's DRC; the router's view
+    learns it from DrcEvents, and the same prompt then goes p_md."""
+    ids = script(pdd, 8)
+    pdd.by_id("p0").wan_bandwidth_bps = 8000.0  # 1 s per 1000-byte block: over the budget
+    try:
+        relay_timing(pdd, rld_step=0.05, md_land=0.05)
+        first = complete(pdd).json()
+        assert (first["pdd"]["pipeline"], first["pdd"]["handoff"]) == ("p_rld_md", "one_shot")
+        pdd.wait_drc_synced()
+        second = complete(pdd).json()
+        assert second["pdd"]["pipeline"] == "p_md"
+        assert second["pdd"]["wan_kv_bytes"] == 0
+        assert second["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    finally:
+        pdd.by_id("p0").wan_bandwidth_bps = 0.0
+
+
+def test_auto_handoff_mode_follows_rld_load(pdd):
+    script(pdd, 30)
+    relay_timing(pdd, md_land=0.05)
+    pdd.by_id("p0").wan_bandwidth_bps = 8000.0
+    try:
+        pdd.by_id("rld0").stats_running = 5  # 5 of max_num_seqs 8: above 0.5
+        wait_until(lambda: _running(pdd, "rld0") >= 5, "stats not polled")
+        assert complete(pdd).json()["pdd"]["handoff"] == "catch_up"
+        pdd.by_id("rld0").stats_running = 8  # full: no RLD capacity -> p_md
+        wait_until(lambda: _running(pdd, "rld0") >= 8, "stats not polled")
+        assert complete(pdd).json()["pdd"]["pipeline"] == "p_md"
+    finally:
+        pdd.by_id("p0").wan_bandwidth_bps = 0.0
+        pdd.by_id("rld0").stats_running = 0
+
+
+def _running(h, worker_id):
+    return next(w["running"] for w in h.workers() if w["id"] == worker_id)
+
+
+def test_openai_client_sees_the_record_as_an_extra_field(pdd):
+    ids = script(pdd, 4)
+    client = openai.OpenAI(base_url=pdd.url, api_key="x", max_retries=0, timeout=20)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"pdd": {"pipeline": "p_md"}},
+    )  # fmt: skip
+    assert r.choices[0].message.content == pdd.codec.decode(ids[:-1])
+    assert r.model_extra["pdd"]["pipeline"] == "p_md"
+
+
+@pytest.mark.parametrize(
+    ("pdd_body", "param"),
+    [({"pipeline": "p_rld"}, "pdd.pipeline"), ({"handoff": "slow"}, "pdd.handoff")],
+)
+def test_bad_overrides_are_400(pdd, pdd_body, param):
+    body = {"model": MODEL, "prompt": PROMPT, "pdd": pdd_body}
+    r = httpx.post(pdd.url + "/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+    r = httpx.post(pdd.url + "/completions", json={**body, "pdd": {"pipline": "p_md"}})
+    assert r.status_code == 422
+
+
+def test_pdd_metrics(pdd):
+    script(pdd, 30)
+    relay_timing(pdd)
+    complete(pdd, "p_rld_md", "one_shot")
+    text = httpx.get(pdd.root + "/metrics").text
+    assert 'pdd_route_decisions_total{pipeline="p_rld_md"}' in text
+    assert 'pdd_handoffs_total{mode="one_shot"}' in text
+    assert 'pdd_handoff_rounds_bucket{le="1.0",mode="one_shot"}' in text
+    assert 'pdd_handoff_stall_seconds_count{mode="one_shot"}' in text
+    for tier in ("p", "rld", "md"):
+        assert f'pdd_output_tokens_total{{tier="{tier}"}}' in text
+    assert 'pdd_wan_kv_bytes_total{pipeline="p_rld_md"}' in text
+    assert 'pdd_time_to_first_token_seconds_count{pipeline="p_rld_md"}' in text

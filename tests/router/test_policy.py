@@ -1,0 +1,228 @@
+"""PDD and baseline routing policy on built snapshots (no sockets)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdd.config.router import PddPolicyConfig
+from pdd.errors import InvalidRequestError, UnavailableError
+from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
+from pdd.router.routing import Decision, FleetView, RouteRequest, WorkerView, choose
+
+P, RLD, MD = Role.PREFILL, Role.RELAY_DECODE, Role.MAIN_DECODE
+# 4-token blocks of 1000 bytes; P measured 8000 bit/s: 1 s per missing block; no RTT.
+POLICY = PddPolicyConfig(ttft_budget_s=1.0, wan_rtt_s=0.0, catch_up_load_threshold=0.5)
+GEOMETRY = {"block_size": 4, "kv_block_bytes": 1000}
+
+
+def p(id_="p0", **kw):
+    fields = {"datacenter": "dc-a", "wan_bandwidth_bps": 8000.0, **GEOMETRY, **kw}
+    return WorkerView(id_, P, True, **fields)
+
+
+def rld(id_="rld0", **kw):
+    return WorkerView(id_, RLD, True, **{"datacenter": "dc-a", "max_num_seqs": 4, **kw})
+
+
+def md(id_="md0", **kw):
+    return WorkerView(id_, MD, True, **{"datacenter": "dc-b", "max_num_seqs": 8, **kw})
+
+
+def fleet(*workers, mode=RouterMode.PDD, policy=POLICY):
+    return FleetView(mode, tuple(workers), policy)
+
+
+def req(prompt=40, cached=None, **kw):
+    return RouteRequest(prompt, 16, md_cached_tokens=cached or {}, **kw)
+
+
+def test_full_hit_goes_p_md_with_no_wan_bytes():
+    d = choose(fleet(p(), rld(), md()), req(40, {"md0": 40}))
+    assert d == Decision(Pipeline.P_MD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 40, 0, 0.0, 4)
+
+
+def test_miss_goes_p_rld_md_one_shot_on_an_idle_rld():
+    d = choose(fleet(p(), rld(), md()), req(40, {"md0": 0}))
+    assert d == Decision(
+        Pipeline.P_RLD_MD, ((P, "p0"), (RLD, "rld0"), (MD, "md0")), HandoffMode.ONE_SHOT,
+        0, 10_000, 10.0, 4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("missing_blocks", "pipeline"),
+    [(0, Pipeline.P_MD), (1, Pipeline.P_MD), (2, Pipeline.P_RLD_MD)],  # eta 0, 1.0 = budget, 2
+)
+def test_eta_against_the_ttft_budget(missing_blocks, pipeline):
+    d = choose(fleet(p(), rld(), md()), req(40, {"md0": 40 - 4 * missing_blocks}))
+    assert (d.pipeline, d.wan_bytes, d.eta_s) == (pipeline, missing_blocks * 1000, missing_blocks)
+
+
+def test_rtt_counts_and_config_fills_in_unmeasured_link():
+    policy = PddPolicyConfig(ttft_budget_s=1.0, wan_rtt_s=0.5, wan_bandwidth_bps=16000.0)
+    unmeasured = p(wan_bandwidth_bps=0.0)
+    d = choose(fleet(unmeasured, rld(), md(), policy=policy), req(40, {"md0": 36}))
+    assert (d.pipeline, d.eta_s) == (Pipeline.P_MD, 1.0)  # 0.5 + 8000 bits / 16000
+    measured = p(wan_bandwidth_bps=8000.0, wan_rtt_s=0.25)
+    d = choose(fleet(measured, rld(), md(), policy=policy), req(40, {"md0": 36}))
+    assert (d.pipeline, d.eta_s) == (Pipeline.P_RLD_MD, 1.25)
+
+
+def test_partial_tail_block_is_never_sent_and_cache_is_clipped_to_the_prompt():
+    d = choose(fleet(p(), rld(), md()), req(10, {"md0": 8}))  # 2 whole blocks, both cached
+    assert (d.pipeline, d.wan_bytes, d.md_cached_tokens) == (Pipeline.P_MD, 0, 8)
+    d = choose(fleet(p(), rld(), md()), req(10, {"md0": 400}))
+    assert (d.md_cached_tokens, d.wan_bytes) == (10, 0)
+
+
+@pytest.mark.parametrize(
+    ("running", "handoff"),
+    [(0, HandoffMode.ONE_SHOT), (2, HandoffMode.ONE_SHOT), (3, HandoffMode.CATCH_UP)],
+)
+def test_handoff_mode_follows_rld_load(running, handoff):
+    d = choose(fleet(p(), rld(running=running), md()), req(40))  # 2/4 = 0.5 is not above
+    assert (d.pipeline, d.handoff) == (Pipeline.P_RLD_MD, handoff)
+
+
+@pytest.mark.parametrize(
+    "relays",
+    [
+        (),
+        (rld(running=4),),  # full: 4 of max_num_seqs 4
+        (rld(in_flight=4),),  # this router's own count says full
+        (WorkerView("rld0", RLD, False, max_num_seqs=4),),  # unhealthy
+    ],
+)
+def test_no_rld_capacity_means_p_md_even_for_a_miss(relays):
+    d = choose(fleet(p(), *relays, md()), req(40))
+    assert (d.pipeline, d.handoff, d.maybe_worker(RLD)) == (Pipeline.P_MD, HandoffMode.NONE, None)
+
+
+def test_least_loaded_p_and_rld_with_capacity():
+    view = fleet(
+        p("p0", running=3), p("p1", running=1), p("p2", running=1, kv_cache_usage=0.5),
+        rld("r0", running=4), rld("r1", running=2), rld("r2", running=1), md(),
+    )  # fmt: skip
+    d = choose(view, req(40))
+    assert (d.worker(P), d.worker(RLD)) == ("p1", "r2")
+
+
+def test_md_by_longest_prefix_then_load_then_id():
+    view = fleet(p(), md("m0", running=5), md("m1", running=1), md("m2", running=1))
+    assert choose(view, req(40, {"m0": 32, "m1": 8})).worker(MD) == "m0"
+    assert choose(view, req(40, {"m0": 8, "m1": 8, "m2": 8})).worker(MD) == "m1"
+    assert choose(view, req(40)).worker(MD) == "m1"
+
+
+def test_unknown_block_geometry_is_an_infinite_eta():
+    view = fleet(p(block_size=0), rld(), md())
+    d = choose(view, req(40, {"md0": 40}))
+    assert (d.pipeline, d.eta_s) == (Pipeline.P_RLD_MD, math.inf)
+    assert choose(fleet(p(kv_block_bytes=0), md()), req(40)).pipeline is Pipeline.P_MD
+
+
+def test_md_geometry_fills_in_for_p():
+    view = fleet(p(block_size=0, kv_block_bytes=0), rld(), md(**GEOMETRY))
+    d = choose(view, req(40, {"md0": 40}))
+    assert (d.pipeline, d.wan_bytes, d.block_size) == (Pipeline.P_MD, 0, 4)
+
+
+def test_forced_pipeline_and_handoff():
+    view = fleet(p(), rld(running=4), md())
+    d = choose(view, req(40, {"md0": 40}, pipeline=Pipeline.P_RLD_MD))
+    assert (d.pipeline, d.worker(RLD), d.handoff) == (
+        Pipeline.P_RLD_MD,
+        "rld0",
+        HandoffMode.CATCH_UP,
+    )
+    d = choose(view, req(40, pipeline=Pipeline.P_RLD_MD, handoff=HandoffMode.ONE_SHOT))
+    assert d.handoff is HandoffMode.ONE_SHOT
+    d = choose(fleet(p(), rld(), md()), req(40, pipeline=Pipeline.P_MD))
+    assert (d.pipeline, d.maybe_worker(RLD), d.wan_bytes) == (Pipeline.P_MD, None, 10_000)
+    d = choose(fleet(p(), rld(), md()), req(40, handoff=HandoffMode.CATCH_UP))
+    assert d.handoff is HandoffMode.CATCH_UP
+
+
+def test_forced_p_rld_md_without_a_healthy_rld_is_unavailable():
+    with pytest.raises(UnavailableError) as info:
+        choose(fleet(p(), md()), req(40, pipeline=Pipeline.P_RLD_MD))
+    assert info.value.message == "no relay_decode worker is configured"
+
+
+@pytest.mark.parametrize(
+    ("workers", "message"),
+    [
+        ((md(),), "no prefill worker is configured"),
+        ((WorkerView("p0", P, False), md()), "no healthy prefill worker (0 of 1 healthy); retry later"),
+        ((p(), rld()), "no main_decode worker is configured"),
+    ],
+)  # fmt: skip
+def test_pdd_without_p_or_md_is_unavailable(workers, message):
+    with pytest.raises(UnavailableError) as info:
+        choose(fleet(*workers), req(40))
+    assert info.value.message == message
+
+
+def test_pd_wan_sends_every_block_to_a_remote_md():
+    local = md("dl0", datacenter="dc-a")
+    view = fleet(p(), rld(), local, md("md0", running=3), mode=RouterMode.PD_WAN)
+    d = choose(view, req(41, {"md0": 40}))
+    assert d == Decision(
+        Pipeline.PD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 0, 10_000, 10.0, 4
+    )
+    assert d.decoder == "md0"
+    assert choose(fleet(p(), local, mode=RouterMode.PD_WAN), req(40)).decoder == "dl0"
+
+
+def test_pd_local_prefers_a_main_decode_in_p_datacenter_then_its_relay():
+    view = fleet(
+        p(), rld(), md("dl0", datacenter="dc-a", running=5), md(), mode=RouterMode.PD_LOCAL
+    )
+    assert choose(view, req(40)).assignments == ((P, "p0"), (MD, "dl0"))
+    d = choose(fleet(p(), rld(), md(), mode=RouterMode.PD_LOCAL), req(40))
+    assert (d.assignments, d.decoder) == (((P, "p0"), (RLD, "rld0")), "rld0")
+    with pytest.raises(UnavailableError) as info:
+        choose(fleet(p(), md(), mode=RouterMode.PD_LOCAL), req(40))
+    assert "no healthy main_decode or relay_decode worker in P's datacenter 'dc-a'" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize("mode", [RouterMode.COLOCATED, RouterMode.PD_WAN, RouterMode.PD_LOCAL])
+def test_overrides_need_mode_pdd(mode):
+    view = fleet(WorkerView("w0", Role.COLOCATED, True), p(), md(), mode=mode)
+    with pytest.raises(InvalidRequestError) as info:
+        choose(view, req(40, pipeline=Pipeline.P_MD))
+    assert info.value.param == "pdd" and info.value.status_code == 400
+
+
+def test_load_fraction_and_capacity_with_unknown_max_num_seqs():
+    w = WorkerView("r", RLD, True, running=50)
+    assert (w.load_fraction, w.has_capacity) == (0.0, True)
+    assert rld(running=1, waiting=1).load_fraction == 0.5
+
+
+@given(
+    n_rld=st.integers(0, 3),
+    rld_load=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+    cached=st.integers(0, 80),
+    prompt=st.integers(1, 80),
+    bandwidth=st.sampled_from([0.0, 800.0, 8000.0, 1e9]),
+    forced=st.sampled_from([None, Pipeline.P_MD]),
+)
+def test_never_a_p_rld_pipeline(n_rld, rld_load, cached, prompt, bandwidth, forced):
+    relays = [rld(f"r{i}", running=rld_load[i]) for i in range(n_rld)]
+    d = choose(fleet(p(wan_bandwidth_bps=bandwidth), *relays, md()),
+               req(prompt, {"md0": cached}, pipeline=forced))  # fmt: skip
+    roles = [r for r, _ in d.assignments]
+    assert roles[0] is P and roles[-1] is MD  # every request starts on P and ends on MD
+    assert (RLD in roles) == (d.pipeline is Pipeline.P_RLD_MD)
+    assert (d.handoff is HandoffMode.NONE) == (d.pipeline is Pipeline.P_MD)
+    if RLD in roles:
+        assert forced is None and d.eta_s > POLICY.ttft_budget_s
+        chosen = next(w for w in relays if w.id == d.worker(RLD))
+        assert chosen.has_capacity
