@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export UCX_WARN_UNUSED_ENV_VARS := n
 
-.PHONY: venv model serve test test-fast lint proto bench clean
+.PHONY: venv model tools serve test test-fast lint proto bench clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -21,8 +21,14 @@ model: venv
 serve: model
 	$(PY) -m pdd.cli serve --config $(CONFIG)
 
-test: model
+test: model tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Debian's promtool (checks the Prometheus config and rules in tests/deploy); optional.
+tools: venv
+	@bash tests/deploy/install_promtool.sh $(VENV) >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && bash tests/deploy/install_promtool.sh $(VENV); } || \
+	  echo "warning: promtool unavailable; its tests will skip"
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not lab" $(PYTEST_ARGS)

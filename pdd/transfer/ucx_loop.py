@@ -133,8 +133,10 @@ class UcxLoop:
         if any(item[3] is not None for item in self._pending):
             # Moving a caller's bytes: poll (shared memory never wakes epoll), yielding the
             # CPU briefly when a pass completed nothing so a slow peer costs little.
-            self.worker.progress()
-            if not self._reap():
+            progressed = False
+            while self.worker.progress_once():
+                progressed = True
+            if not self._reap() and not progressed:
                 time.sleep(POLL_NAP_S)
         else:
             self.worker.progress_worker_event(timeout_ms)
