@@ -3,7 +3,7 @@
 #   make test    install what the tests need and run them
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CONFIG ?= configs/colocated.yaml
+CONFIG ?= configs/local.yaml
 PYTEST_ARGS ?=
 
 export HF_HUB_OFFLINE := 1

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from pdd.config.base import Section
 from pdd.config.model import EngineConfig
 from pdd.protocol import Role
+
+GIB = 1 << 30
 
 
 class WorkerConfig(Section):
@@ -15,9 +19,67 @@ class WorkerConfig(Section):
     host: str = Field("127.0.0.1", description="Address the worker's gRPC server binds to.")
     port: int = Field(0, ge=0, lt=65536, description="gRPC port; 0 picks a free port.")
     metrics_port: int = Field(
-        0, ge=0, lt=65536, description="Prometheus /metrics HTTP port; 0 picks a free port."
+        0,
+        ge=0,
+        lt=65536,
+        description="Prometheus /metrics (and /health, for probes) HTTP port; 0 picks a free port.",
     )
     datacenter: str = Field("dc-a", description="Datacenter the worker runs in (lab namespace).")
     engine: EngineConfig | None = Field(
         None, description="Engine settings for this worker; null uses the top-level `engine`."
     )
+    # --- KV plane (prefill, relay_decode, main_decode) --------------------------------------
+    kv_port: int = Field(
+        0,
+        ge=0,
+        lt=65536,
+        description="Port of this worker's KV receiver (relay_decode: UCX listener, "
+        "main_decode: TCP listener), bound on `host`; 0 picks a free port.",
+    )
+    kv_advertise_host: str | None = Field(
+        None,
+        description="Address peers dial to reach this worker's KV receiver (PrepareKv "
+        "answers it). Null or `auto`: `host`. Required when `host` is a wildcard.",
+    )
+    kv_transport: Literal["ucx", "tcp", "inproc"] | None = Field(
+        None,
+        description="Transport of this worker's KV receiver. Null: the role's default "
+        "(relay_decode: ucx, main_decode: tcp).",
+    )
+    kv_staging_gib: float = Field(
+        0.5,
+        gt=0,
+        description="Shared-memory staging arena of prefill (prompt blocks waiting to be "
+        "sent) and relay_decode (blocks landed for a request), in GiB; a request that "
+        "does not fit is refused (RESOURCE_EXHAUSTED). main_decode uses cache.host_capacity_gib.",
+    )
+    kv_stage_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="Prefill: staged blocks are released this long after staging if no "
+        "SendKv came (and open sends cancelled once it passed).",
+    )
+    kv_landing_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="relay_decode / main_decode: landing slots and reservations of a request "
+        "are released after this when nothing consumed or cancelled them (PrepareKv's "
+        "lease_s overrides it per request).",
+    )
+    kv_fence_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Slots of an aborted request are freed once the engine confirms it is "
+        "done with them; after this long without that confirmation they are freed anyway "
+        "(with a warning).",
+    )
+    kv_store_own_blocks: bool = Field(
+        True,
+        description="main_decode: after a request finishes, store the whole blocks of its "
+        "prompt + output that the DRC lacks (blocks MD computed itself), so the next turn of "
+        "the conversation needs none of them over the WAN.",
+    )
+
+    def staging_slots(self, block_bytes: int) -> int:
+        """How many KV blocks of ``block_bytes`` the staging arena holds."""
+        return max(1, int(self.kv_staging_gib * GIB) // block_bytes)

@@ -134,8 +134,12 @@ class SchedulerHalf:
     # --- the end of a request ---------------------------------------------------------------
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Never delays the free: every copy of this request has run (see the module doc)."""
-        rec = self._reqs.pop(request.request_id, None)
+        """Never delays the free: every copy of this request has run (see the module doc).
+
+        Also for a request aborted before vLLM ever showed it to us: its fence is still due.
+        """
+        rec = self._record(request)
+        self._reqs.pop(request.request_id, None)
         if rec is None:
             return False, None
         if rec.fence is not None:

@@ -95,6 +95,7 @@ class RelayHandoff:
         ended = event.finish_reason in REAL_FINISHES
         out = self._run.take(event, "rld", final=ended)
         if self._run.finished:
+            self._run.trace.handoff_rounds = self._rounds  # warm-ups done before RLD ended
             if not self._kv_ready:
                 self._run.trace.handoff = HandoffMode.RLD_FINISHED
             self._run.release_kv("rld_finished")

@@ -10,8 +10,9 @@
 ``prefill()`` runs PrepareKv on every target concurrently with P's Generate and returns P's
 one event (the caller decides whether t1 is emitted). ``send()`` waits for the PrepareKv
 answers and asks P to send what each target lacks: MD (``from_cache``) from its cached
-blocks, everyone else from block 0. A target that needs nothing is left out; when nobody
-needs anything P's staged blocks are released with CancelKv. It returns the ids of the
+blocks, everyone else from block 0. A target that needs nothing is left out (and, unless
+it is MD, whose DRC Generate uses its lease, released with CancelKv); when nobody needs
+anything P's staged blocks are released with CancelKv too. It returns the ids of the
 targets KV is on its way to, and records MD's cached tokens and the bytes queued for it.
 """
 
@@ -86,6 +87,8 @@ class PStage:
             if first < self.staged_blocks:
                 dests.append(worker_pb2.KvDestination(peer=prep.address, first_block=first))
                 receiving.append(t)
+            elif not t.from_cache:  # its Generate will not name this KV: free the lease now
+                self._run.release_kv("nothing to send", [t.worker_id])
         if not dests:
             self._run.release_kv("nothing to send", [self._p])
             return set()

@@ -15,8 +15,8 @@ Messages are tagged (top 2 bits = kind):
 
 Connect: the sender stream-sends its id on the control endpoint and waits for the
 receiver's stream reply before sending headers, so the receiver always knows which control
-endpoint belongs to a header's sender. The receiver posts each chunk's receive on that
-endpoint: when the sender dies, closing the endpoint cancels exactly its receives.
+endpoint belongs to a header's sender (acks go back on it; its failure fails that sender's
+transfers).
 All UCX calls run on the `UcxLoop` thread.
 """
 
@@ -138,7 +138,7 @@ class UcxTransport(BaseTransport):
     def _send_cancel(self, peer_key: str, transfer_id: int, reason) -> None:  # any thread
         def cancel() -> None:
             p = self._peers.get(peer_key)
-            if p is not None and p.ready and p.broken is None:
+            if p is not None and p.ready and p.broken is None and p.ctrl.alive:
                 frame = _ID.pack(self.sender_id) + pack_cancel(transfer_id, reason)
                 self.loop.send(p.data, np.frombuffer(frame, np.uint8), HDR_TAG, lambda e: None)
 
@@ -185,7 +185,7 @@ class UcxTransport(BaseTransport):
 
     def _say_bye(self, p: UcxPeer) -> None:
         """Tell a live peer we are closing (ordered after our data) and let it go out."""
-        if not p.ready or p.broken is not None:
+        if not p.ready or p.broken is not None or not p.ctrl.alive:
             return
         frame = np.frombuffer(_ID.pack(self.sender_id) + pack_bye(self.sender_id), np.uint8)
         req = p.data.tag_send(Array(frame), ucx.UCXXTag(HDR_TAG))
@@ -195,6 +195,9 @@ class UcxTransport(BaseTransport):
 
     def _pump(self, p: UcxPeer) -> None:
         """Post chunks while the peer's window has room (FIFO: oldest transfer first)."""
+        if p.ctrl is not None and not p.ctrl.alive:  # never post on a failed endpoint
+            self._break(p, "receiver connection lost")
+            return
         window = self.config.window_chunks
         while p.ready and p.broken is None and p.work and p.inflight < window:
             rec, index = p.work.popleft()

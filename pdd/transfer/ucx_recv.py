@@ -2,11 +2,11 @@
 
 A listener accepts control endpoints; each sender introduces itself with its id (stream
 message) and gets a reply, after which its headers are accepted. For every DATA header the
-allocator lends a buffer and a tag receive is posted on that sender's control endpoint;
-when it completes the payload is verified and an ACK goes back. Payloads of transfers we no
+allocator lends a buffer and a tag receive is posted for its payload; when it completes the payload is verified and an ACK goes back. Payloads of transfers we no
 longer hold are received into a scratch buffer and dropped (UCX would keep them queued
-otherwise). When a sender's control endpoint fails, its transfers fail and closing the
-endpoint cancels its posted receives, so every lent buffer is released exactly once.
+otherwise). When a sender's control endpoint fails, its transfers fail and its posted
+receives are abandoned (their tags are unique to that sender, which can no longer send), so
+every lent buffer is released exactly once.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 HDR_POSTS = 8
+FULL_MASK = (1 << 64) - 1
 _ID = struct.Struct("<Q")
 
 
@@ -88,8 +89,9 @@ class UcxReceiver:
             if ep in self._conns:
                 self._conns.remove(ep)
             self._lost.pop(id(ep), None)
-            _close(ep)  # cancels this sender's posted receives: their buffers come back
-            self.loop.abandon(ep, "sender connection lost")
+            _close(ep)
+            if sender is not None:  # its posted receives can never complete: release them
+                self.loop.abandon(("sender", sender), "sender connection lost")
 
         def on_hello(error: str | None) -> None:
             if error is not None:
@@ -132,8 +134,10 @@ class UcxReceiver:
 
     def _on_data_header(self, sender: int, header: ChunkHeader) -> None:
         ep = self._senders.get(sender)
-        if ep is None:  # its connection already died: the payload will never be acked
-            log.debug("header from unknown sender %x dropped", sender)
+        if ep is None or not ep.alive:
+            # Its connection died (ucxx crashes when a request is posted on a failed
+            # endpoint); `lost` fails the transfer. Nothing was lent for this chunk yet.
+            log.debug("header from gone sender %x dropped", sender)
             return
         buf, status = self.inbound.begin_chunk(header, sender)
         tid = header.transfer_id
@@ -160,16 +164,18 @@ class UcxReceiver:
             else:
                 self._ack(ep, header, self.inbound.end_chunk(tid, header.nbytes))
 
-        self.loop.recv(ep, target, data_tag(tid, header.chunk_index), 0, landed, owner=ep)
+        # Posted on the worker, not the endpoint: ucxx crashes when an endpoint-bound request
+        # is posted while the endpoint is failing. A dead sender's receives are abandoned.
+        tag = data_tag(tid, header.chunk_index)
+        self.loop.recv(self.loop.worker, target, tag, FULL_MASK, landed, owner=("sender", sender))
 
     def _ack(self, ep: Any, header: ChunkHeader, status: AckStatus) -> None:
+        if not ep.alive:  # the sender is gone; it learns nothing more from us
+            return
         frame = np.frombuffer(
             pack_ack(header.transfer_id, header.chunk_index, status, header.nbytes), np.uint8
         )
-        try:
-            self.loop.send(ep, frame, ACK_TAG, lambda e: None)
-        except Exception as exc:  # ucxx: the endpoint died; the sender learns it that way
-            log.debug("ack to a closed endpoint dropped: %s", exc)
+        self.loop.send(ep, frame, ACK_TAG, lambda e: None)
 
 
 def _close(ep: Any) -> None:

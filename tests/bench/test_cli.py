@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,9 @@ def test_ready_line_is_found_even_when_a_child_line_runs_into_it():
     line = "[w0] pdd worker ready: id=w0 metrics=127.0.0.1:51071pdd ready: http://h:1/v1"
     assert ready_url(line) == "http://h:1/v1"
     assert ready_url("[router] pdd router ready: http://h:1/v1") is None
+
+
+def test_the_benchmark_never_loads_torch_or_vllm():
+    code = "import sys, pdd.bench.serve.run; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False"], out.stderr

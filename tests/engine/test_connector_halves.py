@@ -214,6 +214,13 @@ def test_refused_export_copies_nothing_but_still_posts_its_fence():
     assert s.build_meta(SimpleNamespace(num_scheduled_tokens={})).fences == [(0, 3)]
 
 
+def test_a_request_aborted_before_it_was_scheduled_still_posts_its_fence():
+    s = _sched()
+    req = _request("d", 100, wrap(load=LoadParams(slots=[0], fence=FenceRef(index=2, ticket=8))))
+    assert s.request_finished(req)[1]["pdd"]["loaded"]["num_blocks"] == 0
+    assert s.build_meta(SimpleNamespace(num_scheduled_tokens={})).fences == [(2, 8)]
+
+
 def test_requests_without_pdd_params_are_left_alone():
     s = _sched()
     req = _request("x", 100, None)

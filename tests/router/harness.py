@@ -81,6 +81,7 @@ class RouterHarness:
             FakeWorker("md0", MAX_MODEL_LEN, "main_decode", plane),
             FakeWorker("dl0", MAX_MODEL_LEN, "main_decode", plane),
         ]
+        fakes[0].wan_bandwidth_bps = 8000.0  # P measured a slow WAN: 1 s per 1000-byte block
         h = cls(codec, fakes, plane, mode=mode, pdd=policy)
         h.datacenters = {"dl0": "dc-a"}
         if mode == "pdd":  # the dc-a main_decode only serves the baselines

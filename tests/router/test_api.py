@@ -227,3 +227,31 @@ def test_pdd_status_shows_the_fleet(router, capsys):
     assert out[0] == "mode=colocated in_flight=0"
     assert out[1].split()[:3] == ["w0", "colocated", router.fake_target]
     assert out[1].endswith("healthy")
+
+
+def test_colocated_record_and_header(router):
+    ids = script_text(router, "ok")
+    body = {"model": MODEL, "prompt": "x"}
+    r = httpx.post(router.url + "/completions", json=body)
+    assert r.headers["x-pdd-pipeline"] == "colocated"
+    assert r.json()["pdd"] == {
+        "pipeline": "colocated", "prompt_tokens": 1, "md_cached_tokens": 0, "wan_kv_bytes": 0,
+        "rld_tokens": 0, "handoff": "none", "handoff_rounds": 0, "p": None, "rld": None,
+        "md": None,
+    }  # fmt: skip
+    with httpx.stream("POST", router.url + "/completions", json={**body, "stream": True}) as s:
+        assert s.headers["x-pdd-pipeline"] == "colocated"
+        chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"pdd":{"pipeline":"colocated"' in chunks[-1]
+    assert all('"pdd"' not in c for c in chunks[:-1])
+    assert len(ids) == 2
+
+
+@pytest.mark.parametrize("pipeline", ["p_md", "p_rld_md"])
+def test_colocated_refuses_pdd_pipeline_overrides(router, pipeline):
+    body = {"model": MODEL, "prompt": "x", "pdd": {"pipeline": pipeline}}
+    r = httpx.post(router.url + "/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pdd"
+    body["pdd"] = {"pipeline": "auto", "handoff": "auto"}
+    script_text(router, "ok")
+    assert httpx.post(router.url + "/completions", json=body).status_code == 200

@@ -226,3 +226,17 @@ def test_never_a_p_rld_pipeline(n_rld, rld_load, cached, prompt, bandwidth, forc
         assert forced is None and d.eta_s > POLICY.ttft_budget_s
         chosen = next(w for w in relays if w.id == d.worker(RLD))
         assert chosen.has_capacity
+
+
+def test_policy_config_loads_from_overrides_and_checks_poll_vs_timeout():
+    from pdd.config import load_config
+    from pdd.errors import ConfigError
+
+    cfg = load_config(None, ["router.mode=pdd", "router.pdd.ttft_budget_s=0.25"])
+    assert (cfg.router.pdd.ttft_budget_s, cfg.router.pdd.catch_up_threshold_tokens) == (0.25, 64)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["router.pdd.await_kv_poll_s=5", "router.pdd.await_kv_timeout_s=1"])
+    assert "await_kv_poll_s must not exceed await_kv_timeout_s" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["router.pdd.ttft_budget=1"])
+    assert "router.pdd.ttft_budget: unknown key" in info.value.message

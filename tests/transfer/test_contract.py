@@ -136,8 +136,11 @@ def test_cancel_mid_transfer_releases_both_sides(kind, make_pair):
 
 
 def test_deadline_fails_both_sides(kind, make_pair):
-    zone = LandingZone(slow_s=0.02)  # 128 chunks x 20 ms: far beyond the 0.3 s deadline
+    zone = LandingZone()
     pair = make_pair(kind, zone=zone, **SMALL)
+    warm = pair.sender.send(pair.receiver.address, SendRequest("w", [seg(6, 1000)]))
+    assert warm.wait(10).state is TransferState.DONE  # connected: the deadline is all transfer
+    zone.slow_s = 0.02  # 128 chunks x 20 ms: far beyond the 0.3 s deadline
     t0 = time.monotonic()
     req = SendRequest("d", [seg(6, 8 * MiB)], deadline_s=0.3)
     handle = pair.sender.send(pair.receiver.address, req)

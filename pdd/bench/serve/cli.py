@@ -1,7 +1,8 @@
 """`pdd bench serve`: the command line of the serving benchmark.
 
 Exit codes: 0 every mode ran with zero failed requests; 1 a mode failed or a request failed
-(the report is written anyway); 2 the configuration, a trace or an argument is invalid.
+(the report is written anyway); 2 the configuration, a trace, an argument or the tokenizer is
+invalid (nothing was started).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from pdd.bench.serve.config import BenchConfig, load_bench_config
 from pdd.bench.serve.report import MODE_COLUMNS, mode_row
 from pdd.bench.serve.results import ModeResult
-from pdd.errors import ConfigError
+from pdd.errors import ConfigError, PddError
 
 USAGE_EXAMPLES = """examples:
   pdd bench serve --short
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> int:
         from pdd.bench.serve.run import run_benchmark  # heavy imports only once args are fine
 
         results, _files = run_benchmark(cfg, out, ["pdd", "bench", "serve", *argv])
-    except ConfigError as exc:
+    except PddError as exc:  # config, trace, costs, tokenizer: found before any mode runs
         print(f"pdd bench serve: {exc.message}", file=sys.stderr)
         return 2
     print_summary(results, out)

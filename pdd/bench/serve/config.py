@@ -234,8 +234,8 @@ SHORT_PROFILE: list[str] = [
     "sweep.output_tokens=16",
     "load.pattern=closed",
     "load.concurrency=4",
-    "load.duration_s=60",
-    "load.request_timeout_s=120",
+    "load.duration_s=300",  # a safety bound: on an idle machine the whole run takes ~1 min
+    "load.request_timeout_s=300",
     "progress_interval_s=10",
 ]
 

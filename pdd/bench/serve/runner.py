@@ -14,7 +14,7 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TextIO
 
 import httpx
@@ -93,6 +93,9 @@ def poisson_offsets(rate: float, n: int, rng: random.Random) -> list[float]:
     return out
 
 
+_Send = Callable[[BenchRequest], Awaitable[None]]
+
+
 class PhaseRunner:
     """Runs the phases of workloads against one base URL with one HTTP client."""
 
@@ -166,7 +169,7 @@ class PhaseRunner:
         rng = random.Random(f"arrivals-{self.cfg.seed}-{group}")
         return poisson_offsets(self.cfg.load.rate, len(reqs), rng)
 
-    async def _closed(self, reqs: Sequence[BenchRequest], one: Any) -> None:
+    async def _closed(self, reqs: Sequence[BenchRequest], one: _Send) -> None:
         queue = list(reversed(reqs))  # taken in index order, so a dependency is always taken first
 
         async def stream_worker() -> None:
@@ -176,7 +179,7 @@ class PhaseRunner:
         await asyncio.gather(*(stream_worker() for _ in range(self.cfg.load.concurrency)))
 
     async def _scheduled(
-        self, reqs: Sequence[BenchRequest], offsets: Sequence[float], start: float, one: Any
+        self, reqs: Sequence[BenchRequest], offsets: Sequence[float], start: float, one: _Send
     ) -> None:
         slots = asyncio.Semaphore(self.cfg.load.max_in_flight)
 

@@ -1,0 +1,153 @@
+"""The child processes of `pdd serve`: what each runs, and one supervised process.
+
+``child_specs`` is pure (the command line of every worker and of the router, and the
+datacenter each runs in); ``Child`` owns one running process: it pumps the process's output
+(prefixed, to stderr), notices its ready line, and stops it (SIGTERM, then SIGKILL).
+
+Every child gets PR_SET_PDEATHSIG, so it dies with the launcher even when the launcher is
+killed with SIGKILL. The signal is tied to the thread that forked the child: children are
+started from the launcher's main thread only. It survives ``ip netns exec`` (which execs the
+command in place, so the pid is the pdd process itself).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdd.config import PddConfig
+from pdd.launch.placement import Spawn
+
+WORKER_READY = "pdd worker ready"
+ROUTER_READY = "pdd router ready"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One process of the topology: its name, datacenter, command line and ready line."""
+
+    name: str
+    dc: str
+    argv: tuple[str, ...]
+    ready_prefix: str
+
+
+def child_specs(
+    cfg: PddConfig, config_path: Path, router_dc: str, python: str = sys.executable
+) -> list[ChildSpec]:
+    """Every worker (in config order), then the router, each reading ``config_path``."""
+    conf = ("--config", str(config_path))
+    specs = [
+        ChildSpec(
+            w.id,
+            w.datacenter,
+            (python, "-m", "pdd.worker.main", *conf, "--worker", w.id),
+            WORKER_READY,
+        )
+        for w in cfg.workers
+    ]
+    specs.append(
+        ChildSpec("router", router_dc, (python, "-m", "pdd.router.main", *conf), ROUTER_READY)
+    )
+    return specs
+
+
+def child_env() -> dict[str, str]:
+    """The launcher's environment plus pdd's defaults for what vLLM reads at spawn time."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the launcher dies, whatever kills it."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class Child:
+    """One supervised child process and the tail of its output."""
+
+    spec: ChildSpec
+    spawn: Spawn = subprocess.Popen
+    proc: subprocess.Popen | None = None
+    ready_line: str | None = None
+    signalled: bool = False  # the launcher asked it to stop (its exit status is then expected)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def start(self, env: dict[str, str]) -> None:
+        """Spawn the process (from the main thread: see the module docstring)."""
+        self.proc = self.spawn(
+            list(self.spec.argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+            preexec_fn=_die_with_parent,
+        )
+        threading.Thread(target=self._pump, name=f"pump-{self.name}", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if not self.ready.is_set() and line.startswith(self.spec.ready_prefix):
+                self.ready_line = line
+                self.ready.set()
+            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def failed(self) -> bool:
+        """Exited with an error of its own (not the signals the launcher sent)."""
+        code = self.exit_code
+        expected = (0, -signal.SIGTERM, -signal.SIGKILL) if self.signalled else (0,)
+        return code is not None and code not in expected
+
+    def terminate(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.signalled = True
+            self.proc.terminate()
+
+    def wait_or_kill(self, deadline_s: float) -> None:
+        """Wait until the process is gone, SIGKILL it at the deadline (a monotonic time)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=max(0.0, deadline_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.signalled = True
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def describe_failure(self, what: str) -> str:
+        tail = "\n".join(f"    {line}" for line in list(self.tail)[-20:])
+        return f"{self.name} {what} (exit code {self.exit_code}); last output:\n{tail}"

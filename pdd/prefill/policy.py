@@ -1,0 +1,259 @@
+"""The Prefill (P) role: stage a prompt's KV blocks in the arena, send them where told.
+
+Owns the *stages*: per kv_request_id, the arena slots holding the prompt's whole blocks after
+a Generate(kv_stage) and the sends reading them. Lifecycle of one stage::
+
+    Generate(kv_stage)  allocate len(prompt) // block_size slots (RESOURCE_EXHAUSTED if the
+                        staging arena is full); the engine exports block i into slots[i]
+    final response      kv_staged_blocks = blocks exported; the stage is leased
+                        (worker.kv_stage_lease_s)
+    SendKv              one transfer per destination, in parallel (UCX to a relay_decode, TCP
+                        to a main_decode: PeerAddress.transport), each from its first_block;
+                        the lease is extended to the send deadline
+    release             every send terminal (done, failed, cancelled), or CancelKv, or the
+                        lease expired (open sends are cancelled first; the slots come back
+                        once the transport let go of them), or the Generate did not finish
+
+The slots are the only thing a stage holds; ``SlotPool.release(kv_id)`` is their one release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from pdd.config import WorkerConfig
+from pdd.engine.connector_params import ExportParams, ExportResult, FenceRef, wrap
+from pdd.errors import CacheError, InvalidRequestError
+from pdd.proto import worker_pb2 as pb
+from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
+from pdd.worker.kv_plane import PlaneSpec, to_peer
+from pdd.worker.kv_run import plain, run_with_kv
+from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.25
+SEND_GRACE_S = 5.0  # lease slack past a send's own deadline
+
+
+@dataclass
+class _Stage:
+    kv_id: str
+    slots: list[int]  # slots[i] holds prompt block i, for i < staged
+    staged: int
+    deadline: float
+    sends: dict[int, TransferHandle] = field(default_factory=dict)  # open, by transfer id
+    closed: str | None = None  # why no more sends may start (cancelled, lease expired)
+
+
+class PrefillRole:
+    name = "prefill"
+    supports = frozenset({KV_STAGE, "SendKv", "CancelKv"})
+
+    @staticmethod
+    def plane_spec(worker: WorkerConfig, block_bytes: int) -> PlaneSpec:
+        """P stages in its own arena and sends over UCX (to RLD) and TCP (to MD)."""
+        return PlaneSpec("kv_producer", worker.staging_slots(block_bytes), None, ("ucx", "tcp"))
+
+    def __init__(self, ctx: RoleContext) -> None:
+        assert ctx.plane is not None, "prefill needs a KV plane"
+        self._engine = ctx.engine
+        self._plane = ctx.plane
+        self._worker = ctx.worker
+        self._block_size = ctx.block_size
+        self._pool = SlotPool(ctx.plane.arena.num_slots)
+        self._stages: dict[str, _Stage] = {}
+        self._generating: dict[str, str | None] = {}  # kv id -> why it was cancelled
+        self._by_transfer: dict[int, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._plane.start(on_sent=self._sent_threadsafe)
+        self._ticker = self._loop.create_task(self._tick_forever(), name="prefill-leases")
+
+    async def stop(self) -> None:
+        """Drop every stage (the engine is stopped; the plane closes the transports next)."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        for stage in list(self._stages.values()):
+            for handle in stage.sends.values():
+                handle.cancel()
+            self._release(stage)
+        for kv_id in self._pool.owners():
+            self._pool.release(kv_id)
+
+    # --- Generate -------------------------------------------------------------------------
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        blocks = len(call.prompt) // self._block_size
+        if not call.kv_stage or blocks == 0:
+            async with aclosing(plain(self._engine, call)) as stream:
+                async for delta in stream:
+                    yield KvDelta(delta)
+            return
+        kv_id = call.request_id
+        if kv_id in self._stages or kv_id in self._generating:
+            raise InvalidRequestError(f"request {kv_id!r} already has staged KV", param="request_id")
+        slots = self._pool.allocate(kv_id, blocks)  # OverloadedError: the arena is full
+        self._generating[kv_id] = None
+        staged = False
+
+        def release() -> None:
+            self._generating.pop(kv_id, None)
+            if not staged:
+                self._pool.release(kv_id)
+
+        def params(fence: FenceRef) -> dict:
+            return wrap(export=ExportParams(slots=slots, fence=fence))
+
+        stream = run_with_kv(self._engine, self._plane.fences, call, params, release)
+        async with aclosing(stream):
+            async for delta in stream:
+                if not delta.finished:
+                    yield KvDelta(delta)
+                    continue
+                n = _exported(delta.kv_transfer_params)
+                staged = self._stage(kv_id, slots, n, delta.finish_reason)
+                yield KvDelta(delta, staged_blocks=n if staged else 0)
+
+    def _stage(self, kv_id: str, slots: list[int], n: int, finish: str | None) -> bool:
+        """Lease the exported blocks for SendKv; False when there is nothing to hold."""
+        cancelled = self._generating.get(kv_id)
+        if n == 0 or finish not in ("stop", "length") or cancelled is not None:
+            return False
+        deadline = time.monotonic() + self._worker.kv_stage_lease_s
+        self._stages[kv_id] = _Stage(kv_id, slots, n, deadline)
+        return True
+
+    # --- KV RPCs --------------------------------------------------------------------------
+
+    async def send_kv(self, req: pb.SendKvRequest) -> pb.SendKvResponse:
+        """Start one transfer per destination; returns the bytes queued for each."""
+        stage = self._stages.get(req.kv_request_id)
+        if stage is None or stage.closed is not None:
+            why = stage.closed if stage is not None else "never staged, or already released"
+            raise CacheError(f"no staged KV for request {req.kv_request_id!r} ({why})")
+        plan = []
+        for dest in req.destinations:  # check everything before the first send starts
+            if dest.first_block < 0:
+                raise InvalidRequestError("first_block must be >= 0", param="destinations")
+            transport = self._plane.sender(dest.peer.transport)
+            plan.append((transport, dest))
+        deadline_s = req.deadline_s if req.deadline_s > 0 else None
+        sent: list[int] = []
+        for transport, dest in plan:
+            segments = self._segments(stage, dest.first_block)
+            if not segments:
+                sent.append(0)
+                continue
+            request = SendRequest(stage.kv_id, segments, deadline_s=deadline_s)
+            handle = transport.send(to_peer(dest.peer), request)
+            stage.sends[handle.transfer_id] = handle
+            self._by_transfer[handle.transfer_id] = stage.kv_id
+            sent.append(len(segments) * self._plane.arena.slot_bytes)
+        lease = (deadline_s or self._plane.transfer_deadline_s) + SEND_GRACE_S
+        stage.deadline = max(stage.deadline, time.monotonic() + lease)
+        if not stage.sends:
+            self._release(stage)  # nothing to send: the router is done with it
+        return pb.SendKvResponse(staged_blocks=stage.staged, bytes_per_destination=sent)
+
+    def _segments(self, stage: _Stage, first: int) -> list[KVSegment]:
+        arena = self._plane.arena
+        return [
+            KVSegment(arena.view(stage.slots[i]), block_start=i, block_end=i + 1)
+            for i in range(first, stage.staged)
+        ]
+
+    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
+        kv_id = req.kv_request_id
+        found = False
+        if kv_id in self._generating:
+            self._generating[kv_id] = req.reason or "cancelled"
+            found = True
+        stage = self._stages.get(kv_id)
+        if stage is not None:
+            self._close(stage, f"cancelled: {req.reason or 'CancelKv'}")
+            found = True
+        return pb.CancelKvResponse(found=found)
+
+    # --- ends of sends and leases (event loop) --------------------------------------------
+
+    def _sent_threadsafe(self, status: TransferStatus) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._sent, status)
+            except RuntimeError:  # the loop is closing: stop() releases everything
+                pass
+
+    def _sent(self, status: TransferStatus) -> None:
+        kv_id = self._by_transfer.pop(status.transfer_id, None)
+        stage = self._stages.get(kv_id) if kv_id is not None else None
+        if stage is None:
+            return
+        stage.sends.pop(status.transfer_id, None)
+        if status.state.value != "done":
+            log.info("KV send of %s ended %s: %s", kv_id, status.state.value, status.reason)
+        if not stage.sends:
+            self._release(stage)
+
+    def _close(self, stage: _Stage, why: str) -> None:
+        """No more sends; cancel the open ones; release once none is open."""
+        stage.closed = why
+        if not stage.sends:
+            self._release(stage)
+            return
+        for handle in list(stage.sends.values()):
+            handle.cancel()  # terminal later, reported through _sent
+
+    def _release(self, stage: _Stage) -> None:
+        if self._stages.get(stage.kv_id) is stage:
+            del self._stages[stage.kv_id]
+            self._pool.release(stage.kv_id)
+        for tid in stage.sends:
+            self._by_transfer.pop(tid, None)
+
+    def tick(self, now: float) -> None:
+        for stage in list(self._stages.values()):
+            if stage.deadline <= now and stage.closed is None:
+                log.warning("KV stage of %s: lease expired, releasing it", stage.kv_id)
+                self._close(stage, "lease expired")
+        self._plane.drain()
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.tick(time.monotonic())
+
+    def kv_stats(self) -> KvStats:
+        est = self._plane.wan_estimate()
+        return KvStats(
+            pinned_slots=self._pool.in_use,
+            open_transfers=self._plane.open_transfers(),
+            wan_bandwidth_bps=est.bandwidth_bps if est else 0.0,
+            wan_rtt_s=est.rtt_s if est else 0.0,
+            kv_bytes_sent=self._plane.bytes_sent,
+            kv_bytes_received=self._plane.bytes_received,
+        )
+
+
+def _exported(params: dict | None) -> int:
+    """Whole prompt blocks the connector copied into slots (slots[:n] hold blocks 0..n-1)."""
+    raw = ((params or {}).get("pdd") or {}).get("exported")
+    if raw is None:
+        return 0
+    result = ExportResult.model_validate(raw)
+    if result.error is not None:
+        log.warning("KV export refused by the connector: %s", result.error)
+    return result.num_blocks

@@ -1,0 +1,163 @@
+"""Inbound KV bookkeeping shared by the receiving roles (relay_decode, main_decode).
+
+``InboundState``: the transfers that carry one request's KV (keyed by the transport header's
+request id, the router's ``kv_request_id``), as the receiver sees them: seen on their first
+chunk (``allocate``), ended when the transport reports them. It is *terminal* once at least one
+transfer ended and none is open, or the request was cancelled; its ``outcome`` is what AwaitKv
+answers. Mutated on transport threads under the owning role's lock.
+
+``Waiters``: AwaitKv / Generate(kv_in) wait for a request's state to change; transport threads
+wake them with ``notify_threadsafe``.
+
+``Recent``: the outcome of requests whose records were released, so a late AwaitKv still gets
+the real answer and late chunks of a released request are refused (bounded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdd.proto import worker_pb2 as pb
+from pdd.transfer import InboundResult, TransferState
+
+RECENT = 4096
+
+
+@dataclass
+class InboundState:
+    open: set[int] = field(default_factory=set)  # transfer ids seen, not yet reported
+    ended: dict[int, InboundResult] = field(default_factory=dict)
+    bytes_received: int = 0
+    cancelled: str | None = None  # why the receiver gave the request up
+
+    def seen(self, transfer_id: int) -> None:
+        if transfer_id not in self.ended:
+            self.open.add(transfer_id)
+
+    def finish(self, result: InboundResult) -> None:
+        self.open.discard(result.transfer_id)
+        self.ended[result.transfer_id] = result
+        self.bytes_received += result.bytes_received
+
+    @property
+    def terminal(self) -> bool:
+        return self.cancelled is not None or (bool(self.ended) and not self.open)
+
+    @property
+    def done(self) -> bool:
+        """Every transfer landed (and the request was not given up before)."""
+        return (
+            self.cancelled is None
+            and bool(self.ended)
+            and not self.open
+            and all(r.state is TransferState.DONE for r in self.ended.values())
+        )
+
+    def outcome(self) -> tuple[str, str]:
+        """(state, reason) for AwaitKv: done | failed | cancelled | pending."""
+        if self.done:
+            return "done", ""
+        if self.cancelled is not None:
+            return "cancelled", self.cancelled
+        if not self.terminal:
+            return "pending", ""
+        bad = next(r for r in self.ended.values() if r.state is not TransferState.DONE)
+        return bad.state.value, bad.reason
+
+
+class Waiters:
+    """Futures waiting for a key to change; woken from any thread."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    async def wait_until(self, key: str, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``ready()`` (re-checked on every notify of ``key``) or the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while not ready():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiting.setdefault(key, set()).add(fut)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(fut, left)
+            finally:
+                waiters = self._waiting.get(key)
+                if waiters is not None:
+                    waiters.discard(fut)
+                    if not waiters:
+                        del self._waiting[key]
+        return True
+
+    def notify(self, key: str) -> None:
+        """Wake the waiters of ``key`` (on the loop)."""
+        for fut in self._waiting.get(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def notify_threadsafe(self, key: str, then: Callable[[], None] | None = None) -> None:
+        """From a transport thread: run ``then`` and wake the waiters, on the loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def run() -> None:
+            if then is not None:
+                then()
+            self.notify(key)
+
+        with contextlib.suppress(RuntimeError):  # the loop is shutting down
+            loop.call_soon_threadsafe(run)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: str
+    reason: str
+    bytes_received: int
+    blocks: int
+    at: float
+
+
+class Recent:
+    """Outcomes of released requests (bounded, oldest dropped first)."""
+
+    def __init__(self, size: int = RECENT) -> None:
+        self._size = size
+        self._items: OrderedDict[str, Outcome] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def get(self, key: str) -> Outcome | None:
+        return self._items.get(key)
+
+    def put(self, key: str, state: InboundState, blocks: int) -> None:
+        st, reason = state.outcome()
+        if st == "pending":
+            st, reason = "cancelled", "released before its KV arrived"
+        self._items[key] = Outcome(st, reason, state.bytes_received, blocks, time.monotonic())
+        self._items.move_to_end(key)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+
+def await_response(state: str, bytes_received: int, blocks: int, reason: str) -> pb.AwaitKvResponse:
+    """AwaitKv's answer; a state still pending when the wait ended is a timeout."""
+    if state == "pending":
+        state = "timeout"
+    return pb.AwaitKvResponse(
+        state=state, bytes_received=bytes_received, blocks_ready=blocks, reason=reason
+    )

@@ -1,0 +1,226 @@
+"""The worker shell's KV plane: the shared-memory slot arena, the fence board, the transports.
+
+Owns, for one worker process (prefill, relay_decode or main_decode):
+
+- the ``SlotArena`` the KV connector in the engine core maps by name (one slot = one KV block
+  of all layers; pdd-core-design.md "Where the bytes live"), and its ``Fences``;
+- the transports: a receiver of one kind (with the role's hooks) and senders by kind, built
+  from ``transfer`` with this worker's ``kv_port`` / ``host``;
+- the byte counters of everything sent and received.
+
+What the slots hold, who pins them and when they are released is the role's business
+(pdd.prefill, pdd.relay_decode, pdd.main_decode); the plane only executes.
+
+Lifecycle: ``KvPlane(spec, ...)`` creates the arenas (the engine's connector settings are known
+from then on) -> ``start(hooks, on_sent)`` starts the transports and the fence poller ->
+``stop()`` closes the transports (open transfers fail, pins drop), runs pending fence
+callbacks, unmaps and unlinks the arenas. Call ``stop`` only after the engine stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdd.cache.arena import FenceBoard, SlotArena, unlink_stale
+from pdd.config import TransferConfig, WorkerConfig
+from pdd.engine.connector_params import ConnectorSettings
+from pdd.engine.types import KvConnectorSpec, KvRole
+from pdd.errors import ConfigError, InvalidRequestError
+from pdd.proto import worker_pb2 as pb
+from pdd.transfer import (
+    InboundResult,
+    LinkEstimate,
+    PeerAddress,
+    ReceiverHooks,
+    TransferStatus,
+    Transport,
+    create_transport,
+)
+from pdd.worker.slots import Fences
+
+log = logging.getLogger(__name__)
+
+ARENA_PREFIX = "pdd-kv"
+FENCE_PREFIX = "pdd-kvfence"
+FENCE_WORDS = 4096  # concurrent requests with KV params (32 KiB of shared memory)
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """What a role needs from the shell (the composition root builds the plane from it)."""
+
+    kv_role: KvRole  # the connector's role in the engine
+    num_slots: int  # arena slots
+    receiver: str | None = None  # transport kind of the KV receiver, None: sends only
+    senders: tuple[str, ...] = ()  # transport kinds this worker sends with
+
+
+def advertise_host(worker: WorkerConfig) -> str:
+    """The address peers dial for this worker's KV receiver. ConfigError for a wildcard."""
+    host = worker.kv_advertise_host
+    if host in (None, "auto"):
+        host = worker.host
+    if host in WILDCARDS:
+        raise ConfigError(
+            f"worker {worker.id}: kv_advertise_host is required when host is {worker.host!r}"
+        )
+    return host
+
+
+def to_peer(addr: pb.PeerAddress) -> PeerAddress:
+    return PeerAddress(addr.host, addr.port, addr.ucx_address, addr.host_id, addr.name)
+
+
+class KvPlane:
+    def __init__(
+        self, spec: PlaneSpec, slot_bytes: int, worker: WorkerConfig, transfer: TransferConfig
+    ) -> None:
+        self.spec = spec
+        self._worker = worker
+        self._transfer = transfer.model_copy(
+            update={"listen_host": worker.host, "listen_port": worker.kv_port}
+        )
+        self._advertise = advertise_host(worker) if spec.receiver else worker.host
+        for name in unlink_stale(ARENA_PREFIX) + unlink_stale(FENCE_PREFIX):
+            log.info("removed the stale KV arena %s of a dead worker", name)
+        self.arena = SlotArena.create(spec.num_slots, slot_bytes, ARENA_PREFIX)
+        self.fences = Fences(FenceBoard.create(FENCE_WORDS, FENCE_PREFIX), worker.kv_fence_timeout_s)
+        self.receiver: Transport | None = None
+        self._senders: dict[str, Transport] = {}
+        self._on_sent: Callable[[TransferStatus], None] | None = None
+        self._on_received: Callable[[InboundResult], None] | None = None
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        log.info(
+            "KV arena %s: %d slots of %d bytes (%s)",
+            self.arena.ref.name, spec.num_slots, slot_bytes, spec.kv_role,
+        )  # fmt: skip
+
+    @property
+    def transfer_deadline_s(self) -> float:
+        """The transports' default deadline of one transfer."""
+        return self._transfer.deadline_s
+
+    def connector_spec(self) -> KvConnectorSpec:
+        """What the engine loads: PddConnector mapping this plane's arena and fence board."""
+        settings = ConnectorSettings(arena=self.arena.ref, fences=self.fences.board.ref)
+        return KvConnectorSpec(role=self.spec.kv_role, extra_config=settings.model_dump())
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(
+        self,
+        hooks: ReceiverHooks | None = None,
+        on_sent: Callable[[TransferStatus], None] | None = None,
+    ) -> None:
+        """Start the fence poller and the transports (on the event loop's thread).
+
+        ``hooks.on_received`` and ``on_sent`` run on transport threads, after the plane
+        counted the bytes. Raises TransferError / ConfigError when a transport cannot start.
+        """
+        self.fences.start()
+        self._on_sent = on_sent
+        try:
+            if self.spec.receiver is not None:
+                assert hooks is not None, "a receiving plane needs the role's hooks"
+                self._on_received = hooks.on_received
+                wrapped = ReceiverHooks(hooks.allocate, on_received=self._received)
+                self.receiver = self._make(self.spec.receiver, wrapped)
+            for kind in self.spec.senders:
+                self._senders[kind] = self._make(kind, None)
+        except BaseException:
+            self._close_transports()
+            raise
+
+    def _make(self, kind: str, hooks: ReceiverHooks | None) -> Transport:
+        transport = create_transport(kind, self._transfer, hooks=hooks, on_finished=self._sent)
+        transport.start()
+        return transport
+
+    async def stop(self) -> None:
+        """Close transports, run pending fence callbacks, unlink the arenas. Idempotent."""
+        self._close_transports()
+        await self.fences.stop()
+        for owned in (self.fences.board, self.arena):
+            owned.close()
+            owned.unlink()
+
+    def _close_transports(self) -> None:
+        transports = list(self._senders.values())
+        if self.receiver is not None:
+            transports.append(self.receiver)
+        self._senders, self.receiver = {}, None
+        for t in transports:
+            t.close()
+
+    # --- transports -----------------------------------------------------------------------
+
+    def sender(self, kind: str) -> Transport:
+        """The transport that sends to a peer of ``kind``; InvalidRequestError if none."""
+        transport = self._senders.get(kind)
+        if transport is None:
+            have = ", ".join(sorted(self._senders)) or "none"
+            raise InvalidRequestError(
+                f"worker {self._worker.id} cannot send KV over {kind!r} (it has {have})",
+                param="destinations",
+            )
+        return transport
+
+    def address(self) -> pb.PeerAddress:
+        """Where peers send this worker's inbound KV (PrepareKv's answer)."""
+        if self.receiver is None:
+            return pb.PeerAddress()
+        a = self.receiver.address
+        host = a.host if self.spec.receiver == "inproc" else self._advertise
+        return pb.PeerAddress(
+            transport=self.spec.receiver, host=host, port=a.port, ucx_address=a.ucx_address,
+            host_id=a.host_id, name=a.name or self._worker.id,
+        )  # fmt: skip
+
+    def open_transfers(self) -> int:
+        """Outbound + inbound transfers not yet terminal, over every transport."""
+        total = 0
+        for t in self._transports():
+            s = t.stats()
+            total += s.open_outbound + s.open_inbound
+        return total
+
+    def wan_estimate(self) -> LinkEstimate | None:
+        """The TCP sender's estimate toward its best-measured peer (P -> MD), if any."""
+        tcp = self._senders.get("tcp")
+        estimates = getattr(tcp, "link_estimates", None)
+        if estimates is None:
+            return None
+        measured = list(estimates().values())
+        return max(measured, key=lambda e: (e.samples, e.bandwidth_bps), default=None)
+
+    def drain(self) -> None:
+        """Forget reported transfers (the callbacks already handled them)."""
+        for t in self._transports():
+            t.poll_finished()
+            t.poll_received()
+
+    def _transports(self) -> list[Transport]:
+        out = list(self._senders.values())
+        if self.receiver is not None:
+            out.append(self.receiver)
+        return out
+
+    # --- callbacks (transport threads) ----------------------------------------------------
+
+    def _sent(self, status: TransferStatus) -> None:
+        with self._lock:
+            self.bytes_sent += status.bytes_acked
+        if self._on_sent is not None:
+            self._on_sent(status)
+
+    def _received(self, result: InboundResult) -> None:
+        with self._lock:
+            self.bytes_received += result.bytes_received
+        if self._on_received is not None:
+            self._on_received(result)

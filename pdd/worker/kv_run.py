@@ -1,0 +1,100 @@
+"""Run one engine request that copies KV to or from arena slots, with exactly one release.
+
+The slot contract of PddConnector (pdd/engine/connector.py, rule 3) says when the engine is
+done with a request's slots: its final output (normal finish) proves it; after an abort only
+the request's fence does. ``run_with_kv`` turns that into one call of ``release``:
+
+    finished normally (stop/length) ........ release() right after the stream ended
+    aborted / cancelled / engine failed .... release() once the fence is posted (Fences)
+    refused before the engine saw it ....... release() at once (no fence will come)
+
+``release`` runs on the event loop, exactly once, and must not raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from pdd.engine.connector_params import FenceRef, LoadParams, wrap
+from pdd.engine.types import EngineDelta
+from pdd.errors import InvalidRequestError
+from pdd.worker.roles import GenerateCall
+
+if TYPE_CHECKING:
+    from pdd.engine.engine import Engine
+    from pdd.worker.slots import Fences
+
+REAL_FINISHES = ("stop", "length")
+
+
+async def run_with_kv(
+    engine: Engine,
+    fences: Fences,
+    call: GenerateCall,
+    params: Callable[[FenceRef], dict[str, Any]],
+    release: Callable[[], None],
+) -> AsyncIterator[EngineDelta]:
+    """Stream ``call`` with ``params(fence)`` as its kv_transfer_params; see module doc.
+
+    Raises what Engine.generate raises (OverloadedError when no fence is free: then
+    ``release`` has already run).
+    """
+    try:
+        fence = fences.take()
+    except BaseException:
+        release()
+        raise
+    finished = False
+    started = False
+    never_ran = False
+    try:
+        stream = engine.generate(call.request_id, call.prompt, call.sampling, params(fence))
+        async with aclosing(stream):  # closing it early aborts the engine request
+            async for delta in stream:
+                started = True
+                finished = delta.finish_reason in REAL_FINISHES
+                yield delta
+    except InvalidRequestError:
+        never_ran = not started  # refused by the frontend: the engine core never saw it
+        raise
+    finally:
+        if never_ran:
+            fences.forget(fence)
+            release()
+        elif finished:
+            fences.retire(fence)
+            release()
+        else:
+            fences.watch(fence, release)
+
+
+async def plain(engine: Engine, call: GenerateCall) -> AsyncIterator[EngineDelta]:
+    """The request without KV params (closing it early aborts the engine request)."""
+    stream = engine.generate(call.request_id, call.prompt, call.sampling)
+    async with aclosing(stream):
+        async for delta in stream:
+            yield delta
+
+
+def load_params(slots: list[int]) -> Callable[[FenceRef], dict[str, Any]]:
+    """kv_transfer_params that load prompt block i from ``slots[i]``."""
+    return lambda fence: wrap(load=LoadParams(slots=slots, fence=fence))
+
+
+def offered_tokens(num_slots: int, block_size: int, prompt_len: int) -> int:
+    """Prompt tokens a load of ``num_slots`` blocks provides (vLLM computes at least one)."""
+    return min(num_slots * block_size, prompt_len - 1) if num_slots else 0
+
+
+def loaded_tokens(delta: EngineDelta, offered: int, block_size: int) -> int:
+    """Prompt tokens the connector copied from slots (final delta; blocks vLLM's own prefix
+    cache held are not counted); ``offered`` when the delta carries no report."""
+    params = (delta.kv_transfer_params or {}).get("pdd") or {}
+    loaded = params.get("loaded")
+    if loaded is None:
+        return offered
+    if not loaded.get("ok") or not loaded.get("num_blocks"):
+        return 0
+    return int(loaded["num_tokens"]) - int(loaded["first_block"]) * block_size

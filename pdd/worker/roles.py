@@ -1,0 +1,131 @@
+"""What a role policy plugs into the worker shell, and the values they exchange.
+
+The shell (``service.WorkerService``) owns admission, gRPC and metrics; a *role policy*
+(pdd.prefill, pdd.relay_decode, pdd.main_decode, or ``PlainRole`` for colocated workers)
+decides what a Generate does with KV and serves the KV RPCs it ``supports``. The shell asks a
+role only for what it declared: an RPC it does not support is answered UNIMPLEMENTED, a
+Generate with ``kv_stage`` / ``kv_in`` it cannot honour FAILED_PRECONDITION.
+
+Roles are composed from shell mechanisms (``KvPlane``, ``SlotPool``, ``run_with_kv``); they
+never import each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pdd.cache.messages import DrcStats
+from pdd.config import PddConfig, WorkerConfig
+from pdd.engine.types import EngineDelta, SamplingSpec
+
+if TYPE_CHECKING:
+    from pdd.engine.engine import Engine
+    from pdd.worker.kv_plane import KvPlane
+
+# Names a role may list in ``supports``.
+KV_STAGE = "kv_stage"  # Generate(kv_stage=true)
+KV_IN = "kv_in"  # Generate(kv_in=TRANSFER|DRC)
+KV_RPCS = ("SendKv", "PrepareKv", "AwaitKv", "CancelKv", "DrcEvents")
+
+
+@dataclass(frozen=True)
+class KvInSpec:
+    """Where a Generate's prompt KV comes from (proto KvIn)."""
+
+    source: str  # "transfer" | "drc"
+    kv_request_id: str
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One admitted Generate: validated input, ready for the role."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingSpec
+    kv_stage: bool = False
+    kv_in: KvInSpec | None = None
+
+
+@dataclass(frozen=True)
+class KvDelta:
+    """An engine delta plus what the role adds to the response.
+
+    ``staged_blocks``: P, last response: prompt blocks staged for SendKv.
+    ``loaded_tokens``: RLD/MD: prompt tokens whose KV came from outside the engine (slots
+    offered on the first response; confirmed by the connector on the last one).
+    """
+
+    delta: EngineDelta
+    staged_blocks: int = 0
+    loaded_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KvStats:
+    """The KV plane of one worker right now (all zero for a colocated worker)."""
+
+    pinned_slots: int = 0
+    open_transfers: int = 0
+    drc: DrcStats | None = None
+    drc_query_tokens: int = 0
+    drc_hit_tokens: int = 0
+    wan_bandwidth_bps: float = 0.0
+    wan_rtt_s: float = 0.0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """Everything a role is built from (the composition root fills it)."""
+
+    engine: Engine
+    plane: KvPlane | None
+    worker: WorkerConfig
+    config: PddConfig
+    block_size: int
+    block_bytes: int
+
+
+class RolePolicy(Protocol):
+    """The shell's view of a role. KV RPC handlers exist for the names in ``supports``:
+    ``send_kv``, ``prepare_kv``, ``await_kv``, ``cancel_kv``, ``drc_events`` (taking and
+    returning the pdd.worker.v1 messages; raising PddError)."""
+
+    name: str
+    supports: frozenset[str]
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]: ...
+    def kv_stats(self) -> KvStats: ...
+
+
+class PlainRole:
+    """Colocated worker: Generate only, no KV plane."""
+
+    name = "colocated"
+    supports: frozenset[str] = frozenset()
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self._engine = ctx.engine
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        stream = self._engine.generate(call.request_id, call.prompt, call.sampling)
+        async with aclosing(stream):  # closing it early aborts the engine request
+            async for delta in stream:
+                yield KvDelta(delta)
+
+    def kv_stats(self) -> KvStats:
+        return KvStats()

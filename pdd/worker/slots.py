@@ -1,0 +1,170 @@
+"""Slot ownership in the worker shell: the staging slot pool and the engine's release fences.
+
+``SlotPool`` hands out slots of the shell's staging arena (prefill: prompt blocks waiting to be
+sent; relay_decode: blocks landed for a request) to *owners* (a request's KV id). It is the
+check-then-act pair of STYLE.md section 2: ``can_allocate`` / ``allocate``; a request that does
+not fit is refused (OverloadedError -> RESOURCE_EXHAUSTED), never queued. ``release(owner)``
+is the one way slots come back. Thread-safe: transport threads allocate landing slots.
+
+``Fences`` owns the fence board (pdd.cache.arena.FenceBoard) the KV connector posts to once
+the engine will never touch a request's slots again (see pdd/engine/connector.py, slot
+contract 3). Lifecycle of one fence::
+
+    take() -> FenceRef(index, ticket)      passed in the request's kv_transfer_params
+    watch(ref, on_posted)                  the shell wants to know (aborted request): the
+                                           poller calls on_posted once the ticket is read back
+    retire(ref)                            normal finish (the final output already proved the
+                                           engine is done): only the index is reclaimed later
+    the index is free again once its ticket was read back (or the engine is gone)
+
+A fence the engine never posts (it died, or the request was aborted before the engine ever
+saw it) is given up after ``timeout_s``: its callback runs with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdd.cache.arena import FenceBoard
+from pdd.engine.connector_params import FenceRef
+from pdd.errors import OverloadedError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.005  # fence poll period while any fence is watched
+
+
+class SlotPool:
+    """Bounded allocator of arena slots ``[0, num_slots)`` by owner (see module docstring)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot
+        self._owned: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self.num_slots - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        with self._lock:
+            return n <= len(self._free)
+
+    def allocate(self, owner: str, n: int) -> list[int]:
+        """``n`` more slots for ``owner``. Raises OverloadedError (nothing taken) if full."""
+        with self._lock:
+            if n > len(self._free):
+                raise OverloadedError(
+                    f"KV staging arena full: {n} slots needed, {len(self._free)} of "
+                    f"{self.num_slots} free"
+                )
+            slots = [self._free.pop() for _ in range(n)]
+            self._owned.setdefault(owner, []).extend(slots)
+            return slots
+
+    def release(self, owner: str) -> int:
+        """Give back every slot of ``owner``; returns how many. Idempotent."""
+        with self._lock:
+            slots = self._owned.pop(owner, [])
+            self._free.extend(sorted(slots, reverse=True))
+            return len(slots)
+
+    def owners(self) -> list[str]:
+        with self._lock:
+            return list(self._owned)
+
+
+@dataclass
+class _Watch:
+    ref: FenceRef
+    on_posted: Callable[[], None] | None
+    since: float
+
+
+class Fences:
+    """The fence board and its index/ticket bookkeeping. Loop-side (not thread-safe)."""
+
+    def __init__(self, board: FenceBoard, timeout_s: float) -> None:
+        self.board = board
+        self._timeout_s = timeout_s
+        self._free = list(range(board.size - 1, -1, -1))
+        self._tickets = itertools.count(1)
+        self._watched: dict[int, _Watch] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def outstanding(self) -> int:
+        """Fences taken and not yet read back (leak check: 0 when idle)."""
+        return self.board.size - len(self._free)
+
+    def take(self) -> FenceRef:
+        """A fresh fence. Raises OverloadedError when every index is in use."""
+        if not self._free:
+            raise OverloadedError(f"all {self.board.size} KV fences in use")
+        return FenceRef(index=self._free.pop(), ticket=next(self._tickets))
+
+    def watch(self, ref: FenceRef, on_posted: Callable[[], None] | None) -> None:
+        """Call ``on_posted`` (on the loop) once the engine posted ``ref``; reclaim its index."""
+        self._watched[ref.index] = _Watch(ref, on_posted, time.monotonic())
+        self._wake.set()
+
+    def forget(self, ref: FenceRef) -> None:
+        """The request never reached the engine: no post will come, the index is free now."""
+        self._free.append(ref.index)
+
+    def retire(self, ref: FenceRef) -> None:
+        """The request finished normally: nothing waits, the index comes back when posted."""
+        self.watch(ref, None)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll(), name="kv-fences")
+
+    async def stop(self) -> None:
+        """Stop polling and run every pending callback (the engine is gone by now)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        watched, self._watched = self._watched, {}
+        for w in watched.values():
+            self._finish(w)
+
+    def check(self) -> None:
+        """Run the callbacks of posted (or given-up) fences. Called by the poller."""
+        now = time.monotonic()
+        for index, w in list(self._watched.items()):
+            posted = self.board.read(index) == w.ref.ticket
+            if not posted and now - w.since < self._timeout_s:
+                continue
+            if not posted:
+                log.warning(
+                    "KV fence %d (ticket %d) not posted after %.0f s: releasing its slots",
+                    index, w.ref.ticket, self._timeout_s,
+                )  # fmt: skip
+            del self._watched[index]
+            self._finish(w)
+
+    def _finish(self, w: _Watch) -> None:
+        self._free.append(w.ref.index)
+        if w.on_posted is not None:
+            try:
+                w.on_posted()
+            except Exception:  # a release callback must not stop the poller
+                log.exception("KV fence %d release callback failed", w.ref.index)
+
+    async def _poll(self) -> None:
+        while True:
+            if not self._watched:
+                self._wake.clear()
+                await self._wake.wait()
+            self.check()
+            await asyncio.sleep(POLL_S)

@@ -1,0 +1,26 @@
+"""`pdd serve` itself (pdd.launch.cli.main: signals, supervision, exit status) with every child
+replaced by tests/launch/fake_child.py. Test-only: ``python fake_serve.py SERVE-ARGS...``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pdd.launch.topology
+from pdd.launch import cli
+from pdd.launch.placement import LocalSites
+
+FAKE = str(Path(__file__).with_name("fake_child.py"))
+
+
+def fake_spawn(argv, **kwargs):
+    """[python, -m, pdd.worker.main|pdd.router.main, ...] -> [python, fake_child.py, kind, ...]"""
+    kind = "router" if argv[2] == "pdd.router.main" else "worker"
+    return subprocess.Popen([argv[0], FAKE, kind, *argv[3:]], **kwargs)
+
+
+if __name__ == "__main__":
+    LocalSites.spawn_for = lambda self, dc: fake_spawn
+    pdd.launch.topology.STOP_GRACE_S = 1.0
+    sys.exit(cli.main(sys.argv[1:]))
