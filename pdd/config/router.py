@@ -28,8 +28,8 @@ class PddPolicyConfig(Section):
     catch_up_load_threshold: float = Field(
         0.5,
         ge=0,
-        description="Handoff mode switch: Catch-Up when the RLD's load (requests / "
-        "max_num_seqs) is above this, else One-Shot.",
+        description="Handoff mode switch: One-Shot (frees RLD soonest) when the RLD's load "
+        "(requests / max_num_seqs) is at or above this, else Catch-Up (smoother stream).",
     )
     catch_up_threshold_tokens: int = Field(
         64,

@@ -9,6 +9,7 @@ A host of ``auto`` is filled from the site (an explicit address is kept and chec
 
     field                  this host     lab, datacenter D
     worker host: auto      127.0.0.1     D's WAN address: the router and the other DC reach it
+                                         (its KV receiver binds and advertises it too)
     router host: auto      127.0.0.1     0.0.0.0 in D: the host reaches it at D's management
                                          address, the other DC at D's WAN address
     printed URL            router host   http://<D's management address>:PORT/v1
@@ -126,8 +127,6 @@ def place(cfg: PddConfig, sites: Mapping[str, Site], pick: PortPicker | None = N
                 f"worker {w.id}: host {w.host} in {w.datacenter} cannot be reached from the "
                 f"router in {router_dc}; use `host: auto` (its WAN address)"
             )
-        if getattr(w, "kv_advertise_host", None) == AUTO:
-            raw["kv_advertise_host"] = raw["host"]
     if cfg.router.host == AUTO:
         data["router"]["host"] = router_site.router_host
     placed = PddConfig.model_validate(data)

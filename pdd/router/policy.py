@@ -63,11 +63,13 @@ def pick_md(mds: list[WorkerView], cached: Mapping[str, int]) -> WorkerView | No
 
 
 def handoff_mode(rld: WorkerView, view: FleetView, forced: HandoffMode | None) -> HandoffMode:
+    """One-Shot frees a busy RLD soonest (one bigger stall on MD); a lightly loaded RLD can
+    afford to keep decoding while MD catches up in small, invisible rounds (PDD-FACTS)."""
     if forced is not None:
         return forced
-    if rld.load_fraction > view.policy.catch_up_load_threshold:
-        return HandoffMode.CATCH_UP
-    return HandoffMode.ONE_SHOT
+    if rld.load_fraction >= view.policy.catch_up_load_threshold:
+        return HandoffMode.ONE_SHOT
+    return HandoffMode.CATCH_UP
 
 
 def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:

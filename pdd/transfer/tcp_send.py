@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from pdd.errors import TransferError
 from pdd.transfer.api import PeerAddress, TransferState
-from pdd.transfer.estimate import LinkEstimator
+from pdd.transfer.estimate import LAN_RTT_S, LinkEstimator
 from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import (
     SLICE,
@@ -177,7 +177,10 @@ class SenderStream:
         self.sock.settimeout(None)
         self.reader = FrameReader(self.sock)
         send_all(self.sock, [pack_hello(self.link.transport.sender_id, self.index, self.count)])
-        self.link.estimator.on_rtt(kernel_rtt_s(self.sock))
+        rtt = kernel_rtt_s(self.sock)
+        self.link.estimator.on_rtt(rtt)
+        if 0 < rtt < LAN_RTT_S:  # a LAN: a small unsent queue would only cost wakeups
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, cfg.chunk_bytes)
 
     def _loop(self) -> None:
         window = self.config.window_chunks

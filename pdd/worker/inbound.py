@@ -144,6 +144,9 @@ class Recent:
     def get(self, key: str) -> Outcome | None:
         return self._items.get(key)
 
+    def forget(self, key: str) -> None:
+        self._items.pop(key, None)
+
     def put(self, key: str, state: InboundState, blocks: int) -> None:
         st, reason = state.outcome()
         if st == "pending":

@@ -41,11 +41,12 @@ POLL_S = 0.005  # fence poll period while any fence is watched
 
 
 class SlotPool:
-    """Bounded allocator of arena slots ``[0, num_slots)`` by owner (see module docstring)."""
+    """Bounded allocator of arena slots ``[first, first + num_slots)`` by owner (see module
+    docstring)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, first: int = 0) -> None:
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot
+        self._free = list(range(first + num_slots - 1, first - 1, -1))  # pop(): lowest first
         self._owned: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 

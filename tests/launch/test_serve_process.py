@@ -3,76 +3,15 @@ line, health wait, exit status, failure output, SIGTERM and SIGKILL leave nothin
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.helpers import REPO, children_of
-
-FAKE_SERVE = str(Path(__file__).with_name("fake_serve.py"))
-DEADLINE_S = 30.0
-
-
-class Launcher:
-    """One fake-backed `pdd serve`, its output collected line by line."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        argv = [sys.executable, FAKE_SERVE, "--config", "configs/local.yaml"]
-        argv += ["--set", "router.port=0", *args]
-        self.proc = subprocess.Popen(
-            argv, cwd=REPO, env=dict(os.environ, **(env or {})), text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self.ready = threading.Event()
-        self._pumps = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout), daemon=True),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr), daemon=True),
-        ]
-        for t in self._pumps:
-            t.start()
-
-    def _pump(self, stream, lines: list[str]) -> None:
-        for line in stream:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("pdd ready: "):
-                self.ready.set()
-
-    @property
-    def url(self) -> str:
-        return next(x for x in self.stdout if x.startswith("pdd ready: ")).split(": ", 1)[1]
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + DEADLINE_S
-        while not self.ready.wait(0.05):
-            assert self.proc.poll() is None, self.output()
-            assert time.monotonic() < deadline, self.output()
-
-    def wait(self) -> int:
-        try:
-            code = self.proc.wait(timeout=DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        for t in self._pumps:  # they end at EOF, once the launcher is gone
-            t.join(timeout=DEADLINE_S)
-        return code
-
-    def output(self) -> str:
-        return "\n".join(self.stdout + ["--- stderr"] + self.stderr)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+from tests.launch.support import Launcher, wait_gone
 
 
 @pytest.fixture
@@ -80,31 +19,13 @@ def launch():
     started: list[Launcher] = []
 
     def start(*args: str, **env: str) -> Launcher:
-        launcher = Launcher(*args, env=env)
+        launcher = Launcher("configs/local.yaml", "--set", "router.port=0", *args, env=env)
         started.append(launcher)
         return launcher
 
     yield start
     for launcher in started:
         launcher.kill()
-
-
-def wait_gone(pids: list[int]) -> list[int]:
-    """Poll until none of ``pids`` runs (deadline); returns the ones still there."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        alive = [p for p in pids if _alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_ready_url_answers_health_and_sigterm_stops_everything(launch):

@@ -247,7 +247,7 @@ def test_auto_routing_follows_the_md_cache_view(pdd):
     ids = script(pdd, 8)  # P's WAN estimate (harness): 1 s per block, over the 0.5 s budget
     relay_timing(pdd, rld_step=0.05, md_land=0.05)
     first = complete(pdd).json()
-    assert (first["pdd"]["pipeline"], first["pdd"]["handoff"]) == ("p_rld_md", "one_shot")
+    assert (first["pdd"]["pipeline"], first["pdd"]["handoff"]) == ("p_rld_md", "catch_up")
     pdd.wait_drc_synced()
     second = complete(pdd).json()
     assert second["pdd"]["pipeline"] == "p_md"
@@ -261,7 +261,7 @@ def test_auto_handoff_mode_follows_rld_load(pdd):
     try:
         pdd.by_id("rld0").stats_running = 5  # 5 of max_num_seqs 8: above 0.5
         wait_until(lambda: _running(pdd, "rld0") >= 5, "stats not polled")
-        assert complete(pdd).json()["pdd"]["handoff"] == "catch_up"
+        assert complete(pdd).json()["pdd"]["handoff"] == "one_shot"
         pdd.by_id("rld0").stats_running = 8  # full: no RLD capacity -> p_md
         wait_until(lambda: _running(pdd, "rld0") >= 8, "stats not polled")
         assert complete(pdd).json()["pdd"]["pipeline"] == "p_md"

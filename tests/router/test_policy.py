@@ -45,10 +45,10 @@ def test_full_hit_goes_p_md_with_no_wan_bytes():
     assert d == Decision(Pipeline.P_MD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 40, 0, 0.0, 4)
 
 
-def test_miss_goes_p_rld_md_one_shot_on_an_idle_rld():
+def test_miss_goes_p_rld_md_catch_up_on_an_idle_rld():
     d = choose(fleet(p(), rld(), md()), req(40, {"md0": 0}))
     assert d == Decision(
-        Pipeline.P_RLD_MD, ((P, "p0"), (RLD, "rld0"), (MD, "md0")), HandoffMode.ONE_SHOT,
+        Pipeline.P_RLD_MD, ((P, "p0"), (RLD, "rld0"), (MD, "md0")), HandoffMode.CATCH_UP,
         0, 10_000, 10.0, 4,
     )  # fmt: skip
 
@@ -81,10 +81,11 @@ def test_partial_tail_block_is_never_sent_and_cache_is_clipped_to_the_prompt():
 
 @pytest.mark.parametrize(
     ("running", "handoff"),
-    [(0, HandoffMode.ONE_SHOT), (2, HandoffMode.ONE_SHOT), (3, HandoffMode.CATCH_UP)],
+    [(0, HandoffMode.CATCH_UP), (1, HandoffMode.CATCH_UP), (2, HandoffMode.ONE_SHOT)],
 )
 def test_handoff_mode_follows_rld_load(running, handoff):
-    d = choose(fleet(p(), rld(running=running), md()), req(40))  # 2/4 = 0.5 is not above
+    # A busy RLD (2/4 = 0.5, at the threshold) is freed soonest with One-Shot.
+    d = choose(fleet(p(), rld(running=running), md()), req(40))
     assert (d.pipeline, d.handoff) == (Pipeline.P_RLD_MD, handoff)
 
 
@@ -137,14 +138,14 @@ def test_forced_pipeline_and_handoff():
     assert (d.pipeline, d.worker(RLD), d.handoff) == (
         Pipeline.P_RLD_MD,
         "rld0",
-        HandoffMode.CATCH_UP,
+        HandoffMode.ONE_SHOT,  # a full RLD is freed soonest
     )
-    d = choose(view, req(40, pipeline=Pipeline.P_RLD_MD, handoff=HandoffMode.ONE_SHOT))
-    assert d.handoff is HandoffMode.ONE_SHOT
+    d = choose(view, req(40, pipeline=Pipeline.P_RLD_MD, handoff=HandoffMode.CATCH_UP))
+    assert d.handoff is HandoffMode.CATCH_UP
     d = choose(fleet(p(), rld(), md()), req(40, pipeline=Pipeline.P_MD))
     assert (d.pipeline, d.maybe_worker(RLD), d.wan_bytes) == (Pipeline.P_MD, None, 10_000)
-    d = choose(fleet(p(), rld(), md()), req(40, handoff=HandoffMode.CATCH_UP))
-    assert d.handoff is HandoffMode.CATCH_UP
+    d = choose(fleet(p(), rld(), md()), req(40, handoff=HandoffMode.ONE_SHOT))
+    assert d.handoff is HandoffMode.ONE_SHOT
 
 
 def test_forced_p_rld_md_without_a_healthy_rld_is_unavailable():

@@ -1,0 +1,216 @@
+"""MainDecode's inbound KV: WAN blocks land in the DRC under a PrepareKv reservation.
+
+Owns the *reservations*: per kv_request_id, the prompt's block hash chain, the DRC lease
+``reserve`` took (cached prefix pinned, landing slots for the rest) and the inbound transfer's
+state. Lifecycle of one reservation::
+
+    PrepareKv(prompt)    hashes (pdd.cache.hashing, model_salt), drc.reserve -> cached_blocks,
+                         reserved_blocks, this worker's address (RESOURCE_EXHAUSTED when the
+                         DRC cannot make room); leased (PrepareKv.lease_s)
+    chunk of block i     allocate -> drc.landing_buffer(kv_id, chain[i]); a block the DRC
+                         already holds lands in a throw-away buffer
+    transfer DONE        drc.land every written block (committed in chain order: visible to
+                         match(), exported as BlockStored); FAILED/CANCELLED: drc.discard them
+    lease released       consumed by a Generate and the transfer terminal, or nothing was to
+                         be received; or CancelKv; or the lease expired. Then drc.release:
+                         landed blocks stay cached (LRU), unlanded slots are freed
+    record dropped       lease released and no transfer open (``Recent`` keeps the outcome)
+
+Transport threads run ``allocate`` / ``received`` under ``_lock``; the DRC has its own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdd.cache.drc import DecodeRadixCache
+from pdd.cache.hashing import BlockHash
+from pdd.errors import CacheError, InvalidRequestError, TransferError
+from pdd.proto import worker_pb2 as pb
+from pdd.transfer import ChunkHeader, InboundResult, TransferState
+from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+
+log = logging.getLogger(__name__)
+
+LEASE_SLACK_S = 5.0  # the DRC's own backstop expires a little after ours
+
+
+@dataclass
+class Reservation:
+    kv_id: str
+    chain: tuple[BlockHash, ...]
+    expected: int  # blocks the DRC lacked at PrepareKv (what P sends)
+    deadline: float
+    inbound: InboundState = field(default_factory=InboundState)
+    written: dict[int, BlockHash] = field(default_factory=dict)  # given a landing buffer
+    consumed: bool = False
+    leased: bool = True
+
+
+class DrcLanding:
+    """PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks, over one DRC."""
+
+    def __init__(self, drc: DecodeRadixCache, slot_bytes: int, default_lease_s: float) -> None:
+        self._drc = drc
+        self._slot_bytes = slot_bytes
+        self._default_lease_s = default_lease_s
+        self._recs: dict[str, Reservation] = {}
+        self._recent = Recent()
+        self.waiters = Waiters()
+        self._lock = threading.Lock()
+        self.query_tokens = 0  # prompt tokens routed here (PrepareKv)
+        self.hit_tokens = 0  # of which the DRC held at PrepareKv
+
+    @property
+    def open_records(self) -> int:
+        with self._lock:
+            return len(self._recs)
+
+    # --- RPCs (event loop) ----------------------------------------------------------------
+
+    def prepare(self, kv_id: str, chain: list[BlockHash], n_tokens: int, lease_s: float):
+        """drc.reserve for the prompt; returns it (CacheFullError when there is no room)."""
+        lease = lease_s if lease_s > 0 else self._default_lease_s
+        with self._lock:
+            if kv_id in self._recs:
+                raise InvalidRequestError(f"KV of request {kv_id!r} is already prepared here")
+            res = self._drc.reserve(
+                kv_id, chain, num_prompt_tokens=n_tokens, ttl_s=lease + LEASE_SLACK_S
+            )
+            rec = Reservation(kv_id, tuple(chain), len(res.receive), time.monotonic() + lease)
+            self._recs[kv_id] = rec
+            self._recent.forget(kv_id)
+            self.query_tokens += n_tokens
+            self.hit_tokens += res.cached_tokens
+        return res
+
+    def terminal(self, kv_id: str) -> bool:
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            if rec is None:
+                return kv_id in self._recent
+            return rec.inbound.terminal or rec.expected == 0
+
+    async def await_kv(self, kv_id: str, timeout_s: float) -> pb.AwaitKvResponse:
+        await self.waiters.wait_until(kv_id, lambda: self.terminal(kv_id), timeout_s)
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            if rec is not None:
+                state, reason = rec.inbound.outcome()
+                if rec.expected == 0 and state == "pending":
+                    state = "done"  # nothing to receive: everything was cached
+                blocks = self._ready_blocks(rec)
+                return await_response(state, rec.inbound.bytes_received, blocks, reason)
+        past = self._recent.get(kv_id)
+        if past is None:
+            return await_response("unknown", 0, 0, "no KV expected or received for it")
+        return await_response(past.state, past.bytes_received, past.blocks, past.reason)
+
+    def cancel(self, kv_id: str, reason: str) -> bool:
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            if rec is None:
+                return False
+            if rec.inbound.cancelled is None and not rec.inbound.done:
+                rec.inbound.cancelled = reason or "cancelled"
+            rec.consumed = True
+        self.waiters.notify(kv_id)
+        self.settle(rec)
+        return True
+
+    def consume(self, kv_id: str) -> None:
+        """A Generate took the request's KV (it pinned what it loads by itself)."""
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            if rec is None:
+                return
+            rec.consumed = True
+        self.settle(rec)
+
+    def settle(self, rec: Reservation) -> None:
+        """Release the lease / drop the record once nothing needs them (module docstring)."""
+        with self._lock:
+            if self._recs.get(rec.kv_id) is not rec:
+                return
+            ended = rec.inbound.terminal or rec.expected == 0
+            if rec.leased and (rec.inbound.cancelled is not None or (rec.consumed and ended)):
+                blocks = self._ready_blocks(rec)
+                self._drc.release(rec.kv_id)
+                rec.leased = False
+                self._recent.put(rec.kv_id, rec.inbound, blocks)
+            if not rec.leased and not rec.inbound.open:
+                del self._recs[rec.kv_id]
+
+    def expire(self, now: float) -> None:
+        with self._lock:
+            expired = [r for r in self._recs.values() if r.deadline <= now]
+            for rec in expired:
+                if rec.inbound.cancelled is None and not rec.inbound.done:
+                    rec.inbound.cancelled = "lease expired"
+                rec.consumed = True
+        for rec in expired:
+            log.warning("DRC reservation of %s: lease expired, releasing it", rec.kv_id)
+            self.waiters.notify(rec.kv_id)
+            self.settle(rec)
+
+    def release_all(self) -> None:
+        with self._lock:
+            recs, self._recs = list(self._recs.values()), {}
+        for rec in recs:
+            if rec.leased:
+                self._drc.release(rec.kv_id)
+
+    def _ready_blocks(self, rec: Reservation) -> int:
+        if not rec.leased:
+            return self._drc.match(rec.chain).cached_blocks
+        try:
+            return self._drc.ready(rec.kv_id).cached_blocks
+        except CacheError:
+            return 0
+
+    # --- the receiver (transport threads) -------------------------------------------------
+
+    def allocate(self, header: ChunkHeader) -> memoryview:
+        """Where one chunk lands; raises to refuse it (and so its transfer)."""
+        kv_id, i = header.request_id, header.block_start
+        if header.segment_nbytes != self._slot_bytes or header.block_end != i + 1:
+            raise TransferError(
+                f"KV of {kv_id!r}: a segment must be one block of {self._slot_bytes} bytes, "
+                f"got blocks [{i}, {header.block_end}) of {header.segment_nbytes} bytes"
+            )
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            if rec is None or not rec.leased or rec.inbound.cancelled is not None:
+                raise TransferError(f"no DRC reservation for the KV of {kv_id!r}")
+            if i >= len(rec.chain):
+                raise TransferError(f"KV of {kv_id!r}: block {i} is past the prompt's blocks")
+            block_hash = rec.chain[i]
+            rec.inbound.seen(header.transfer_id)
+        buf = self._drc.landing_buffer(kv_id, block_hash)  # CacheError: the lease ended
+        if buf is None:  # the DRC already holds it: read the bytes and drop them
+            return memoryview(bytearray(header.nbytes))
+        with self._lock:
+            rec.written[i] = block_hash
+        return buf[header.offset : header.offset + header.nbytes]
+
+    def received(self, result: InboundResult) -> None:
+        with self._lock:
+            rec = self._recs.get(result.request_id)
+            if rec is None:
+                return
+            rec.inbound.finish(result)
+            written = [rec.written[i] for i in sorted(rec.written)]
+            rec.written.clear()
+        landed = result.state is TransferState.DONE
+        for block_hash in written:
+            try:
+                if landed:
+                    self._drc.land(rec.kv_id, block_hash)
+                else:
+                    self._drc.discard(rec.kv_id, block_hash)
+            except CacheError as exc:
+                log.debug("KV of %s: block not taken by the DRC: %s", rec.kv_id, exc.message)
+        self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))

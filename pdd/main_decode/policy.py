@@ -1,0 +1,216 @@
+"""The MainDecode (MD) role: the Decode-side RadixCache over the shell's arena, decode from it.
+
+Owns the DRC (pdd.cache.drc) whose host tier *is* the shell's shared-memory arena, so the KV
+connector loads DRC blocks straight from their slots, and composes:
+
+- ``DrcLanding`` (landing.py): PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks;
+- ``OwnBlocks`` (store.py): after a request finished, the whole blocks of its prompt + output
+  the DRC lacks are exported from the engine and stored, so the next turn sends none of them;
+- Generate(kv_in=DRC or TRANSFER): waits up to kv_in.wait_s for the request's inbound KV, then
+  matches the prompt in the DRC (landed blocks included), pins the matched prefix under the
+  owner ``gen:<request id>`` (a DRC lease of its own), loads it (LoadParams) and releases the
+  pin when the engine is done with the slots (final output or fence);
+- DrcEvents: the DRC's snapshot or events as JSON (pdd.cache.messages) for the router's view.
+
+Arena layout: ``[0, drc_slots)`` is the DRC host tier (cache.host_capacity_gib), then
+``store_slots`` scratch slots for OwnBlocks (worker.kv_staging_gib; 0 when it is off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from pdd.cache.drc import DecodeRadixCache
+from pdd.cache.hashing import BlockHash, block_hashes, model_salt
+from pdd.cache.host_tier import HostTier
+from pdd.config import CacheConfig, WorkerConfig
+from pdd.errors import CacheError, CacheFullError, InvalidRequestError
+from pdd.main_decode.landing import DrcLanding
+from pdd.main_decode.store import OwnBlocks
+from pdd.proto import worker_pb2 as pb
+from pdd.transfer import ReceiverHooks
+from pdd.worker.kv_plane import PlaneSpec
+from pdd.worker.kv_run import (
+    REAL_FINISHES,
+    load_params,
+    loaded_tokens,
+    offered_tokens,
+    plain,
+    run_with_kv,
+)
+from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.25
+
+
+def drc_on_arena(cache: CacheConfig, arena, num_slots: int, block_size: int) -> DecodeRadixCache:
+    """A DRC whose host tier is ``arena[0:num_slots]``.
+
+    DecodeRadixCache builds a private numpy tier (lazily mapped: nothing is touched); its
+    constructor takes no buffer yet, so the tier is replaced by one over the shared arena
+    before any block enters it.
+    """
+    drc = DecodeRadixCache(cache, arena.slot_bytes, block_size)
+    drc._tier = HostTier(num_slots, arena.slot_bytes, buffer=arena.buffer)  # noqa: SLF001
+    return drc
+
+
+class MainDecodeRole:
+    name = "main_decode"
+    supports = frozenset({KV_IN, "PrepareKv", "AwaitKv", "CancelKv", "DrcEvents"})
+
+    @staticmethod
+    def plane_spec(worker: WorkerConfig, block_bytes: int, cache: CacheConfig) -> PlaneSpec:
+        """The arena holds the DRC (+ OwnBlocks scratch); TCP receiver unless configured."""
+        store = worker.staging_slots(block_bytes) if worker.kv_store_own_blocks else 0
+        slots = cache.host_slots(block_bytes) + store
+        role = "kv_both" if store else "kv_consumer"
+        return PlaneSpec(role, slots, worker.kv_transport or "tcp", ())
+
+    def __init__(self, ctx: RoleContext) -> None:
+        assert ctx.plane is not None, "main_decode needs a KV plane"
+        cfg = ctx.config
+        self._engine = ctx.engine
+        self._plane = ctx.plane
+        self._block_size = ctx.block_size
+        self._salt = model_salt(cfg.model.name, cfg.model.dtype, ctx.block_size)
+        self._pin_ttl_s = cfg.cache.lease_ttl_s
+        drc_slots = cfg.cache.host_slots(ctx.block_bytes)
+        self.drc = drc_on_arena(cfg.cache, ctx.plane.arena, drc_slots, ctx.block_size)
+        self._landing = DrcLanding(self.drc, ctx.plane.arena.slot_bytes, ctx.worker.kv_landing_lease_s)
+        store_slots = ctx.plane.arena.num_slots - drc_slots
+        self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
+        self._ticker: asyncio.Task[None] | None = None
+
+    def hashes(self, tokens: list[int]) -> list[BlockHash]:
+        """Chain hashes of the whole blocks of ``tokens`` (the router computes the same)."""
+        return block_hashes(tokens, self._block_size, self._salt)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._landing.waiters.bind(loop)
+        hooks = ReceiverHooks(self._landing.allocate, on_received=self._landing.received)
+        self._plane.start(hooks)
+        self._ticker = loop.create_task(self._tick_forever(), name="md-leases")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        await self._own.stop()
+        self._landing.release_all()
+
+    # --- Generate -------------------------------------------------------------------------
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        if call.kv_in is not None:
+            kv_id = call.kv_in.kv_request_id
+            terminal = lambda: self._landing.terminal(kv_id)  # noqa: E731
+            await self._landing.waiters.wait_until(kv_id, terminal, call.kv_in.wait_s)
+        owner = f"gen:{call.request_id}"
+        slots = self._pin(call.request_id, owner, call.prompt) if call.kv_in is not None else []
+        if call.kv_in is not None:
+            self._landing.consume(call.kv_in.kv_request_id)  # our own pins hold what we load
+        output: list[int] = []
+        if slots:
+            stream = self._load(call, owner, slots)
+        else:
+            stream = self._plain(call)
+        async with aclosing(stream):
+            async for out in stream:
+                output.extend(out.delta.token_ids)
+                if out.delta.finish_reason in REAL_FINISHES:
+                    self._own.store(call.request_id, call.prompt + output)
+                yield out
+
+    async def _plain(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        async with aclosing(plain(self._engine, call)) as stream:
+            async for delta in stream:
+                yield KvDelta(delta)
+
+    async def _load(self, call: GenerateCall, owner: str, slots: list[int]):
+        offered = offered_tokens(len(slots), self._block_size, len(call.prompt))
+        release = lambda: self.drc.release(owner)  # noqa: E731
+        stream = run_with_kv(self._engine, self._plane.fences, call, load_params(slots), release)
+        first = True
+        async with aclosing(stream):
+            async for delta in stream:
+                loaded = offered if first else 0
+                if delta.finished:
+                    loaded = loaded_tokens(delta, offered, self._block_size)
+                first = False
+                yield KvDelta(delta, loaded_tokens=loaded)
+
+    def _pin(self, request_id: str, owner: str, prompt: list[int]) -> list[int]:
+        """Pin the prompt's cached whole-block prefix for ``owner``; its slots ([] if none)."""
+        chain = self.hashes(prompt)
+        cached = self.drc.match(chain).cached_blocks
+        if cached == 0:
+            return []
+        try:
+            self.drc.reserve(owner, chain[:cached], ttl_s=self._pin_ttl_s)
+        except CacheFullError:  # evicted meanwhile and no room to land it: compute it
+            return []
+        except CacheError as exc:
+            raise InvalidRequestError(f"request {request_id!r} is already running") from exc
+        slots = list(self.drc.ready(owner).slots)
+        if not slots:
+            self.drc.release(owner)
+        return slots
+
+    # --- KV RPCs --------------------------------------------------------------------------
+
+    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
+        prompt = list(req.prompt_token_ids)
+        chain = self.hashes(prompt)
+        res = self._landing.prepare(req.kv_request_id, chain, len(prompt), req.lease_s)
+        return pb.PrepareKvResponse(
+            cached_blocks=res.cached_blocks,
+            reserved_blocks=len(res.receive),
+            address=self._plane.address(),
+        )
+
+    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:
+        return await self._landing.await_kv(req.kv_request_id, req.timeout_s)
+
+    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
+        return pb.CancelKvResponse(found=self._landing.cancel(req.kv_request_id, req.reason))
+
+    async def drc_events(self, req: pb.DrcEventsRequest) -> pb.DrcEventsResponse:
+        if req.since < 0:
+            return pb.DrcEventsResponse(json=self.drc.snapshot().model_dump_json(), snapshot=True)
+        batch = self.drc.events_since(req.since)
+        return pb.DrcEventsResponse(json=batch.model_dump_json(), snapshot=False)
+
+    # --- leases, stats --------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        self._landing.expire(now)
+        for rid in self.drc.expire():
+            log.warning("DRC lease %s expired (backstop)", rid)
+        self._plane.drain()
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.tick(time.monotonic())
+
+    def kv_stats(self) -> KvStats:
+        drc = self.drc.stats()
+        return KvStats(
+            pinned_slots=drc.pinned_blocks + drc.landing_blocks + self._own.slots_in_use,
+            open_transfers=self._plane.open_transfers(),
+            drc=drc,
+            drc_query_tokens=self._landing.query_tokens,
+            drc_hit_tokens=self._landing.hit_tokens,
+            kv_bytes_sent=self._plane.bytes_sent,
+            kv_bytes_received=self._plane.bytes_received,
+        )

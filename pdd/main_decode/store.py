@@ -1,0 +1,129 @@
+"""MainDecode's own blocks: store the KV MD computed itself in the DRC.
+
+Only WAN-landed blocks enter the DRC through PrepareKv. The blocks MD computes (the tokens
+RLD emitted, its own output, a gap it recomputed) are what the *next* turn of the conversation
+starts with (next prompt = this prompt + answer + new user text), so after a request finished
+normally ``store`` keeps the whole blocks of ``prompt + output`` the DRC lacks:
+
+    n = whole blocks with KV (the last sampled token has none yet)
+    drc.reserve("own:<rid>", chain[:n])      cached prefix pinned, landing slots for the rest
+    engine request "<rid>.own": prompt = tokens[:n * block + 1], max_tokens 1, ExportParams
+        -> vLLM's prefix cache holds the n blocks: it computes one token, the connector
+           copies blocks 0..n-1 into n scratch slots of the arena
+    final output: copy scratch -> landing buffers of the blocks the DRC lacks, drc.land
+    drc.release; the scratch slots come back through run_with_kv's release (fence-safe)
+
+The export starts at block 0 (ExportParams has no first block), so the blocks the DRC
+already holds are copied into scratch too and dropped: the scratch region bounds the longest
+chain stored (``kv_staging_gib``). Best effort: any failure only means fewer cached blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import aclosing
+
+from pdd.cache.drc import DecodeRadixCache
+from pdd.cache.hashing import BlockHash
+from pdd.engine.connector_params import ExportParams, FenceRef, wrap
+from pdd.engine.types import SamplingSpec
+from pdd.errors import PddError
+from pdd.worker.kv_run import REAL_FINISHES, run_with_kv
+from pdd.worker.roles import GenerateCall
+from pdd.worker.slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+GREEDY_ONE = SamplingSpec(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+class OwnBlocks:
+    def __init__(
+        self,
+        engine,
+        plane,
+        drc: DecodeRadixCache,
+        first_slot: int,
+        num_slots: int,
+        hashes: Callable[[list[int]], list[BlockHash]],
+    ) -> None:
+        self._engine = engine
+        self._plane = plane
+        self._drc = drc
+        self._hashes = hashes
+        self._block_size = drc.block_size
+        self._scratch = SlotPool(num_slots, first=first_slot)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stored_blocks = 0
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._scratch.in_use
+
+    def store(self, request_id: str, tokens: list[int]) -> None:
+        """Start storing the blocks of ``tokens`` the DRC lacks (background, best effort)."""
+        n = (len(tokens) - 1) // self._block_size
+        if n == 0 or n > self._scratch.num_slots:
+            return
+        chain = self._hashes(tokens[: n * self._block_size])
+        if self._drc.match(chain).cached_blocks >= n:
+            return
+        prompt = tokens[: n * self._block_size + 1]
+        task = asyncio.get_running_loop().create_task(self._store(request_id, prompt, chain))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _store(self, request_id: str, prompt: list[int], chain: list[BlockHash]) -> None:
+        owner = f"own:{request_id}"
+        try:
+            res = self._drc.reserve(owner, chain)
+        except PddError as exc:  # no room (CacheFullError) or a store already running
+            log.debug("not storing %s: %s", request_id, exc.message)
+            return
+        try:
+            scratch = self._scratch.allocate(owner, len(chain))
+        except PddError:
+            self._drc.release(owner)
+            return
+        call = GenerateCall(f"{request_id}.own", prompt, GREEDY_ONE)
+
+        def params(fence: FenceRef) -> dict:
+            return wrap(export=ExportParams(slots=scratch, fence=fence))
+
+        stream = run_with_kv(
+            self._engine, self._plane.fences, call, params, lambda: self._scratch.release(owner)
+        )
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    if delta.finish_reason in REAL_FINISHES:
+                        done = _exported(delta.kv_transfer_params)
+                        blocks = range(res.cached_blocks, done)
+                        await asyncio.to_thread(self._land, owner, chain, blocks, scratch)
+        except PddError as exc:
+            log.info("storing the blocks of %s failed: %s", request_id, exc.message)
+        finally:
+            self._drc.release(owner)
+
+    def _land(self, owner: str, chain: list[BlockHash], blocks: range, scratch: list[int]):
+        """Copy exported blocks from scratch into their DRC landing slots (a worker thread)."""
+        arena = self._plane.arena
+        for i in blocks:
+            buf = self._drc.landing_buffer(owner, chain[i])
+            if buf is None:
+                continue
+            buf[:] = arena.view(scratch[i])
+            self._drc.land(owner, chain[i])
+            self.stored_blocks += 1
+
+
+def _exported(params: dict | None) -> int:
+    raw = ((params or {}).get("pdd") or {}).get("exported") or {}
+    return int(raw.get("num_blocks", 0))

@@ -1,0 +1,281 @@
+"""The RelayDecode (RLD) role: land P's KV over UCX, decode from it at once.
+
+Owns the *landings*: per kv_request_id, the staging slots its blocks land in and the state of
+the inbound transfer. Lifecycle of one landing::
+
+    PrepareKv (or the first chunk)   slots for the prompt's whole blocks (RESOURCE_EXHAUSTED /
+                                     a refused chunk when the staging arena is full); leased
+                                     (PrepareKv.lease_s, else worker.kv_landing_lease_s)
+    chunks land                      allocate(header) -> the view of block block_start's slot
+    Generate(kv_in)                  waits up to kv_in.wait_s for the transfer to be DONE, then
+                                     loads the landed prefix (LoadParams); otherwise computes
+                                     the prompt (still correct). Later chunks are refused.
+    release                          consumed by a Generate and that Generate is done with the
+                                     slots (final output or fence), or CancelKv, or the lease
+                                     expired -- and in every case only once no transfer is open
+                                     (the transport never writes into a slot after reporting)
+
+``SlotPool.release(kv_id)`` is the one release of the slots; ``Recent`` remembers the outcome
+(late AwaitKv answers, late chunks refused). Transport threads call ``_allocate`` and
+``_received`` under ``_lock``; everything else runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from pdd.config import WorkerConfig
+from pdd.errors import TransferError
+from pdd.proto import worker_pb2 as pb
+from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
+from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+from pdd.worker.kv_plane import PlaneSpec
+from pdd.worker.kv_run import load_params, loaded_tokens, offered_tokens, plain, run_with_kv
+from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.25
+
+
+@dataclass
+class _Landing:
+    kv_id: str
+    deadline: float
+    slots: dict[int, int] = field(default_factory=dict)  # prompt block -> arena slot
+    inbound: InboundState = field(default_factory=InboundState)
+    users: int = 0  # Generates whose engine request may still read the slots
+    consumed: bool = False  # a Generate took it (or gave up waiting): no more chunks
+
+    def loadable(self, whole_blocks: int) -> list[int]:
+        """Slots of the landed prefix [0, k), k <= whole_blocks."""
+        out = []
+        while len(out) < whole_blocks and len(out) in self.slots:
+            out.append(self.slots[len(out)])
+        return out
+
+
+class RelayDecodeRole:
+    name = "relay_decode"
+    supports = frozenset({KV_IN, "PrepareKv", "AwaitKv", "CancelKv"})
+
+    @staticmethod
+    def plane_spec(worker: WorkerConfig, block_bytes: int) -> PlaneSpec:
+        """RLD lands into its own staging arena; UCX receiver unless configured otherwise."""
+        receiver = worker.kv_transport or "ucx"
+        return PlaneSpec("kv_consumer", worker.staging_slots(block_bytes), receiver, ())
+
+    def __init__(self, ctx: RoleContext) -> None:
+        assert ctx.plane is not None, "relay_decode needs a KV plane"
+        self._engine = ctx.engine
+        self._plane = ctx.plane
+        self._worker = ctx.worker
+        self._block_size = ctx.block_size
+        self._slot_bytes = ctx.plane.arena.slot_bytes
+        self._pool = SlotPool(ctx.plane.arena.num_slots)
+        self._landings: dict[str, _Landing] = {}
+        self._recent = Recent()
+        self._waiters = Waiters()
+        self._lock = threading.Lock()
+        self._ticker: asyncio.Task[None] | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiters.bind(loop)
+        self._plane.start(ReceiverHooks(self._allocate, on_received=self._received))
+        self._ticker = loop.create_task(self._tick_forever(), name="rld-leases")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        with self._lock:
+            landings, self._landings = list(self._landings.values()), {}
+        for landing in landings:
+            self._pool.release(landing.kv_id)
+
+    # --- the receiver (transport threads) -------------------------------------------------
+
+    def _allocate(self, header: ChunkHeader) -> memoryview:
+        """The slot view for one chunk; raises (the chunk and its transfer are refused)."""
+        if header.segment_nbytes != self._slot_bytes or header.block_end != header.block_start + 1:
+            raise TransferError(
+                f"KV of {header.request_id!r}: a segment must be one block of "
+                f"{self._slot_bytes} bytes, got blocks [{header.block_start}, "
+                f"{header.block_end}) of {header.segment_nbytes} bytes"
+            )
+        kv_id, block = header.request_id, header.block_start
+        with self._lock:
+            landing = self._landings.get(kv_id)
+            if landing is None:
+                if kv_id in self._recent:
+                    raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
+                lease = time.monotonic() + self._worker.kv_landing_lease_s
+                landing = self._landings[kv_id] = _Landing(kv_id, lease)
+            if landing.consumed or landing.inbound.cancelled is not None:
+                raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
+            slot = landing.slots.get(block)
+            if slot is None:
+                slot = landing.slots[block] = self._pool.allocate(kv_id, 1)[0]
+            landing.inbound.seen(header.transfer_id)
+        view = self._plane.arena.view(slot)
+        return view[header.offset : header.offset + header.nbytes]
+
+    def _received(self, result: InboundResult) -> None:
+        with self._lock:
+            landing = self._landings.get(result.request_id)
+            if landing is not None:
+                landing.inbound.finish(result)
+        if landing is not None:
+            self._waiters.notify_threadsafe(result.request_id, lambda: self._maybe_free(landing))
+
+    # --- Generate -------------------------------------------------------------------------
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        landing = await self._take(call) if call.kv_in is not None else None
+        slots = landing.loadable(len(call.prompt) // self._block_size) if landing else []
+        if not slots:
+            if landing is not None:
+                self._maybe_free(landing)
+            async with aclosing(plain(self._engine, call)) as stream:
+                async for delta in stream:
+                    yield KvDelta(delta)
+            return
+        landing.users += 1
+
+        def release() -> None:
+            landing.users -= 1
+            self._maybe_free(landing)
+
+        offered = offered_tokens(len(slots), self._block_size, len(call.prompt))
+        fences = self._plane.fences
+        stream = run_with_kv(self._engine, fences, call, load_params(slots), release)
+        first = True
+        async with aclosing(stream):
+            async for delta in stream:
+                loaded = offered if first else 0
+                if delta.finished:
+                    loaded = loaded_tokens(delta, offered, self._block_size)
+                first = False
+                yield KvDelta(delta, loaded_tokens=loaded)
+
+    async def _take(self, call: GenerateCall) -> _Landing | None:
+        """Wait (kv_in.wait_s) for the request's KV; the landing if it is DONE, else None.
+        Either way the landing is consumed: later chunks are refused."""
+        kv = call.kv_in
+        assert kv is not None
+        key = kv.kv_request_id
+        await self._waiters.wait_until(key, lambda: self._terminal(key), kv.wait_s)
+        with self._lock:
+            landing = self._landings.get(key)
+            if landing is not None:
+                landing.consumed = True
+        if landing is None:
+            return None
+        if not landing.inbound.done:
+            state, reason = landing.inbound.outcome()
+            log.info("request %s: KV %s (%s), computing the prompt", key, state, reason)
+            self._maybe_free(landing)
+            return None
+        return landing
+
+    def _terminal(self, kv_id: str) -> bool:
+        with self._lock:
+            landing = self._landings.get(kv_id)
+            return landing.inbound.terminal if landing is not None else kv_id in self._recent
+
+    # --- KV RPCs --------------------------------------------------------------------------
+
+    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
+        """Reserve slots for every whole block (RLD holds no cache: cached_blocks is 0)."""
+        kv_id, n = req.kv_request_id, len(req.prompt_token_ids) // self._block_size
+        lease = req.lease_s if req.lease_s > 0 else self._worker.kv_landing_lease_s
+        with self._lock:
+            landing = self._landings.get(kv_id)
+            if landing is None:
+                landing = _Landing(kv_id, time.monotonic() + lease)
+                missing = list(range(n))
+            else:
+                landing.deadline = max(landing.deadline, time.monotonic() + lease)
+                missing = [b for b in range(n) if b not in landing.slots]
+            slots = self._pool.allocate(kv_id, len(missing))  # OverloadedError: full
+            landing.slots.update(zip(missing, slots, strict=True))
+            self._landings[kv_id] = landing
+            self._recent.forget(kv_id)
+        return pb.PrepareKvResponse(
+            cached_blocks=0, reserved_blocks=n, address=self._plane.address()
+        )
+
+    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:
+        key = req.kv_request_id
+        await self._waiters.wait_until(key, lambda: self._terminal(key), req.timeout_s)
+        with self._lock:
+            landing = self._landings.get(key)
+            if landing is not None:
+                state, reason = landing.inbound.outcome()
+                blocks = len(landing.loadable(len(landing.slots))) if state == "done" else 0
+                return await_response(state, landing.inbound.bytes_received, blocks, reason)
+        past = self._recent.get(key)
+        if past is None:
+            return await_response("unknown", 0, 0, "no KV expected or received for it")
+        return await_response(past.state, past.bytes_received, past.blocks, past.reason)
+
+    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
+        with self._lock:
+            landing = self._landings.get(req.kv_request_id)
+            if landing is not None and landing.inbound.cancelled is None:
+                landing.inbound.cancelled = req.reason or "cancelled"
+        if landing is None:
+            return pb.CancelKvResponse(found=False)
+        self._waiters.notify(req.kv_request_id)
+        self._maybe_free(landing)
+        return pb.CancelKvResponse(found=True)
+
+    # --- release (event loop) -------------------------------------------------------------
+
+    def _maybe_free(self, landing: _Landing) -> None:
+        """Release the landing's slots if it is finished with and nothing can touch them."""
+        with self._lock:
+            ended = landing.consumed or landing.inbound.cancelled is not None
+            if not ended or landing.users or landing.inbound.open:
+                return
+            if self._landings.get(landing.kv_id) is not landing:
+                return
+            del self._landings[landing.kv_id]
+            blocks = len(landing.loadable(len(landing.slots)))
+            self._recent.put(landing.kv_id, landing.inbound, blocks)
+            self._pool.release(landing.kv_id)
+
+    def tick(self, now: float) -> None:
+        with self._lock:
+            expired = [x for x in self._landings.values() if x.deadline <= now and not x.users]
+            for landing in expired:
+                if landing.inbound.cancelled is None:
+                    landing.inbound.cancelled = "lease expired"
+        for landing in expired:
+            log.warning("KV landing of %s: lease expired, releasing it", landing.kv_id)
+            self._waiters.notify(landing.kv_id)
+            self._maybe_free(landing)
+        self._plane.drain()
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.tick(time.monotonic())
+
+    def kv_stats(self) -> KvStats:
+        return KvStats(
+            pinned_slots=self._pool.in_use,
+            open_transfers=self._plane.open_transfers(),
+            kv_bytes_sent=self._plane.bytes_sent,
+            kv_bytes_received=self._plane.bytes_received,
+        )

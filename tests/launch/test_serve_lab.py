@@ -1,0 +1,140 @@
+"""`pdd serve` in the two-datacenter lab with real engines and the default model.
+
+- colocated placement: one colocated worker in dc-b, the router in dc-a: every request
+  crosses the WAN, independently of PDD; the lab is up before and stays up after.
+- configs/lab.yaml (router + P + RLD in dc-a, MD in dc-b): `pdd serve` brings the lab up,
+  the printed URL answers from the host, and SIGTERM removes every process and the lab.
+
+Each uses its own lab prefix and subnet (pdtserve, 10.77.2.0/28), never a user's lab.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from pdd.config import load_config
+from pdd.config.lab import LabConfig
+from pdd.lab import Lab, topology
+from tests.helpers import children_of, serve, stop
+from tests.lab.support import needs_lab, running_lab
+from tests.launch.support import cmdline, direct_children, netns_inode, netns_of, wait_gone
+
+pytestmark = [pytest.mark.slow, pytest.mark.lab, needs_lab]
+
+PREFIX, SUBNET = "pdtserve", "10.77.2.0/28"
+LAB_SETS = [f"lab.prefix={PREFIX}", f"lab.subnet={SUBNET}"]
+DC_A_MGMT, DC_B_WAN = "10.77.2.6", "10.77.2.2"
+READY_S = 900  # three engines start on two shared cores
+
+
+def model_name() -> str:
+    return load_config("configs/lab.yaml").model.name
+
+
+def placement(pid: int) -> dict[str, int]:
+    """name -> network namespace inode of each direct child of `pdd serve`."""
+    out = {}
+    for child in direct_children(pid):
+        argv = cmdline(child)
+        out[argv[argv.index("--worker") + 1] if "--worker" in argv else argv[2]] = netns_of(child)
+    return out
+
+
+def check_health(url: str, ids: list[str]) -> list[dict]:
+    r = httpx.get(url.removesuffix("/v1") + "/health", timeout=10)
+    assert r.status_code == 200, r.text
+    workers = r.json()["workers"]
+    assert [(w["id"], w["healthy"]) for w in workers] == [(i, True) for i in ids]
+    return workers
+
+
+def test_colocated_worker_across_the_wan_in_a_running_lab(tmp_path):
+    cfg = {
+        "engine": {"kv_cache_space_gib": 1, "block_size": 32, "max_num_seqs": 4},
+        "router": {"host": "auto", "mode": "colocated"},
+        "workers": [{"id": "w0", "role": "colocated", "host": "auto", "datacenter": "dc-b"}],
+        "lab": {"delay_ms": 10, "rate_mbit": 100},
+    }
+    path = tmp_path / "lab-colocated.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with running_lab(prefix=PREFIX, subnet=SUBNET, delay_ms=10, rate_mbit=100) as lab:
+        s = serve(str(path), [], LAB_SETS, timeout_s=READY_S)
+        try:
+            assert s.url == f"http://{DC_A_MGMT}:{s.router_port}/v1"
+            [w0] = check_health(s.url, ["w0"])
+            assert w0["target"].startswith(f"{DC_B_WAN}:")  # the router dials across the WAN
+            assert placement(s.proc.pid) == {
+                "w0": netns_inode(f"{PREFIX}-dc-b"),
+                "pdd.router.main": netns_inode(f"{PREFIX}-dc-a"),
+            }
+            client = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=120)
+            assert [m.id for m in client.models.list().data] == [model_name()]
+            r = client.completions.create(
+                model=model_name(), prompt="The capital of France is", max_tokens=8, temperature=0
+            )
+            assert "Paris" in r.choices[0].text
+            kids = children_of(s.proc.pid)
+        finally:
+            code = stop(s)
+        assert code == 0, s.log_tail()
+        assert wait_gone(kids) == []
+        log = s.log_tail(400)
+        assert f"using the running lab {PREFIX}" in log
+        assert " runs with " not in log  # same link parameters: no mismatch warning
+        assert lab.status().state == "up"  # not this launcher's: left as it was
+
+
+@pytest.fixture(scope="module")
+def pdd_lab():
+    """configs/lab.yaml in a lab `pdd serve` brings up itself."""
+    lab = Lab(LabConfig(prefix=PREFIX, subnet=SUBNET))
+    lab.down()
+    s = serve("configs/lab.yaml", [], LAB_SETS, timeout_s=READY_S)
+    yield s, lab
+    stop(s)
+    lab.down()
+
+
+def test_lab_url_answers_from_the_host(pdd_lab):
+    s, _ = pdd_lab
+    assert s.url == f"http://{DC_A_MGMT}:{s.router_port}/v1"
+    workers = check_health(s.url, ["p", "rld", "md"])
+    assert {w["id"]: w["target"].split(":")[0] for w in workers} == {
+        "p": "10.77.2.1",
+        "rld": "10.77.2.1",
+        "md": DC_B_WAN,
+    }
+    a, b = netns_inode(f"{PREFIX}-dc-a"), netns_inode(f"{PREFIX}-dc-b")
+    assert placement(s.proc.pid) == {"p": a, "rld": a, "md": b, "pdd.router.main": a}
+    models = httpx.get(s.url + "/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [model_name()]
+
+
+def test_lab_completion(pdd_lab):
+    from pdd.worker.service import WorkerService
+
+    if "PrepareKv" not in vars(WorkerService):
+        pytest.skip(
+            "the worker shell does not serve the KV plane yet (WorkerService has no "
+            "PrepareKv/SendKv/AwaitKv in pdd/worker/service.py): router.mode pdd cannot "
+            "complete a request"
+        )
+    s, _ = pdd_lab
+    client = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=300)
+    r = client.completions.create(
+        model=model_name(), prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert "Paris" in r.choices[0].text
+
+
+def test_lab_sigterm_removes_every_process_and_the_lab(pdd_lab):
+    s, lab = pdd_lab
+    kids = children_of(s.proc.pid)
+    assert len(kids) >= 4
+    assert stop(s) == 0, s.log_tail()
+    assert wait_gone(kids) == []
+    assert lab.status().state == "down"
+    assert topology.leftovers(lab.plan) == []
