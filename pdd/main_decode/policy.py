@@ -27,7 +27,7 @@ from contextlib import aclosing
 from pdd.cache.drc import DecodeRadixCache
 from pdd.cache.hashing import BlockHash, block_hashes, model_salt
 from pdd.cache.host_tier import HostTier
-from pdd.config import CacheConfig, WorkerConfig
+from pdd.config import CacheConfig, PddConfig, WorkerConfig
 from pdd.errors import CacheError, CacheFullError, InvalidRequestError
 from pdd.main_decode.landing import DrcLanding
 from pdd.main_decode.store import OwnBlocks
@@ -66,10 +66,10 @@ class MainDecodeRole:
     supports = frozenset({KV_IN, "PrepareKv", "AwaitKv", "CancelKv", "DrcEvents"})
 
     @staticmethod
-    def plane_spec(worker: WorkerConfig, block_bytes: int, cache: CacheConfig) -> PlaneSpec:
+    def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """The arena holds the DRC (+ OwnBlocks scratch); TCP receiver unless configured."""
         store = worker.staging_slots(block_bytes) if worker.kv_store_own_blocks else 0
-        slots = cache.host_slots(block_bytes) + store
+        slots = config.cache.host_slots(block_bytes) + store
         role = "kv_both" if store else "kv_consumer"
         return PlaneSpec(role, slots, worker.kv_transport or "tcp", ())
 
@@ -83,7 +83,9 @@ class MainDecodeRole:
         self._pin_ttl_s = cfg.cache.lease_ttl_s
         drc_slots = cfg.cache.host_slots(ctx.block_bytes)
         self.drc = drc_on_arena(cfg.cache, ctx.plane.arena, drc_slots, ctx.block_size)
-        self._landing = DrcLanding(self.drc, ctx.plane.arena.slot_bytes, ctx.worker.kv_landing_lease_s)
+        self._landing = DrcLanding(
+            self.drc, ctx.plane.arena.slot_bytes, ctx.worker.kv_landing_lease_s
+        )
         store_slots = ctx.plane.arena.num_slots - drc_slots
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
         self._ticker: asyncio.Task[None] | None = None

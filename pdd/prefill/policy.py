@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from pdd.config import WorkerConfig
+from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.connector_params import ExportParams, ExportResult, FenceRef, wrap
 from pdd.errors import CacheError, InvalidRequestError
 from pdd.proto import worker_pb2 as pb
@@ -57,7 +57,7 @@ class PrefillRole:
     supports = frozenset({KV_STAGE, "SendKv", "CancelKv"})
 
     @staticmethod
-    def plane_spec(worker: WorkerConfig, block_bytes: int) -> PlaneSpec:
+    def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """P stages in its own arena and sends over UCX (to RLD) and TCP (to MD)."""
         return PlaneSpec("kv_producer", worker.staging_slots(block_bytes), None, ("ucx", "tcp"))
 
@@ -104,7 +104,9 @@ class PrefillRole:
             return
         kv_id = call.request_id
         if kv_id in self._stages or kv_id in self._generating:
-            raise InvalidRequestError(f"request {kv_id!r} already has staged KV", param="request_id")
+            raise InvalidRequestError(
+                f"request {kv_id!r} already has staged KV", param="request_id"
+            )
         slots = self._pool.allocate(kv_id, blocks)  # OverloadedError: the arena is full
         self._generating[kv_id] = None
         staged = False

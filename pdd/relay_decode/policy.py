@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from pdd.config import WorkerConfig
+from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
@@ -67,7 +67,7 @@ class RelayDecodeRole:
     supports = frozenset({KV_IN, "PrepareKv", "AwaitKv", "CancelKv"})
 
     @staticmethod
-    def plane_spec(worker: WorkerConfig, block_bytes: int) -> PlaneSpec:
+    def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """RLD lands into its own staging arena; UCX receiver unless configured otherwise."""
         receiver = worker.kv_transport or "ucx"
         return PlaneSpec("kv_consumer", worker.staging_slots(block_bytes), receiver, ())

@@ -180,7 +180,7 @@ class SenderStream:
         rtt = kernel_rtt_s(self.sock)
         self.link.estimator.on_rtt(rtt)
         if 0 < rtt < LAN_RTT_S:  # a LAN: a small unsent queue would only cost wakeups
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, cfg.chunk_bytes)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, cfg.chunk_bytes)
 
     def _loop(self) -> None:
         window = self.config.window_chunks

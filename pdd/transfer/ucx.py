@@ -34,7 +34,16 @@ import numpy as np
 from pdd.transfer.api import PeerAddress, TransferState
 from pdd.transfer.base import BaseTransport
 from pdd.transfer.ledger import OutRecord
-from pdd.transfer.ucx_loop import ACK_TAG, HDR_TAG, KIND_MASK, Array, UcxLoop, data_tag, ucx
+from pdd.transfer.ucx_loop import (
+    ACK_TAG,
+    HDR_TAG,
+    KIND_MASK,
+    Array,
+    UcxLoop,
+    close_endpoint,
+    data_tag,
+    ucx,
+)
 from pdd.transfer.ucx_recv import UcxReceiver
 from pdd.transfer.wire import (
     BODY_SIZE,
@@ -125,7 +134,13 @@ class UcxTransport(BaseTransport):
 
         self.loop.call(teardown)
         self.loop.close()
-        self._peers.clear()  # the last references to endpoints: UCX can now release them
+        # Free UCX objects by reference count in a safe order (requests, endpoints,
+        # listener, worker, context); left to the cycle collector, the order is arbitrary
+        # and ucxx crashes when a worker goes before its endpoints.
+        self._peers.clear()
+        if self._receiver is not None:
+            self._receiver.release()
+        self.loop.release()
 
     def _io_threads(self) -> list[threading.Thread]:
         return [self.loop.thread, self.loop.helper]
@@ -258,8 +273,5 @@ class UcxTransport(BaseTransport):
         p.work.clear()
         self.outbound.stop_where(lambda r: r.peer == p.key, TransferState.FAILED, reason)
         for ep in {id(e): e for e in (p.data, p.ctrl) if e is not None}.values():
-            try:
-                ep.close_blocking(10_000, 100)  # plain close() hangs on failed eps
-            except Exception as exc:  # ucxx: already closed or errored; nothing to release
-                log.debug("endpoint close: %s", exc)
+            close_endpoint(ep)
         self.loop.abandon(p, reason)

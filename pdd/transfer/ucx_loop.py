@@ -15,6 +15,7 @@ still in flight and waits (bounded) for every callback, so each buffer's owner h
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -28,6 +29,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx._lib.libucxx as ucx  # noqa: E402  (after the environment default above)
 from ucxx._lib.arr import Array  # noqa: E402
 
+log = logging.getLogger(__name__)
 Done = Callable[[str | None], None]
 CLOSE_DRAIN_S = 5.0
 TICK_S = 0.05
@@ -44,6 +46,16 @@ def data_tag(transfer_id: int, chunk_index: int) -> int:
     """Payload tag of one chunk: unique per (transfer, chunk) with overwhelming probability."""
     mixed = (transfer_id ^ (chunk_index * 0x9E3779B97F4A7C15)) & ((1 << 62) - 1)
     return DATA_KIND | mixed
+
+
+def close_endpoint(ep: Any) -> None:
+    """Close an endpoint and drop its close callback (which would keep a reference cycle
+    through our closures alive). Plain close() hangs on endpoints that already failed."""
+    try:
+        ep.remove_close_callback()
+        ep.close_blocking(10_000, 100)
+    except Exception as exc:  # ucxx raises its own types for already closed endpoints
+        log.debug("endpoint close: %s", exc)
 
 
 class UcxLoop:
@@ -192,6 +204,13 @@ class UcxLoop:
         for _request, callback, _keep, _owner in self._pending:  # never completed
             self._guard(lambda cb=callback: cb("ucx request abandoned at close"))
         self._pending, self._abandoned = [], []
+
+    def release(self) -> None:
+        """After close and after the owner dropped its endpoints: free worker, context."""
+        self._pending, self._abandoned, self._calls = [], [], deque()
+        self.on_tick = self.on_error = None
+        self.worker = None
+        self.context = None
 
     def close(self) -> None:
         self._stop.set()

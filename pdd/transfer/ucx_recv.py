@@ -19,7 +19,15 @@ import numpy as np
 
 from pdd.transfer.api import TransferState
 from pdd.transfer.ledger import cancel_outcome
-from pdd.transfer.ucx_loop import ACK_TAG, HDR_TAG, KIND_MASK, Array, data_tag, ucx
+from pdd.transfer.ucx_loop import (
+    ACK_TAG,
+    HDR_TAG,
+    KIND_MASK,
+    Array,
+    close_endpoint,
+    data_tag,
+    ucx,
+)
 from pdd.transfer.wire import (
     BODY_SIZE,
     PREFIX,
@@ -61,10 +69,14 @@ class UcxReceiver:
             self._post_header_recv()
 
     def close(self) -> None:
+        """On the I/O thread: close every sender's endpoint."""
         self._closed = True
         for ep in self._conns:
-            _close(ep)
-        self._conns, self._senders = [], {}
+            close_endpoint(ep)
+
+    def release(self) -> None:
+        """After the loop stopped: drop endpoints, then the listener (see UcxTransport)."""
+        self._conns, self._senders, self._lost = [], {}, {}
         self.listener = None
 
     def check_alive(self) -> None:
@@ -89,7 +101,7 @@ class UcxReceiver:
             if ep in self._conns:
                 self._conns.remove(ep)
             self._lost.pop(id(ep), None)
-            _close(ep)
+            close_endpoint(ep)
             if sender is not None:  # its posted receives can never complete: release them
                 self.loop.abandon(("sender", sender), "sender connection lost")
 
@@ -176,10 +188,3 @@ class UcxReceiver:
             pack_ack(header.transfer_id, header.chunk_index, status, header.nbytes), np.uint8
         )
         self.loop.send(ep, frame, ACK_TAG, lambda e: None)
-
-
-def _close(ep: Any) -> None:
-    try:
-        ep.close_blocking(10_000, 100)  # plain close() hangs on failed eps
-    except Exception as exc:  # ucxx: closing an already failed endpoint
-        log.debug("endpoint close: %s", exc)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pdd.engine.types import EngineDelta, EngineStats, SamplingSpec
 from pdd.proto import worker_pb2 as pb
+from pdd.worker.roles import GenerateCall, KvDelta, KvInSpec, KvStats
+
+_SOURCES = {pb.KvIn.TRANSFER: "transfer", pb.KvIn.DRC: "drc"}
 
 
 def sampling_from_proto(p: pb.SamplingParams) -> SamplingSpec:
@@ -50,7 +53,52 @@ def delta_to_proto(d: EngineDelta, first: bool) -> pb.GenerateResponse:
     return resp
 
 
-def stats_to_proto(worker_id: str, role: str, s: EngineStats) -> pb.StatsResponse:
+def call_from_proto(req: pb.GenerateRequest, spec: SamplingSpec) -> GenerateCall:
+    """The role's view of a Generate; ``kv_in`` only when a source is set."""
+    kv_in = None
+    if req.HasField("kv_in") and req.kv_in.source in _SOURCES:
+        k = req.kv_in
+        kv_id = k.kv_request_id or req.request_id
+        kv_in = KvInSpec(_SOURCES[k.source], kv_id, max(k.wait_s, 0.0))
+    return GenerateCall(
+        request_id=req.request_id,
+        prompt=list(req.prompt_token_ids),
+        sampling=spec,
+        kv_stage=req.kv_stage,
+        kv_in=kv_in,
+    )
+
+
+def kv_delta_to_proto(out: KvDelta, first: bool) -> pb.GenerateResponse:
+    """``delta_to_proto`` plus the role's KV fields (zero when it reports none)."""
+    resp = delta_to_proto(out.delta, first)
+    resp.kv_staged_blocks = out.staged_blocks
+    resp.kv_loaded_tokens = out.loaded_tokens
+    return resp
+
+
+def stats_to_proto(
+    worker_id: str, role: str, s: EngineStats, kv: KvStats | None = None
+) -> pb.StatsResponse:
+    resp = _engine_stats(worker_id, role, s)
+    if kv is None:
+        return resp
+    resp.pinned_slots = kv.pinned_slots
+    resp.open_transfers = kv.open_transfers
+    resp.wan_bandwidth_bps = kv.wan_bandwidth_bps
+    resp.wan_rtt_s = kv.wan_rtt_s
+    resp.kv_bytes_sent = kv.kv_bytes_sent
+    resp.kv_bytes_received = kv.kv_bytes_received
+    resp.drc_query_tokens = kv.drc_query_tokens
+    resp.drc_hit_tokens = kv.drc_hit_tokens
+    if kv.drc is not None:
+        resp.drc_capacity_blocks = kv.drc.capacity_blocks
+        resp.drc_used_blocks = kv.drc.committed_blocks
+        resp.drc_evictions = kv.drc.evicted_blocks
+    return resp
+
+
+def _engine_stats(worker_id: str, role: str, s: EngineStats) -> pb.StatsResponse:
     return pb.StatsResponse(
         worker_id=worker_id,
         role=role,

@@ -88,7 +88,9 @@ class KvPlane:
         for name in unlink_stale(ARENA_PREFIX) + unlink_stale(FENCE_PREFIX):
             log.info("removed the stale KV arena %s of a dead worker", name)
         self.arena = SlotArena.create(spec.num_slots, slot_bytes, ARENA_PREFIX)
-        self.fences = Fences(FenceBoard.create(FENCE_WORDS, FENCE_PREFIX), worker.kv_fence_timeout_s)
+        self.fences = Fences(
+            FenceBoard.create(FENCE_WORDS, FENCE_PREFIX), worker.kv_fence_timeout_s
+        )
         self.receiver: Transport | None = None
         self._senders: dict[str, Transport] = {}
         self._on_sent: Callable[[TransferStatus], None] | None = None

@@ -1,11 +1,16 @@
 """`pdd worker|prefill|relay-decode|main-decode --config FILE [--worker ID] [--set k=v ...]`.
 
-The composition root of one worker process. Lifecycle:
+The composition root of one worker process: it picks the role policy (pdd.prefill,
+pdd.relay_decode, pdd.main_decode; colocated: pdd.worker.roles.PlainRole), builds the KV
+plane the role asks for (shared-memory arena, fences, transports), the engine with the KV
+connector mapping that arena, and the gRPC service. Lifecycle:
 
-    load config -> gRPC server up (Health: not ready) -> engine start -> /metrics up
+    load config -> KV arena -> /metrics + /health up (503) -> gRPC server up (Health: not
+    ready) -> role start (transports) -> engine start
     -> print "pdd worker ready: id=ID grpc=HOST:PORT metrics=HOST:PORT" (the only stdout line)
     -> serve until SIGTERM/SIGINT -> refuse new work, abort in-flight requests, let their
-    final responses go out, stop the gRPC server, stop the engine (no child left) -> exit 0.
+    final responses go out, stop the gRPC server, stop the engine (no child left), release
+    every slot the role holds, close the transports, unlink the arenas -> exit 0.
 
 vLLM's CPU engine starts its engine core with `spawn`, which re-imports ``__main__``: keep the
 ``__main__`` guard and keep work out of module level.
@@ -54,32 +59,94 @@ def _pick_worker(cfg: PddConfig, worker_id: str | None, role: Role | None) -> Wo
     return worker
 
 
+def _role_class(role: Role):
+    """The role policy a worker runs (the composition root is the only place roles meet)."""
+    if role is Role.PREFILL:
+        from pdd.prefill import PrefillRole
+
+        return PrefillRole
+    if role is Role.RELAY_DECODE:
+        from pdd.relay_decode import RelayDecodeRole
+
+        return RelayDecodeRole
+    if role is Role.MAIN_DECODE:
+        from pdd.main_decode import MainDecodeRole
+
+        return MainDecodeRole
+    from pdd.worker.roles import PlainRole
+
+    return PlainRole
+
+
+async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
+    """Arena (KV roles) -> engine -> role -> metrics -> service; records each in ``parts``
+    as it is made, so the caller can tear down whatever exists if a later step fails."""
+    from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
+    from pdd.worker.kv_plane import KvPlane
+    from pdd.worker.layout import block_bytes_of
+    from pdd.worker.metrics import WorkerMetrics
+    from pdd.worker.roles import RoleContext
+    from pdd.worker.service import WorkerService
+
+    engine_cfg = cfg.engine_for(worker.id)
+    role_cls = _role_class(worker.role)
+    plane, block_bytes = None, 0
+    if hasattr(role_cls, "plane_spec"):
+        block_bytes = await asyncio.to_thread(block_bytes_of, cfg.model, engine_cfg.block_size)
+        spec = role_cls.plane_spec(worker, block_bytes, cfg)
+        plane = parts["plane"] = KvPlane(spec, block_bytes, worker, cfg.transfer)
+    engine = parts["engine"] = Engine(
+        cfg.model, engine_cfg, plane.connector_spec() if plane is not None else None
+    )
+    ctx = RoleContext(engine, plane, worker, cfg, engine_cfg.block_size, block_bytes)
+    role = parts["role"] = role_cls(ctx)
+    metrics = parts["metrics"] = WorkerMetrics(
+        worker.role.value,
+        lambda: engine.stats() if engine.ready else None,
+        lambda: role.kv_stats() if engine.ready else None,
+    )
+    service = WorkerService(engine, worker, cfg.model.name, metrics, role)
+    metrics.ready = lambda: service.ready
+    return service
+
+
+async def _teardown(parts: dict) -> None:
+    """Stop what exists, engine first: no slot is released while the engine may use it."""
+    if "engine" in parts:
+        await parts["engine"].stop()
+    if "role" in parts:
+        await parts["role"].stop()
+    if "plane" in parts:
+        await parts["plane"].stop()
+    if "metrics" in parts:
+        parts["metrics"].close()
+
+
 async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
     import grpc
 
-    from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
     from pdd.proto import worker_pb2_grpc as pb_grpc
-    from pdd.worker.metrics import WorkerMetrics
-    from pdd.worker.service import WorkerService
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = Engine(cfg.model, cfg.engine_for(worker.id))
-    metrics = WorkerMetrics(worker.role.value, lambda: engine.stats() if engine.ready else None)
-    service = WorkerService(engine, worker, cfg.model.name, metrics)
-    server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(service, server)
-    grpc_port = server.add_insecure_port(f"{worker.host}:{worker.port}")
-    if grpc_port == 0:
-        raise PddError(f"cannot bind gRPC on {worker.host}:{worker.port}")
-    await server.start()
+    parts: dict = {}
+    server = None
     try:
+        service = await _build(cfg, worker, parts)
+        engine, metrics = parts["engine"], parts["metrics"]
+        metrics_port = metrics.serve(worker.host, worker.metrics_port)  # /health: 503 for now
+        server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(service, server)
+        grpc_port = server.add_insecure_port(f"{worker.host}:{worker.port}")
+        if grpc_port == 0:
+            raise PddError(f"cannot bind gRPC on {worker.host}:{worker.port}")
+        await server.start()
+        await parts["role"].start()
         if not await _until_ready_or_stopped(engine, stop):
             return 0
-        metrics_port = metrics.serve(worker.host, worker.metrics_port)
         print(
             f"pdd worker ready: id={worker.id} grpc={worker.host}:{grpc_port} "
             f"metrics={worker.host}:{metrics_port}",
@@ -93,9 +160,9 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
             await engine.abort_all()
         return 0
     finally:
-        await server.stop(SHUTDOWN_GRACE_S)
-        await engine.stop()
-        metrics.close()
+        if server is not None:
+            await server.stop(SHUTDOWN_GRACE_S)
+        await _teardown(parts)
         log.info("worker %s stopped", worker.id)
 
 

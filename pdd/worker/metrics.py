@@ -1,38 +1,60 @@
-"""Prometheus metrics of one worker, served on its own /metrics HTTP port.
+"""Prometheus metrics of one worker, served on its own HTTP port with a /health probe.
 
-Owns: the worker's metric families and the metrics HTTP server. Engine gauges are read from
-``Engine.stats()`` at scrape time (no polling task); request outcomes are counted by the
-service. vLLM's own ``vllm:*`` metrics live in the same default registry and are served too.
-Labels are bounded: role and outcome only, never request ids.
+Owns: the worker's metric families and the HTTP server (``/metrics``: Prometheus text;
+``/health``: 200 "ok" when the worker serves, 503 while it starts or drains, for Kubernetes
+probes). Engine gauges and the KV plane are read at scrape time (no polling task) from
+``Engine.stats()`` and the role's ``kv_stats()``; request outcomes are counted by the service.
+vLLM's own ``vllm:*`` metrics live in the same default registry and are served too. Labels are
+bounded: role and outcome only, never request ids.
+
+Lifecycle: ``WorkerMetrics(...)`` registers the families -> ``serve`` (before the engine
+starts, so probes get 503 rather than a refused connection) -> ``close``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIServer, make_server
 
-from prometheus_client import REGISTRY, Counter, start_http_server
+from prometheus_client import REGISTRY, Counter, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 from prometheus_client.registry import Collector
 
 from pdd.engine.types import EngineStats
+from pdd.worker.roles import KvStats
 
 OUTCOMES = ("stop", "length", "abort", "error", "rejected", "cancelled")
 
 
-class _EngineCollector(Collector):
-    """Turns one EngineStats snapshot into metric families on every scrape."""
+def _families(role: str, kind, rows: Iterable[tuple[str, str, float]]) -> Iterator[Metric]:
+    for name, doc, value in rows:
+        family = kind(name, doc, labels=["role"])
+        family.add_metric([role], value)
+        yield family
 
-    def __init__(self, role: str, snapshot: Callable[[], EngineStats | None]) -> None:
+
+class _EngineCollector(Collector):
+    """Turns one EngineStats and one KvStats snapshot into metric families on every scrape."""
+
+    def __init__(
+        self,
+        role: str,
+        snapshot: Callable[[], EngineStats | None],
+        kv: Callable[[], KvStats | None],
+    ) -> None:
         self._role = role
         self._snapshot = snapshot
+        self._kv = kv
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
-        ready = GaugeMetricFamily("pdd_worker_ready", "1 when the engine serves.", labels=["role"])
-        ready.add_metric([self._role], 0.0 if s is None else 1.0)
-        yield ready
+        yield from _families(
+            self._role,
+            GaugeMetricFamily,
+            [("pdd_worker_ready", "1 when the engine serves.", 0.0 if s is None else 1.0)],
+        )
         if s is None:
             return
         gauges = [
@@ -40,32 +62,73 @@ class _EngineCollector(Collector):
             ("pdd_worker_waiting_requests", "Requests waiting for the scheduler.", s.waiting),
             ("pdd_worker_kv_cache_usage_ratio", "Fraction of KV blocks in use.", s.kv_cache_usage),
         ]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["role"])
-            g.add_metric([self._role], value)
-            yield g
         counters = [
             ("pdd_worker_prefix_cache_queries", "Prompt tokens looked up.", s.prefix_cache_queries),
             ("pdd_worker_prefix_cache_hits", "Prompt tokens found cached.", s.prefix_cache_hits),
             ("pdd_worker_generation_tokens", "Tokens generated.", s.generated_tokens),
         ]
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["role"])
-            c.add_metric([self._role], value)
-            yield c
+        kv = self._kv()
+        if kv is not None:
+            gauges += _kv_gauges(kv)
+            counters += _kv_counters(kv)
+        yield from _families(self._role, GaugeMetricFamily, gauges)
+        yield from _families(self._role, CounterMetricFamily, counters)
+
+
+def _kv_gauges(kv: KvStats) -> list[tuple[str, str, float]]:
+    rows = [
+        ("pdd_worker_kv_pinned_slots", "Arena/DRC slots pinned by requests or transfers.",
+         kv.pinned_slots),
+        ("pdd_worker_kv_open_transfers", "KV transfers (in + out) not yet terminal.",
+         kv.open_transfers),
+        ("pdd_worker_wan_bandwidth_bps", "Live WAN bandwidth estimate toward MD (bits/s).",
+         kv.wan_bandwidth_bps),
+        ("pdd_worker_wan_rtt_seconds", "Live WAN round-trip estimate toward MD.", kv.wan_rtt_s),
+    ]  # fmt: skip
+    if kv.drc is not None:
+        rows += [
+            ("pdd_drc_capacity_blocks", "Slots of the DRC host tier.", kv.drc.capacity_blocks),
+            ("pdd_drc_used_blocks", "Blocks cached in the DRC.", kv.drc.committed_blocks),
+            ("pdd_drc_landing_blocks", "DRC slots reserved for blocks landing.",
+             kv.drc.landing_blocks),
+        ]  # fmt: skip
+    return rows
+
+
+def _kv_counters(kv: KvStats) -> list[tuple[str, str, float]]:
+    rows = [
+        ("pdd_worker_kv_sent_bytes", "KV bytes sent (acknowledged).", kv.kv_bytes_sent),
+        ("pdd_worker_kv_received_bytes", "KV bytes received.", kv.kv_bytes_received),
+    ]
+    if kv.drc is not None:
+        rows += [
+            ("pdd_drc_query_tokens", "Prompt tokens looked up in the DRC (PrepareKv).",
+             kv.drc_query_tokens),
+            ("pdd_drc_hit_tokens", "Of those, tokens the DRC held.", kv.drc_hit_tokens),
+            ("pdd_drc_evicted_blocks", "Blocks evicted from the DRC (LRU).",
+             kv.drc.evicted_blocks),
+        ]  # fmt: skip
+    return rows
 
 
 class WorkerMetrics:
-    """Registers the worker's metrics in the default registry; ``serve`` starts /metrics."""
+    """Registers the worker's metrics in the default registry; ``serve`` starts the HTTP port."""
 
-    def __init__(self, role: str, snapshot: Callable[[], EngineStats | None]) -> None:
-        self._collector = _EngineCollector(role, snapshot)
+    def __init__(
+        self,
+        role: str,
+        snapshot: Callable[[], EngineStats | None],
+        kv: Callable[[], KvStats | None] = lambda: None,
+        ready: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self._collector = _EngineCollector(role, snapshot, kv)
         REGISTRY.register(self._collector)
         self._requests = Counter(
             "pdd_worker_requests",
             "Generate requests by how they ended.",
             ["role", "outcome"],
         )
+        self.ready = ready
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -73,9 +136,27 @@ class WorkerMetrics:
         self._requests.labels(role, outcome if outcome in OUTCOMES else "error").inc()
 
     def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP server (daemon thread); returns the bound port."""
-        self._server, self._thread = start_http_server(port, addr=host)
-        return int(self._server.server_port)
+        """Start /metrics and /health (daemon thread); returns the bound port."""
+        metrics_app = make_wsgi_app(REGISTRY)
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") == "/health":
+                ok = self.ready()
+                status = "200 OK" if ok else "503 Service Unavailable"
+                start_response(status, [("Content-Type", "text/plain")])
+                return [b"ok\n" if ok else b"not ready\n"]
+            return metrics_app(environ, start_response)
+
+        family, addr = _get_best_family(host, port)
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        server = make_server(addr, port, app, Server, handler_class=_SilentHandler)
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
+        self._server, self._thread = server, thread
+        return int(server.server_port)
 
     def close(self) -> None:
         if self._server is not None:

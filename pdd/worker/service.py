@@ -115,7 +115,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                     if out.delta.finish_reason is not None:
                         outcome = out.delta.finish_reason
         except PddError as err:
-            outcome = "rejected" if isinstance(err, InvalidRequestError | OverloadedError) else "error"
+            outcome = (
+                "rejected" if isinstance(err, InvalidRequestError | OverloadedError) else "error"
+            )
             log.warning("request %s failed: %s", rid, err.message)
             await context.abort(status_for(err), err.message)
         except BaseException:  # cancelled by the client or by server shutdown

@@ -113,7 +113,14 @@ def test_lab_url_answers_from_the_host(pdd_lab):
     assert [m["id"] for m in models["data"]] == [model_name()]
 
 
-def test_lab_completion(pdd_lab):
+def complete(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model_name(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(url + "/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_lab_completions_take_the_pipeline_the_link_calls_for(pdd_lab):
     from pdd.worker.service import WorkerService
 
     if "PrepareKv" not in vars(WorkerService):
@@ -123,11 +130,21 @@ def test_lab_completion(pdd_lab):
             "complete a request"
         )
     s, _ = pdd_lab
-    client = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=300)
-    r = client.completions.create(
-        model=model_name(), prompt="The capital of France is", max_tokens=8, temperature=0
-    )
-    assert "Paris" in r.choices[0].text
+    short = complete(s.url, "The capital of France is", 8)
+    assert "Paris" in short["choices"][0]["text"]
+    assert (short["pdd"]["pipeline"], short["pdd"]["wan_kv_bytes"]) == ("p_md", 0)
+    # A cold 1,090-token prompt: 34 whole blocks x 737,280 B of KV take ~2 s on the
+    # 100 Mbit/s WAN, above the 1 s TTFT budget: the relay hides the transfer.
+    words = " ".join(f"w{i}" for i in range(300))
+    cold = complete(s.url, words, 16)
+    record = cold["pdd"]
+    blocks = cold["usage"]["prompt_tokens"] // 32
+    assert blocks == 34
+    assert (record["pipeline"], record["p"], record["rld"], record["md"]) == (
+        "p_rld_md", "p", "rld", "md",
+    )  # fmt: skip
+    assert record["wan_kv_bytes"] == blocks * 32 * 23040
+    assert cold["usage"]["completion_tokens"] == 16 or cold["choices"][0]["finish_reason"] == "stop"
 
 
 def test_lab_sigterm_removes_every_process_and_the_lab(pdd_lab):

@@ -228,6 +228,7 @@ SHORT_PROFILE: list[str] = [
     "agentic.prompt_tokens_max=1536",
     "agentic.output_tokens_min=8",
     "agentic.output_tokens_max=32",
+    "agentic.anomaly_share=0.1",
     "sweep.buckets=[0.0,0.5,0.9,1.0]",
     "sweep.requests_per_bucket=2",
     "sweep.prompt_tokens=1024",

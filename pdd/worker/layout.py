@@ -1,0 +1,33 @@
+"""The size of one KV block, known before the engine starts (the arena is made first).
+
+The shell creates the slot arena before vLLM exists (the connector maps it by name at engine
+start), so the slot size comes from the model folder's config.json, with vLLM's CPU layout
+(pdd.cache.host_tier.kv_block_bytes). The connector checks it against the real paged cache
+at engine start and refuses a mismatch (ConfigError), so an error here cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pdd.cache.host_tier import kv_block_bytes
+from pdd.config import ModelConfig
+from pdd.errors import ModelError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def block_bytes_of(model: ModelConfig, block_size: int) -> int:
+    """Bytes of one KV block (K and V, every layer). Prepares the model folder if needed."""
+    from pdd.engine.model import prepare_model  # cheap: no vLLM
+
+    path = prepare_model(model) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    kv_heads = hf.get("num_key_value_heads") or heads
+    layers = hf["num_hidden_layers"]
+    return kv_block_bytes(layers, kv_heads, head_dim, block_size, DTYPE_BYTES[model.dtype])

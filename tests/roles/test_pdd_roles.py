@@ -1,0 +1,258 @@
+"""P, RLD and MD as real worker processes (real vLLM, float32), driven like the router does.
+
+    MD.PrepareKv || P.Generate(prompt, max_tokens=1, kv_stage) -> t1
+    P.SendKv([RLD over UCX from block 0, MD over TCP from its cached blocks])
+    RLD.Generate(prompt + [t1], kv_in=TRANSFER) -> t2..tk
+    MD.AwaitKv -> done;  MD.Generate(prompt + [t1..tk], kv_in=DRC) -> the rest
+
+The oracle is P's own greedy run of the same prompt (float32: the tiers' tokens must be equal).
+Every test ends with the leak check: no pinned slot, no open transfer, nothing running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from pdd.proto import worker_pb2 as pb
+from tests.roles.support import (
+    BLOCK,
+    Client,
+    kv_in,
+    prompt_of,
+    start_workers,
+    stop_workers,
+    tokens,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+BLOCK_BYTES = 46_080 * BLOCK  # SmolLM2-135M float32: 46,080 bytes of KV per token
+STAGE_LEASE_S = 4.0
+IDS = ["p", "rld", "md"]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("roles")
+    config = write_config(
+        tmp,
+        [
+            {"id": "p", "role": "prefill", "kv_staging_gib": 0.15,
+             "kv_stage_lease_s": STAGE_LEASE_S},
+            {"id": "rld", "role": "relay_decode", "kv_staging_gib": 0.15},
+            {"id": "md", "role": "main_decode", "kv_staging_gib": 0.1, "datacenter": "dc-b"},
+        ],
+    )  # fmt: skip
+    procs = start_workers(config, IDS, tmp)
+    try:
+        yield procs
+    finally:
+        codes = stop_workers(procs)
+        assert codes == {wid: 0 for wid in IDS}, {w: p.tail() for w, p in procs.items()}
+
+
+def run(procs: dict, scenario):
+    """Run ``scenario(client)`` in a fresh loop; then every worker must be idle."""
+
+    async def go():
+        client = Client(procs)
+        try:
+            out = await asyncio.wait_for(scenario(client), timeout=180)
+            for wid in IDS:
+                s = await client.until_idle(wid)
+                assert (wid, s.pinned_slots, s.open_transfers, s.running_requests) == (
+                    wid, 0, 0, 0,
+                )  # fmt: skip
+            return out
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+async def p_stage(c: Client, rid: str, prompt: list[int]):
+    """PrepareKv on RLD and MD while P prefills with kv_stage; returns (t1, staged, preps)."""
+    preps = [
+        c.stub[w].PrepareKv(
+            pb.PrepareKvRequest(kv_request_id=rid, prompt_token_ids=prompt, lease_s=60), timeout=10
+        )
+        for w in ("rld", "md")
+    ]
+    resps, prep_rld, prep_md = await asyncio.gather(
+        c.generate("p", rid, prompt, 1, kv_stage=True), *preps
+    )
+    assert resps[-1].finish_reason == "length"
+    return tokens(resps), resps[-1].kv_staged_blocks, prep_rld, prep_md
+
+
+async def send(c: Client, rid: str, dests: list[tuple[pb.PeerAddress, int]]):
+    msg = pb.SendKvRequest(
+        kv_request_id=rid,
+        destinations=[pb.KvDestination(peer=a, first_block=f) for a, f in dests],
+        deadline_s=30,
+    )
+    return await c.stub["p"].SendKv(msg, timeout=10)
+
+
+async def pdd_turn(c: Client, rid: str, prompt: list[int], k: int, m: int) -> dict:
+    """One p_rld_md request: P -> RLD (k tokens incl. t1) -> MD (m more)."""
+    t1, staged, prep_rld, prep_md = await p_stage(c, rid, prompt)
+    sent = await send(c, rid, [(prep_rld.address, 0), (prep_md.address, prep_md.cached_blocks)])
+    rld = await c.generate(
+        "rld", rid, prompt + t1, k - 1, kv_in=kv_in(pb.KvIn.TRANSFER, rid)
+    )
+    emitted = t1 + tokens(rld)
+    done = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id=rid, timeout_s=30))
+    md = await c.generate("md", rid, prompt + emitted, m, kv_in=kv_in(pb.KvIn.DRC, rid))
+    return {
+        "staged": staged, "prep_rld": prep_rld, "prep_md": prep_md, "sent": sent,
+        "rld": rld, "md": md, "await": done, "tokens": emitted + tokens(md),
+    }  # fmt: skip
+
+
+async def oracle(c: Client, rid: str, prompt: list[int], n: int) -> list[int]:
+    return tokens(await c.generate("p", rid, prompt, n))
+
+
+def test_p_rld_md_equals_a_single_engine(workers) -> None:
+    prompt = prompt_of(1, 300)  # 9 whole blocks + a 12-token tail
+
+    async def scenario(c: Client):
+        turn = await pdd_turn(c, "r1", prompt, k=6, m=10)
+        return turn, await oracle(c, "r1-oracle", prompt, 16)
+
+    turn, want = run(workers, scenario)
+    assert turn["tokens"] == want
+    assert turn["staged"] == 9
+    assert (turn["prep_rld"].cached_blocks, turn["prep_rld"].reserved_blocks) == (0, 9)
+    assert turn["prep_rld"].address.transport == "ucx"
+    assert (turn["prep_md"].cached_blocks, turn["prep_md"].reserved_blocks) == (0, 9)
+    assert turn["prep_md"].address.transport == "tcp"
+    assert list(turn["sent"].bytes_per_destination) == [9 * BLOCK_BYTES, 9 * BLOCK_BYTES]
+    assert turn["rld"][0].kv_loaded_tokens == 288  # RLD loaded the prompt's whole blocks
+    assert turn["rld"][-1].kv_loaded_tokens == 288  # ... as the connector confirmed
+    assert (turn["await"].state, turn["await"].blocks_ready) == ("done", 9)
+    assert turn["await"].bytes_received == 9 * BLOCK_BYTES
+    assert turn["md"][0].kv_loaded_tokens == 288  # MD loaded them from the DRC
+    assert turn["md"][0].num_cached_tokens >= 288
+
+
+def test_second_turn_sends_only_the_new_blocks(workers) -> None:
+    first = prompt_of(2, 300)
+    user = prompt_of(3, 40)
+
+    async def scenario(c: Client):
+        before = await c.stats("md")
+        t1 = await pdd_turn(c, "c1", first, k=4, m=28)
+        history = first + t1["tokens"]  # 332 tokens: MD computed blocks 9 (its own output)
+        await until_drc_holds(c, "md", before.drc_used_blocks + (len(history) - 1) // BLOCK)
+        second = history + user
+        t2 = await pdd_turn(c, "c2", second, k=4, m=8)
+        after = await c.stats("md")
+        return t1, t2, await oracle(c, "c2-oracle", second, 12), before, after
+
+    t1, t2, want, before, after = run(workers, scenario)
+    assert t2["tokens"] == want
+    cached = t2["prep_md"].cached_blocks
+    assert cached >= len(first) // BLOCK  # turn 1's WAN blocks (9)
+    assert cached == (len(first) + 32 - 1) // BLOCK  # + the block MD computed itself (10)
+    staged = t2["staged"]
+    assert staged == (len(first) + 32 + len(user)) // BLOCK  # 11
+    # Only the blocks MD lacks crossed the WAN; RLD got everything.
+    assert list(t2["sent"].bytes_per_destination) == [
+        staged * BLOCK_BYTES, (staged - cached) * BLOCK_BYTES,
+    ]  # fmt: skip
+    received = after.kv_bytes_received - before.kv_bytes_received
+    assert received == (9 + staged - cached) * BLOCK_BYTES
+    assert after.drc_hit_tokens - before.drc_hit_tokens == cached * BLOCK
+
+
+async def until_drc_holds(c: Client, wid: str, blocks: int, timeout_s: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (s := await c.stats(wid)).drc_used_blocks < blocks:
+        assert asyncio.get_running_loop().time() < deadline, f"DRC holds {s.drc_used_blocks}"
+        await asyncio.sleep(0.05)
+
+
+def test_cancel_mid_transfer_releases_everything(workers) -> None:
+    prompt = prompt_of(4, 1200)  # 37 blocks, 55 MB of float32 KV
+
+    async def scenario(c: Client):
+        _, staged, _, prep_md = await p_stage(c, "x1", prompt)
+        await send(c, "x1", [(prep_md.address, 0)])
+        cancels = [
+            c.stub[w].CancelKv(pb.CancelKvRequest(kv_request_id="x1", reason="test"))
+            for w in ("p", "rld", "md")
+        ]
+        found = await asyncio.gather(*cancels)
+        state = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="x1", timeout_s=10))
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await send(c, "x1", [(prep_md.address, 0)])
+        return staged, [f.found for f in found], state, again.value
+
+    staged, found, state, again = run(workers, scenario)
+    assert staged == 37
+    assert found == [True, True, True]
+    assert state.state in ("cancelled", "failed", "done")
+    assert again.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no staged KV" in again.details()
+
+
+def test_staged_kv_is_released_when_its_lease_expires(workers) -> None:
+    async def scenario(c: Client):
+        resps = await c.generate("p", "lease1", prompt_of(5, 100), 1, kv_stage=True)
+        held = await c.stats("p")
+        s = await c.until_idle("p", timeout_s=STAGE_LEASE_S + 10)
+        return resps[-1].kv_staged_blocks, held.pinned_slots, s.pinned_slots
+
+    staged, held, left = run(workers, scenario)
+    assert (staged, held, left) == (3, 3, 0)
+
+
+def test_roles_refuse_what_they_do_not_serve(workers) -> None:
+    async def scenario(c: Client):
+        errors = []
+        calls = [
+            c.stub["md"].SendKv(pb.SendKvRequest(kv_request_id="u")),
+            c.stub["p"].PrepareKv(pb.PrepareKvRequest(kv_request_id="u")),
+            c.stub["rld"].DrcEvents(pb.DrcEventsRequest(since=-1)),
+            c.generate("rld", "u", [5, 6, 7], 1, kv_stage=True),
+            c.generate("p", "u", [5, 6, 7], 1, kv_in=kv_in(pb.KvIn.DRC, "u")),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            errors.append(info.value.code())
+        snap = await c.stub["md"].DrcEvents(pb.DrcEventsRequest(since=-1))
+        events = await c.stub["md"].DrcEvents(pb.DrcEventsRequest(since=0))
+        return errors, snap, events
+
+    errors, snap, events = run(workers, scenario)
+    assert errors == [grpc.StatusCode.UNIMPLEMENTED] * 3 + [
+        grpc.StatusCode.FAILED_PRECONDITION
+    ] * 2
+    body = json.loads(snap.json)
+    assert snap.snapshot and body["block_size"] == BLOCK and isinstance(body["block_hashes"], list)
+    assert not events.snapshot and json.loads(events.json)["last_seq"] == body["seq"]
+
+
+def test_health_endpoint_and_kv_metrics(workers) -> None:
+    for wid, w in workers.items():
+        with urllib.request.urlopen(f"http://{w.metrics_addr}/health", timeout=5) as resp:
+            assert (resp.status, resp.read()) == (200, b"ok\n")
+        body = urllib.request.urlopen(f"http://{w.metrics_addr}/metrics", timeout=5).read()
+        text = body.decode()
+        assert f'pdd_worker_kv_pinned_slots{{role="{_role(wid)}"}} 0.0' in text
+    md = urllib.request.urlopen(f"http://{workers['md'].metrics_addr}/metrics", timeout=5)
+    assert "pdd_drc_capacity_blocks" in md.read().decode()
+
+
+def _role(wid: str) -> str:
+    return {"p": "prefill", "rld": "relay_decode", "md": "main_decode"}[wid]
