@@ -116,6 +116,14 @@ class WorkerError(PddError):
     error_type = "worker_error"
 
 
+class RequestTimeoutError(PddError):
+    """A request did not finish within ``router.request_timeout_s`` (HTTP 504)."""
+
+    status_code = 504
+    error_type = "timeout_error"
+    code = "request_timeout"
+
+
 class TransferError(PddError):
     """A KV transfer failed: peer gone, deadline passed, integrity check failed."""
 

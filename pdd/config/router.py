@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from pdd.config.base import Section
@@ -72,6 +74,18 @@ class PddPolicyConfig(Section):
         return self
 
 
+class CostPerHourConfig(Section):
+    """Hardware cost per hour of one worker of each kind, for BCR (SLA goodput per cost).
+
+    Any money unit; only ratios matter when comparing systems. The defaults price MD's chip
+    (GPU type B) 25% above P's and RLD's (GPU type A), as in the PDD report."""
+
+    prefill: float = Field(1.0, ge=0, description="Cost per hour of one prefill worker.")
+    relay_decode: float = Field(1.0, ge=0, description="Cost per hour of one relay_decode worker.")
+    main_decode: float = Field(1.25, ge=0, description="Cost per hour of one main_decode worker.")
+    colocated: float = Field(1.0, ge=0, description="Cost per hour of one colocated worker.")
+
+
 class RouterConfig(Section):
     host: str = Field("127.0.0.1", description="Address the OpenAI-compatible API binds to.")
     port: int = Field(8000, ge=0, lt=65536, description="HTTP port; 0 picks a free port.")
@@ -98,6 +112,39 @@ class RouterConfig(Section):
         256, gt=0, description="Requests admitted but not yet finished; 429 above."
     )
     log_requests: bool = Field(False, description="Log one line per finished request.")
+    sla_ttft_s: float = Field(
+        5.0,
+        gt=0,
+        description="SLA limit on time to first token; a finished request within this and "
+        "sla_tpot_s counts in pdd_sla_good_requests_total (SLA goodput).",
+    )
+    sla_tpot_s: float = Field(
+        0.1,
+        gt=0,
+        description="SLA limit on time per output token, (E2E - TTFT) / (output tokens - 1); "
+        "requests with one output token meet it by definition.",
+    )
+    cost_per_hour: CostPerHourConfig = Field(
+        default_factory=CostPerHourConfig,
+        description="Cost per hour of each worker kind (exported as pdd_worker_cost_per_hour "
+        "for BCR).",
+    )
+    debug_requests: int = Field(
+        256,
+        ge=0,
+        description="How many recent requests /debug/requests/{id} keeps (route, timeline, "
+        "outcome); 0 keeps none.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of accepted API keys (one per line, `#` starts a comment); every "
+        "request but /health, /openapi.json (and /metrics) then needs `Authorization: Bearer "
+        "KEY`. Re-read when it changes and on SIGHUP. null: no file; the PDD_API_KEY "
+        "environment variable also enables a key; with neither, no authentication.",
+    )
+    metrics_require_key: bool = Field(
+        False, description="With authentication on, /metrics needs an API key too."
+    )
     pdd: PddPolicyConfig = Field(
         default_factory=PddPolicyConfig,
         description="PDD policy: pipeline choice, handoff, KV-plane timing (modes pdd, pd_*).",

@@ -17,7 +17,7 @@ class TransferConfig(Section):
         4 * 1024 * 1024, gt=0, description="Largest wire chunk (bytes); one checksum and ack each."
     )
     min_chunk_bytes: int = Field(
-        128 * 1024,
+        32 * 1024,
         gt=0,
         description="Smallest chunk the TCP transport shrinks to on slow, long links (bytes).",
     )

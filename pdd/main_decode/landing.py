@@ -94,6 +94,12 @@ class DrcLanding:
                 return kv_id in self._recent
             return rec.inbound.terminal or rec.expected == 0
 
+    def expecting(self, kv_id: str) -> bool:
+        """KV for ``kv_id`` is reserved here and still on its way (Generate waits for it)."""
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            return rec is not None and not (rec.inbound.terminal or rec.expected == 0)
+
     async def await_kv(self, kv_id: str, timeout_s: float) -> pb.AwaitKvResponse:
         await self.waiters.wait_until(kv_id, lambda: self.terminal(kv_id), timeout_s)
         with self._lock:

@@ -115,8 +115,8 @@ class MainDecodeRole:
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
         if call.kv_in is not None:
             kv_id = call.kv_in.kv_request_id
-            terminal = lambda: self._landing.terminal(kv_id)  # noqa: E731
-            await self._landing.waiters.wait_until(kv_id, terminal, call.kv_in.wait_s)
+            arrived = lambda: not self._landing.expecting(kv_id)  # noqa: E731
+            await self._landing.waiters.wait_until(kv_id, arrived, call.kv_in.wait_s)
         owner = f"gen:{call.request_id}"
         slots = self._pin(call.request_id, owner, call.prompt) if call.kv_in is not None else []
         if call.kv_in is not None:

@@ -169,12 +169,13 @@ class RelayDecodeRole:
                 yield KvDelta(delta, loaded_tokens=loaded)
 
     async def _take(self, call: GenerateCall) -> _Landing | None:
-        """Wait (kv_in.wait_s) for the request's KV; the landing if it is DONE, else None.
-        Either way the landing is consumed: later chunks are refused."""
+        """Wait (kv_in.wait_s) for the request's KV if a landing expects it; the landing if it
+        is DONE, else None. Either way the landing is consumed: later chunks are refused."""
         kv = call.kv_in
         assert kv is not None
         key = kv.kv_request_id
-        await self._waiters.wait_until(key, lambda: self._terminal(key), kv.wait_s)
+        arrived = lambda: not self._expecting(key)  # noqa: E731
+        await self._waiters.wait_until(key, arrived, kv.wait_s)
         with self._lock:
             landing = self._landings.get(key)
             if landing is not None:
@@ -187,6 +188,12 @@ class RelayDecodeRole:
             self._maybe_free(landing)
             return None
         return landing
+
+    def _expecting(self, kv_id: str) -> bool:
+        """A landing exists for ``kv_id`` and its KV is still on its way."""
+        with self._lock:
+            landing = self._landings.get(kv_id)
+            return landing is not None and not landing.inbound.terminal
 
     def _terminal(self, kv_id: str) -> bool:
         with self._lock:

@@ -5,7 +5,9 @@
 ``RouterState`` holds the shared objects (config, tokenizer, limits, pool, service, metrics)
 on ``app.state.pdd``. The app's lifespan starts the worker pool (channels + health polling)
 and stops it on shutdown. Loading the tokenizer happens here, before serving, so a missing
-model folder fails at start (ModelError), not on the first request.
+model folder fails at start (ModelError), not on the first request. With API keys configured
+(``pdd.router.auth``) the key check runs before everything else and the lifespan also runs the
+key reloader. ``/openapi.json`` describes the API.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from fastapi import FastAPI
 
 from pdd.config import PddConfig
 from pdd.protocol import Role
+from pdd.router.auth import ApiKeyMiddleware, ApiKeys, KeyReloader
+from pdd.router.debug import RequestLog
 from pdd.router.http_errors import install_error_handlers
 from pdd.router.limits import BodyLimitMiddleware
 from pdd.router.metrics import RouterMetrics
@@ -38,6 +42,7 @@ class RouterState:
     service: RouterService
     metrics: RouterMetrics
     started_at: int
+    requests: RequestLog  # recent requests for /debug/requests
 
     @property
     def model_name(self) -> str:
@@ -61,14 +66,17 @@ def build_state(cfg: PddConfig, codec: TextCodec | None = None) -> RouterState:
         defaults=generation_defaults(model_path),
     )
     pool = WorkerPool(cfg)
-    metrics = RouterMetrics()
-    service = RouterService(cfg, codec, pool, metrics)
-    return RouterState(cfg, codec, limits, pool, service, metrics, int(time.time()))
+    metrics = RouterMetrics(cfg)
+    requests = RequestLog(cfg.router.debug_requests)
+    service = RouterService(cfg, codec, pool, metrics, requests)
+    return RouterState(cfg, codec, limits, pool, service, metrics, int(time.time()), requests)
 
 
 def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
     """The router's ASGI app. Raises ModelError (no tokenizer) or ConfigError (bad mode)."""
     state = build_state(cfg, codec)
+    keys = ApiKeys.from_config(cfg.router)  # None: authentication off
+    reloader = KeyReloader(keys) if keys is not None else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,16 +84,29 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
         # Announce readiness only once worker health is known, so a client that starts
         # right after the ready line does not get a 503 from an unpolled pool.
         await state.pool.wait_first_poll(timeout=cfg.router.worker_rpc_timeout_s + 1.0)
+        if reloader is not None:
+            await reloader.start()
         try:
             yield
         finally:
+            if reloader is not None:
+                await reloader.stop()
             await state.pool.stop()
 
+    # /openapi.json is served (as vLLM does) and open; the docs pages need a CDN: off.
     app = FastAPI(
-        title="pdd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="pdd router",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.pdd = state
     install_error_handlers(app)
     app.include_router(api_routes)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.router.max_body_bytes)
+    if keys is not None:  # added last, so it runs first: no body is read for a 401
+        app.add_middleware(
+            ApiKeyMiddleware, keys=keys, metrics_require_key=cfg.router.metrics_require_key
+        )
     return app

@@ -8,6 +8,12 @@ config. Never request ids.
 PDD series: route decisions by pipeline (counted at routing), and per closed request the
 handoff (mode, rounds, stall: the gap between the last RLD token and the first MD token at
 the switch), output tokens per tier, and the KV bytes P queued for MD (``pdd_wan_kv_bytes``).
+
+Economics: TPOT per request, SLA goodput (requests within ``router.sla_ttft_s`` and
+``router.sla_tpot_s``), and, set once from the config, each worker's cost per hour
+(``router.cost_per_hour`` of its role) and the number of workers per role, so BCR =
+goodput / sum(pdd_worker_cost_per_hour) is one PromQL expression (docs/operations.md).
+Every name here is in ``pdd.observability.catalog`` (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from pdd.protocol import HandoffMode
+from pdd.config import PddConfig
+from pdd.protocol import HandoffMode, Role
 from pdd.router.fleet import FleetView
 from pdd.router.record import RequestRecord
 
@@ -35,6 +42,7 @@ E2E_BUCKETS = (
 
 ROUNDS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 STALL_BUCKETS = ITL_BUCKETS
+TPOT_BUCKETS = ITL_BUCKETS  # vLLM 0.32's request_time_per_output_token buckets
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -42,7 +50,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class RouterMetrics:
     """All router metrics. ``observe`` takes closed request records."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: PddConfig) -> None:
+        self._sla = (cfg.router.sla_ttft_s, cfg.router.sla_tpot_s)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -56,6 +65,14 @@ class RouterMetrics:
         self.e2e = Histogram(
             "pdd_e2e_request_latency_seconds", "Request arrival to finish.",
             ["pipeline"], buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "pdd_request_time_per_output_token_seconds", "Per request: (E2E - TTFT) / "
+            "(output tokens - 1).", ["pipeline"], buckets=TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.sla_good = Counter(
+            "pdd_sla_good_requests", "Finished requests within router.sla_ttft_s and "
+            "router.sla_tpot_s.", ["pipeline"], registry=r,
         )  # fmt: skip
         self.requests = Counter(
             "pdd_requests", "Finished requests.", ["finish_reason", "pipeline"], registry=r
@@ -84,6 +101,18 @@ class RouterMetrics:
             "pdd_worker_requests_in_flight", "Requests this router has on the worker.",
             ["worker", "role"], registry=r,
         )  # fmt: skip
+        self._cost_metrics(cfg, r)
+
+    def _cost_metrics(self, cfg: PddConfig, r: CollectorRegistry) -> None:
+        cost = Gauge(
+            "pdd_worker_cost_per_hour", "Configured hardware cost per hour of the worker "
+            "(router.cost_per_hour of its role).", ["worker", "role"], registry=r,
+        )  # fmt: skip
+        count = Gauge("pdd_workers", "Workers of each role in the fleet.", ["role"], registry=r)
+        for role in Role:
+            count.labels(role.value).set(sum(w.role is role for w in cfg.workers))
+        for w in cfg.workers:
+            cost.labels(w.id, w.role.value).set(getattr(cfg.router.cost_per_hour, w.role.value))
 
     def _pdd_metrics(self, r: CollectorRegistry) -> None:
         self.route_decisions = Counter(
@@ -120,6 +149,10 @@ class RouterMetrics:
             itl.observe(gap)
         if record.e2e is not None:
             self.e2e.labels(pipeline).observe(record.e2e)
+        if record.tpot is not None:
+            self.tpot.labels(pipeline).observe(record.tpot)
+        if record.meets_sla(*self._sla):
+            self.sla_good.labels(pipeline).inc()
         self.requests.labels(record.finish_reason or "error", pipeline).inc()
         self.prompt_tokens.labels(pipeline).inc(record.prompt_tokens)
         self.generation_tokens.labels(pipeline).inc(record.completion_tokens)

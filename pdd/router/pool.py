@@ -93,6 +93,10 @@ class WorkerPool:
             raise UnavailableError(f"worker {worker_id} has no client")
         return st.client
 
+    def last_stats(self, worker_id: str) -> worker_pb2.StatsResponse | None:
+        """The worker's last Stats answer (None before the first good poll)."""
+        return self._states[worker_id].stats
+
     def any_healthy(self) -> bool:
         return any(st.healthy for st in self._states.values())
 

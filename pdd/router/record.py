@@ -2,7 +2,12 @@
 
 Created when a request is routed, updated on every token event, closed exactly once when the
 request ends for any reason (finish, stop string, client gone, error). Metrics and the
-request log read closed records only. Times are ``time.monotonic()`` seconds.
+request log read closed records only; ``/debug/requests/{id}`` (``pdd.router.debug``) reads
+open ones too. Times are ``time.monotonic()`` seconds.
+
+``timeline`` is what happened to the request, in order: the route decision, each RPC to a
+worker (``pdd.router.debug`` turns them into entries), the first token from each worker,
+the finish. Entries are appended on the event loop only.
 
 ``PddTrace`` is the part the pipeline driver writes while it runs (what it actually did: the
 bytes P queued for MD, tokens per tier, the handoff), and it becomes the ``pdd`` object of
@@ -87,6 +92,16 @@ class PddTrace:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    """One step of a request: ``at`` (monotonic), what (``event``), on which worker."""
+
+    at: float
+    event: str
+    worker: str | None = None
+    detail: dict[str, object] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str
@@ -102,19 +117,28 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     inter_token_gaps: list[float] = field(default_factory=list)
+    timeline: list[TimelineEvent] = field(default_factory=list)
     trace: PddTrace = field(init=False)
+    _seen_workers: set[str] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.trace = PddTrace.for_decision(self.decision, self.prompt_tokens)
+
+    def mark(self, at: float, event: str, worker: str | None = None, **detail: object) -> None:
+        """Append a timeline entry (called on the event loop)."""
+        self.timeline.append(TimelineEvent(at, event, worker, detail))
 
     @property
     def pipeline(self) -> Pipeline:
         return self.decision.pipeline
 
-    def on_tokens(self, n_tokens: int, now: float) -> None:
+    def on_tokens(self, n_tokens: int, now: float, worker: str = "") -> None:
         """A worker step produced ``n_tokens`` (>0) tokens at ``now``."""
         if n_tokens <= 0:
             return
+        if worker and worker not in self._seen_workers:
+            self._seen_workers.add(worker)
+            self.mark(now, "first_token", worker, tokens=n_tokens)
         if self.first_token_at is None:
             self.first_token_at = now
         else:
@@ -136,6 +160,20 @@ class RequestRecord:
     @property
     def e2e(self) -> float | None:
         return None if self.finished_at is None else self.finished_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (E2E - TTFT) / (output tokens - 1)."""
+        if self.completion_tokens < 2 or self.ttft is None or self.e2e is None:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+    def meets_sla(self, ttft_s: float, tpot_s: float) -> bool:
+        """Finished normally within both limits (one-token requests have no TPOT to miss)."""
+        if self.finish_reason not in ("stop", "length") or self.ttft is None:
+            return False
+        tpot = self.tpot
+        return self.ttft <= ttft_s and (tpot is None or tpot <= tpot_s)
 
     def log_line(self) -> str:
         workers = ",".join(f"{role.value}={wid}" for role, wid in self.decision.assignments)

@@ -15,11 +15,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdd.errors import PddError, WorkerError
+from pdd.observability.context import bind_request
 from pdd.protocol import new_request_id
+from pdd.router.admission import with_deadline
+from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http_errors import pdd_error_body
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.responses import ChatFormat, CompletionFormat, ResponseContext, collect
@@ -97,7 +100,9 @@ def _context(
 async def _respond(
     request: Request, st: RouterState, req: GenerationRequest, fmt: Format, *, stream: bool
 ) -> Response:
-    deltas = st.service.stream(req)
+    bind_request(req.request_id)  # logs and worker RPCs of this request carry its id
+    timeout_s = st.cfg.router.request_timeout_s
+    deltas = with_deadline(st.service.stream(req), req.arrival + timeout_s, timeout_s)
     try:
         if not stream:
             result = await cancel_on_disconnect(request.receive, collect(deltas))
@@ -180,4 +185,21 @@ async def debug_config(request: Request) -> JSONResponse:
 async def debug_workers(request: Request) -> JSONResponse:
     st = _state(request)
     return JSONResponse({"mode": st.cfg.router.mode.value, "in_flight": st.service.in_flight,
-                         "workers": st.pool.describe()})  # fmt: skip
+                         "workers": workers_view(st.pool)})  # fmt: skip
+
+
+@router.get("/debug/requests")
+async def debug_requests(request: Request) -> JSONResponse:
+    """The requests kept for debugging (router.debug_requests), newest first."""
+    return JSONResponse({"requests": recent_view(_state(request).requests)})
+
+
+@router.get("/debug/requests/{request_id}")
+async def debug_request(request_id: str, request: Request) -> JSONResponse:
+    """One recent request: its route decision, timeline, and outcome (404 if not kept)."""
+    st = _state(request)
+    record = st.requests.get(request_id)
+    if record is None:
+        raise HTTPException(404, f"request {request_id!r} is not among the recent requests")
+    sla = (st.cfg.router.sla_ttft_s, st.cfg.router.sla_tpot_s)
+    return JSONResponse(request_view(record, sla))

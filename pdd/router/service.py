@@ -9,6 +9,10 @@ Admission is a bounded count of requests in flight (``router.max_queued_requests
 
 The request's ``pdd`` summary (``record.PddTrace``) rides on the deltas: the first one (so the
 API can set the ``x-pdd-pipeline`` header before streaming) and the last one (final values).
+
+Each record goes into the ``RequestLog`` (``/debug/requests/{id}``) as soon as it is routed,
+and becomes the observer of the request's scope (``pdd.observability.context``), so every
+RPC the driver makes for it lands in its timeline.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from dataclasses import replace
 
 from pdd.config import PddConfig
 from pdd.errors import OverloadedError, PddError, UnavailableError, WorkerError
+from pdd.observability.context import bind_request, current_scope
 from pdd.protocol import Pipeline
+from pdd.router.debug import RequestLog, TimelineObserver
 from pdd.router.metrics import RouterMetrics
 from pdd.router.output import OutputProcessor
 from pdd.router.pipeline import PipelineDriver, build_drivers
@@ -37,8 +43,16 @@ log = logging.getLogger(__name__)
 class RouterService:
     """Runs requests. Shared by all HTTP handlers; lives as long as the app."""
 
-    def __init__(self, cfg: PddConfig, codec: TextCodec, pool: WorkerPool, metrics: RouterMetrics):
+    def __init__(
+        self,
+        cfg: PddConfig,
+        codec: TextCodec,
+        pool: WorkerPool,
+        metrics: RouterMetrics,
+        requests: RequestLog,
+    ):
         self._cfg = cfg
+        self._requests = requests
         self._codec = codec
         self._pool = pool
         self._metrics = metrics
@@ -74,6 +88,8 @@ class RouterService:
             record = RequestRecord(
                 req.request_id, decision, req.arrival, time.monotonic(), len(req.prompt_token_ids)
             )
+            self._requests.add(record)
+            _observe_rpcs(record)
             processor = OutputProcessor(self._codec, req)
             driver = self._drivers[decision.pipeline]
             first = True
@@ -101,7 +117,7 @@ class RouterService:
     def _process(
         record: RequestRecord, processor: OutputProcessor, event: TokenEvent
     ) -> OutputDelta | None:
-        record.on_tokens(len(event.token_ids), time.monotonic())
+        record.on_tokens(len(event.token_ids), time.monotonic(), event.worker_id)
         if event.finish_reason == "error":
             raise WorkerError(f"worker {event.worker_id} failed the request")
         return processor.process(event)
@@ -131,3 +147,12 @@ class RouterService:
         self._metrics.observe(record)
         if self._cfg.router.log_requests:
             log.info(record.log_line())
+
+
+def _observe_rpcs(record: RequestRecord) -> None:
+    """Route the request's RPC observations into its timeline (binding its id if the caller
+    did not, e.g. a direct use of the service)."""
+    scope = current_scope()
+    if scope is None or scope.request_id != record.request_id:
+        scope = bind_request(record.request_id)
+    scope.observer = TimelineObserver(record)

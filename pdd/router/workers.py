@@ -28,6 +28,7 @@ from pdd.errors import (
     UnavailableError,
     WorkerError,
 )
+from pdd.observability.context import RequestContextInterceptor
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
 
@@ -74,7 +75,10 @@ class WorkerClient:
         self.target = grpc_target(worker.host, worker.port)
         self._rpc_timeout = router.worker_rpc_timeout_s
         self._request_timeout = router.request_timeout_s
-        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            self.target,
+            options=_CHANNEL_OPTIONS,
+        )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._background: set[asyncio.Task[object]] = set()
 

@@ -17,9 +17,13 @@ Ownership: the transport holds a reference to every source buffer of a transfer 
 from `send` until the transfer is terminal. A terminal state is published only after no
 transport thread touches the buffers any more, so the caller may reuse them as soon as it
 sees DONE, FAILED or CANCELLED. On the receive side the same holds for allocated buffers:
-after an inbound transfer is reported, the transport never writes into its buffers again.
+after an inbound transfer is reported, the transport never writes into its buffers again; the
+bytes of a FAILED or CANCELLED transfer must not be used. (One documented limit: UCX cannot
+cancel a request toward a peer that died on a shared-memory endpoint; such requests are
+abandoned, which is safe because the dead process can no longer touch our memory.)
 
-Every method is thread-safe and non-blocking (except `close`, which joins the threads).
+Every method is thread-safe and non-blocking (except `wait` and `close`, which joins the
+threads). Callbacks and the allocator run on transport threads and must return quickly.
 """
 
 from __future__ import annotations
@@ -226,6 +230,10 @@ class Transport(ABC):
     @abstractmethod
     def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
         """Live bandwidth/RTT toward `peer`, or None before any traffic."""
+
+    def link_estimates(self) -> dict[str, LinkEstimate]:
+        """Every peer's estimate keyed by `PeerAddress.key()`, for export (router, metrics)."""
+        return {}
 
     @abstractmethod
     def stats(self) -> TransportStats:

@@ -113,6 +113,8 @@ class InprocTransport(BaseTransport):
     def deliver(self, header, view, source: int, corrupt: bool) -> AckStatus:
         """Receiver side of one chunk: allocate, copy, verify (runs on the sender's thread)."""
         assert self.inbound is not None
+        if self._closed:  # closed between the sender's lookup and now: like a dead peer
+            return AckStatus.GONE
         buf, status = self.inbound.begin_chunk(header, source)
         if buf is None:
             return status

@@ -9,6 +9,7 @@ failure) every open transfer from that sender fails and its lent buffers are rel
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import threading
@@ -36,6 +37,8 @@ from pdd.transfer.wire import (
 
 if TYPE_CHECKING:
     from pdd.transfer.tcp import TcpTransport
+
+log = logging.getLogger(__name__)
 
 
 class Listener:
@@ -98,6 +101,9 @@ class ReceiverStream:
             self._loop()
         except (OSError, TransferError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug: still fail this sender's transfers below
+            log.exception("receiver stream crashed")
+            reason = f"receiver stream crashed: {type(exc).__name__}: {exc}"
         finally:
             if self.sender_id is not None:
                 sender = self.sender_id

@@ -17,6 +17,7 @@ next send opens a fresh link.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from pdd.transfer.tcp import TcpTransport
 
 RTT_REFRESH_S = 0.05
+log = logging.getLogger(__name__)
 
 
 class PeerLink:
@@ -163,6 +165,9 @@ class SenderStream:
             self._loop()
         except (OSError, TransferError, ValueError) as exc:
             self.link.fail(f"connection to {self.link.key} lost: {exc}")
+        except Exception as exc:  # a bug: still fail the link so nothing waits forever
+            log.exception("sender stream to %s crashed", self.link.key)
+            self.link.fail(f"sender stream crashed: {type(exc).__name__}: {exc}")
         finally:
             close_quietly(self.sock)
 

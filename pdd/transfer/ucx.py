@@ -79,7 +79,7 @@ class UcxPeer:
         self.ready = False
         self.broken: str | None = None
         self.work: deque[tuple[OutRecord, int]] = deque()
-        self.inflight = 0
+        self.inflight = 0  # chunks posted and not yet acknowledged (the window)
 
 
 class UcxTransport(BaseTransport):
@@ -92,8 +92,10 @@ class UcxTransport(BaseTransport):
         self.loop.on_tick = self._check_alive
         self.host_id = host_id()
         self._peers: dict[str, UcxPeer] = {}
+        # transfer id -> (peer, unacknowledged chunks): acks of transfers that already
+        # ended (cancelled, failed) must still reopen the peer's window
+        self._unacked: dict[int, list] = {}
         self._receiver = UcxReceiver(self) if self.inbound is not None else None
-        self._errors: list[str] = []
         self._worker_address = self.loop.worker.address.tobytes()
 
     @property
@@ -114,7 +116,7 @@ class UcxTransport(BaseTransport):
             self._receiver.check_alive()
 
     def _loop_error(self, exc: BaseException) -> None:
-        self._errors.append(f"{type(exc).__name__}: {exc}")
+        log.error("ucx transport callback failed", exc_info=exc)
 
     def _start_io(self) -> None:
         if self._receiver is not None:
@@ -232,9 +234,10 @@ class UcxTransport(BaseTransport):
         if self.faults.corrupt is not None and header.nbytes and self.faults.corrupt(header):
             payload = bytearray(payload)  # fault injection only: flip one byte in a copy
             payload[0] ^= 0xFF
-        p.inflight += 1
-        self.loop.send(p.data, head, HDR_TAG, lambda e: None, owner=p)
         tid = rec.transfer_id
+        p.inflight += 1
+        self._unacked.setdefault(tid, [p, 0])[1] += 1
+        self.loop.send(p.data, head, HDR_TAG, lambda e: None, owner=p)
 
         def sent(error: str | None) -> None:
             self.outbound.end_chunk(tid)  # UCX no longer reads the source buffer
@@ -255,15 +258,23 @@ class UcxTransport(BaseTransport):
             raw = buf.tobytes()
             if unpack_prefix(raw[:8]) is FrameKind.ACK:
                 tid, _index, status, nbytes = unpack_ack(raw[8:])
-                rec = self.outbound.get(tid)
                 self.outbound.ack(tid, status, nbytes)
-                p = self._peers.get(rec.peer) if rec is not None else None
-                if p is not None:
-                    p.inflight = max(0, p.inflight - 1)
-                    self._pump(p)
+                self._window_opened(tid)
             self._post_ack_recv()
 
         self.loop.recv(self.loop.worker, buf, ACK_TAG, KIND_MASK, on_ack)
+
+    def _window_opened(self, tid: int) -> None:
+        entry = self._unacked.get(tid)
+        if entry is None:
+            return
+        p, _ = entry
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._unacked[tid]
+        p.inflight = max(0, p.inflight - 1)
+        if p.broken is None:
+            self._pump(p)
 
     def _break(self, p: UcxPeer, reason: str) -> None:
         """Fail everything toward `p` and close its endpoints (cancels in-flight sends)."""
@@ -271,6 +282,7 @@ class UcxTransport(BaseTransport):
             return
         p.broken = reason
         p.work.clear()
+        self._unacked = {t: e for t, e in self._unacked.items() if e[0] is not p}
         self.outbound.stop_where(lambda r: r.peer == p.key, TransferState.FAILED, reason)
         for ep in {id(e): e for e in (p.data, p.ctrl) if e is not None}.values():
             close_endpoint(ep)

@@ -130,9 +130,7 @@ class Client:
             await ch.close()
 
     async def generate(self, wid: str, rid: str, prompt: list[int], n: int, **kw):
-        req = pb.GenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=greedy(n), **kw
-        )
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=greedy(n), **kw)
         return [r async for r in self.stub[wid].Generate(req, timeout=120)]
 
     async def stats(self, wid: str) -> pb.StatsResponse:

@@ -105,9 +105,7 @@ async def pdd_turn(c: Client, rid: str, prompt: list[int], k: int, m: int) -> di
     """One p_rld_md request: P -> RLD (k tokens incl. t1) -> MD (m more)."""
     t1, staged, prep_rld, prep_md = await p_stage(c, rid, prompt)
     sent = await send(c, rid, [(prep_rld.address, 0), (prep_md.address, prep_md.cached_blocks)])
-    rld = await c.generate(
-        "rld", rid, prompt + t1, k - 1, kv_in=kv_in(pb.KvIn.TRANSFER, rid)
-    )
+    rld = await c.generate("rld", rid, prompt + t1, k - 1, kv_in=kv_in(pb.KvIn.TRANSFER, rid))
     emitted = t1 + tokens(rld)
     done = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id=rid, timeout_s=30))
     md = await c.generate("md", rid, prompt + emitted, m, kv_in=kv_in(pb.KvIn.DRC, rid))
@@ -235,9 +233,7 @@ def test_roles_refuse_what_they_do_not_serve(workers) -> None:
         return errors, snap, events
 
     errors, snap, events = run(workers, scenario)
-    assert errors == [grpc.StatusCode.UNIMPLEMENTED] * 3 + [
-        grpc.StatusCode.FAILED_PRECONDITION
-    ] * 2
+    assert errors == [grpc.StatusCode.UNIMPLEMENTED] * 3 + [grpc.StatusCode.FAILED_PRECONDITION] * 2
     body = json.loads(snap.json)
     assert snap.snapshot and body["block_size"] == BLOCK and isinstance(body["block_hashes"], list)
     assert not events.snapshot and json.loads(events.json)["last_seq"] == body["seq"]

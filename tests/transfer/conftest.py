@@ -4,34 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 
 from pdd.config.transfer import TransferConfig
 from pdd.transfer import FaultHooks, ReceiverHooks, create_transport
 from pdd.transfer.testing import LandingZone, PeerProcess
+from tests.transfer.helpers import idle, wait_for
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-KINDS = ["inproc", "tcp", "ucx"]
-
-
-def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
-    """Poll `pred` until truthy or fail after `timeout_s` (never sleep for readiness)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.005)
-
-
-def idle(t) -> bool:
-    s = t.stats()
-    return (s.open_outbound, s.pinned_buffers, s.open_inbound, s.lent_buffers) == (0, 0, 0, 0)
 
 
 class Pair:

@@ -14,7 +14,7 @@ import pytest
 
 from pdd.transfer import FaultHooks, KVSegment, SendRequest, TransferState
 from pdd.transfer.testing import LandingZone, crc_of, pattern, peer_to_json
-from tests.transfer.conftest import KINDS, idle, wait_for
+from tests.transfer.helpers import KINDS, idle, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 KiB, MiB = 1 << 10, 1 << 20
@@ -122,7 +122,7 @@ def test_empty_transfers(kind, make_pair):
 
 def test_cancel_mid_transfer_releases_both_sides(kind, make_pair):
     zone = LandingZone(gate_chunk=2)
-    pair = make_pair(kind, zone=zone, **SMALL)
+    pair = make_pair(kind, zone=zone, window_chunks=2, **SMALL)
     handle = pair.sender.send(pair.receiver.address, SendRequest("c", [seg(5, 8 * MiB)]))
     wait_for(zone.gate_reached.is_set, 10, "chunk 2 to reach the receiver")
     handle.cancel()
@@ -133,6 +133,10 @@ def test_cancel_mid_transfer_releases_both_sides(kind, make_pair):
     assert (result.state, result.reason) == (TransferState.CANCELLED, "cancelled by sender")
     assert result.chunks < 128  # the bytes stopped: most of the 128 chunks never moved
     wait_for(lambda: idle(pair.sender) and idle(pair.receiver), 10, "both sides to release")
+    # The link is still usable: late acks of the cancelled chunks gave back their window.
+    for i in range(3):
+        after = pair.sender.send(pair.receiver.address, SendRequest("n", [seg(20 + i, MiB)]))
+        assert after.wait(10).state is TransferState.DONE
 
 
 def test_deadline_fails_both_sides(kind, make_pair):
@@ -146,7 +150,7 @@ def test_deadline_fails_both_sides(kind, make_pair):
     handle = pair.sender.send(pair.receiver.address, req)
     status = handle.wait(10)
     assert (status.state, status.reason) == (TransferState.FAILED, "deadline exceeded")
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 5.0
     result = pair.result(handle.transfer_id)
     assert result.state is TransferState.FAILED
     assert "deadline" in result.reason
@@ -188,9 +192,9 @@ def test_receiver_death_fails_the_sender(kind, make_pair, peers):
         target, kill = child.address, child.kill
     pair.zone.slow_s = 0.02
     handle = pair.sender.send(target, SendRequest("k", [seg(9, 8 * MiB)]))
-    wait_for(lambda: handle.status().bytes_acked > 0, 10, "the first acknowledged chunk")
+    wait_for(lambda: handle.status().bytes_acked > 0, 30, "the first acknowledged chunk")
     kill()
-    status = handle.wait(15)
+    status = handle.wait(30)
     assert status.state is TransferState.FAILED
     assert 0 < status.bytes_acked < 8 * MiB
 
@@ -205,9 +209,9 @@ def test_sender_death_fails_the_receiver(kind, make_pair, peers):
         child = peers("sender", kind, SMALL)
         cmd = {"cmd": "send", "peer": peer_to_json(pair.receiver.address), "nbytes": 8 * MiB}
         tid, kill = child.ask({**cmd, "seed": 10})["transfer_id"], child.kill
-    wait_for(lambda: zone.seen(tid), 10, "the first chunk from the sender")
+    wait_for(lambda: zone.seen(tid), 30, "the first chunk from the sender")
     kill()
-    result = pair.result(tid, timeout_s=15)
+    result = pair.result(tid, timeout_s=30)
     assert result.state is TransferState.FAILED
     assert result.chunks < 128  # chunk 0 itself may fail: the sender died mid-chunk
 

@@ -10,7 +10,7 @@ from pdd.config.transfer import TransferConfig
 from pdd.transfer import KVSegment, LinkEstimate, SendRequest, TransferState
 from pdd.transfer.estimate import LinkEstimator, chunk_bytes_for
 from pdd.transfer.testing import LandingZone, crc_of, make_pki, pattern
-from tests.transfer.conftest import wait_for
+from tests.transfer.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,11 +92,13 @@ def test_in_flight_chunks_are_bounded_and_cancel_stops_them(make_pair):
 
 
 def test_chunk_size_policy():
-    cfg = TransferConfig()  # 128 KiB .. 4 MiB, chunk time floor 2 ms
-    assert chunk_bytes_for(None, 4, cfg) == 128 * KiB
+    cfg = TransferConfig()  # 32 KiB .. 4 MiB, chunk time floor 2 ms
+    assert chunk_bytes_for(None, 4, cfg) == 32 * KiB
     assert chunk_bytes_for(LinkEstimate(0.0, 20e-6, 0), 4, cfg) == 4 * MiB  # LAN
-    assert chunk_bytes_for(LinkEstimate(0.0, 0.02, 0), 4, cfg) == 128 * KiB  # WAN, no rate yet
-    assert chunk_bytes_for(LinkEstimate(100e6, 0.02, 5), 4, cfg) == 128 * KiB  # 100 Mbit
+    assert chunk_bytes_for(LinkEstimate(0.0, 0.02, 0), 4, cfg) == 32 * KiB  # WAN, no rate yet
+    # 100 Mbit, 20 ms: 12.5 MB/s / 4 streams x 10 ms = 31,250 B -> the 32 KiB floor
+    assert chunk_bytes_for(LinkEstimate(100e6, 0.02, 5), 4, cfg) == 32 * KiB
+    assert chunk_bytes_for(LinkEstimate(1e9, 0.02, 5), 4, cfg) == 4 * 64 * KiB  # 312,500 B
     # 10 Gbit, 20 ms: 1.25 GB/s / 4 streams x 10 ms = 3,125,000 B -> 47 x 64 KiB
     assert chunk_bytes_for(LinkEstimate(10e9, 0.02, 5), 4, cfg) == 47 * 64 * KiB
 

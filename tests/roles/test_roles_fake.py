@@ -1,0 +1,277 @@
+"""The three role policies over real shell mechanism (arenas, fences, inproc/TCP transports)
+and a fake engine that plays vLLM and the KV connector (tests/roles/fake_engine.py).
+
+Fast and exact: block ids, slot counts and release order, no vLLM. Each test builds P, RLD
+and MD in this process and ends with the leak check (no pinned slot, no open transfer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+
+import pytest
+
+from pdd.config import CacheConfig, PddConfig, TransferConfig, WorkerConfig
+from pdd.engine.types import SamplingSpec
+from pdd.errors import CacheError, OverloadedError
+from pdd.main_decode import MainDecodeRole
+from pdd.prefill import PrefillRole
+from pdd.proto import worker_pb2 as pb
+from pdd.relay_decode import RelayDecodeRole
+from pdd.worker.kv_plane import KvPlane, PlaneSpec
+from pdd.worker.roles import GenerateCall, KvInSpec, RoleContext
+from tests.roles.fake_engine import FakeEngine, next_token
+
+SLOT = 256  # bytes of one fake KV block
+BS = 4  # tokens per block
+GIB = 1 << 30
+
+
+def worker(wid: str, role: str, slots: int, **kw) -> WorkerConfig:
+    return WorkerConfig(id=wid, role=role, kv_staging_gib=slots * SLOT / GIB, **kw)
+
+
+class Topo:
+    """P (inproc + TCP senders), RLD (inproc receiver), MD (TCP receiver, DRC of 64 blocks)."""
+
+    def __init__(self, p_lease_s: float = 30.0) -> None:
+        self.workers = {
+            "p": worker("p", "prefill", 32, kv_stage_lease_s=p_lease_s),
+            "rld": worker("rld", "relay_decode", 32, kv_transport="inproc"),
+            "md": worker("md", "main_decode", 16),
+        }
+        self.cfg = PddConfig(
+            cache=CacheConfig(host_capacity_gib=64 * SLOT / GIB),
+            transfer=TransferConfig(deadline_s=10.0),
+            workers=list(self.workers.values()),
+        )
+        specs = {
+            "p": PlaneSpec("kv_producer", 32, None, ("inproc", "tcp")),
+            "rld": RelayDecodeRole.plane_spec(self.workers["rld"], SLOT, self.cfg),
+            "md": MainDecodeRole.plane_spec(self.workers["md"], SLOT, self.cfg),
+        }
+        classes = {"p": PrefillRole, "rld": RelayDecodeRole, "md": MainDecodeRole}
+        self.planes, self.engines, self.roles = {}, {}, {}
+        for wid, spec in specs.items():
+            plane = KvPlane(spec, SLOT, self.workers[wid], self.cfg.transfer)
+            engine = FakeEngine(plane.arena, plane.fences.board, BS)
+            ctx = RoleContext(engine, plane, self.workers[wid], self.cfg, BS, SLOT)
+            self.planes[wid], self.engines[wid] = plane, engine
+            self.roles[wid] = classes[wid](ctx)
+
+    async def __aenter__(self) -> Topo:
+        for role in self.roles.values():
+            await role.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for wid, role in self.roles.items():
+            await role.stop()
+            await self.planes[wid].stop()
+
+    async def generate(self, wid, rid, prompt, n, *, stage=False, source=None, kv_id=None):
+        kv = KvInSpec(source, kv_id or rid, 5.0) if source else None
+        call = GenerateCall(rid, list(prompt), SamplingSpec(temperature=0, max_tokens=n), stage, kv)
+        async with aclosing(self.roles[wid].generate(call)) as stream:
+            return [out async for out in stream]
+
+    async def idle(self, timeout_s: float = 5.0) -> dict:
+        """Poll until no role pins a slot or has an open transfer; returns the last stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = {w: r.kv_stats() for w, r in self.roles.items()}
+            if all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values()):
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            await asyncio.sleep(0.01)
+
+
+def oracle(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+def toks(outs) -> list[int]:
+    return [t for o in outs for t in o.delta.token_ids]
+
+
+async def prepare(topo: Topo, wid: str, rid: str, prompt: list[int]) -> pb.PrepareKvResponse:
+    req = pb.PrepareKvRequest(kv_request_id=rid, prompt_token_ids=prompt, lease_s=30)
+    return await topo.roles[wid].prepare_kv(req)
+
+
+async def send(topo: Topo, rid: str, dests) -> pb.SendKvResponse:
+    msg = pb.SendKvRequest(
+        kv_request_id=rid,
+        destinations=[pb.KvDestination(peer=a, first_block=f) for a, f in dests],
+        deadline_s=10,
+    )
+    return await topo.roles["p"].send_kv(msg)
+
+
+async def turn(topo: Topo, rid: str, prompt: list[int], k: int, m: int) -> dict:
+    rld_prep = await prepare(topo, "rld", rid, prompt)
+    md_prep = await prepare(topo, "md", rid, prompt)
+    p = await topo.generate("p", rid, prompt, 1, stage=True)
+    sent = await send(topo, rid, [(rld_prep.address, 0), (md_prep.address, md_prep.cached_blocks)])
+    rld = await topo.generate("rld", rid, prompt + toks(p), k - 1, source="transfer")
+    emitted = toks(p) + toks(rld)
+    done = await topo.roles["md"].await_kv(pb.AwaitKvRequest(kv_request_id=rid, timeout_s=5))
+    md = await topo.generate("md", rid, prompt + emitted, m, source="drc")
+    return {"p": p, "sent": sent, "rld": rld, "md": md, "await": done,
+            "md_prep": md_prep, "tokens": emitted + toks(md)}  # fmt: skip
+
+
+def test_a_pdd_request_loads_every_block_and_matches_one_engine() -> None:
+    prompt = list(range(100, 118))  # 4 whole blocks + 2 tokens
+
+    async def scenario():
+        async with Topo() as topo:
+            t = await turn(topo, "r1", prompt, k=3, m=5)
+            while topo.roles["md"].drc.stats().committed_blocks < 6:  # MD stores its own
+                await asyncio.sleep(0.005)
+            return t, topo.engines["rld"].loads, topo.engines["md"].loads, await topo.idle()
+
+    t, rld_loads, md_loads, stats = asyncio.run(scenario())
+    assert t["tokens"] == oracle(prompt, 8)
+    assert t["p"][-1].staged_blocks == 4
+    assert list(t["sent"].bytes_per_destination) == [4 * SLOT, 4 * SLOT]
+    assert rld_loads == [("r1", 4, True)] and md_loads == [("r1", 4, True)]
+    assert (t["rld"][0].loaded_tokens, t["rld"][-1].loaded_tokens) == (16, 16)
+    assert t["md"][0].loaded_tokens == 16
+    assert (t["await"].state, t["await"].blocks_ready, t["await"].bytes_received) == (
+        "done", 4, 4 * SLOT,
+    )  # fmt: skip
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+    assert stats["md"].drc.committed_blocks == 6  # 4 landed + 2 MD stored of its own
+
+
+def test_the_next_turn_sends_only_what_the_drc_lacks() -> None:
+    first = list(range(100, 118))
+
+    async def scenario():
+        async with Topo() as topo:
+            t1 = await turn(topo, "c1", first, k=3, m=5)
+            while topo.roles["md"].drc.stats().committed_blocks < 6:  # MD stores its own
+                await asyncio.sleep(0.005)
+            second = first + t1["tokens"] + [7, 8, 9]  # 29 tokens: 7 whole blocks
+            t2 = await turn(topo, "c2", second, k=2, m=2)
+            return second, t2, topo.engines["md"].loads, await topo.idle()
+
+    second, t2, md_loads, stats = asyncio.run(scenario())
+    assert t2["tokens"] == oracle(second, 4)
+    assert t2["md_prep"].cached_blocks == 6  # (18 + 8 - 1) // 4: the whole first turn
+    assert list(t2["sent"].bytes_per_destination) == [7 * SLOT, 1 * SLOT]
+    assert md_loads[-1] == ("c2", 7, True)
+    assert stats["md"].drc_hit_tokens == 6 * BS
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+
+
+def test_staged_blocks_are_released_when_the_lease_expires() -> None:
+    async def scenario():
+        async with Topo(p_lease_s=0.2) as topo:
+            outs = await topo.generate("p", "l1", list(range(12)), 1, stage=True)
+            held = topo.roles["p"].kv_stats().pinned_slots
+            stats = await topo.idle()
+            with pytest.raises(CacheError, match="no staged KV"):
+                await send(topo, "l1", [])
+            return outs[-1].staged_blocks, held, stats["p"].pinned_slots
+
+    assert asyncio.run(scenario()) == (3, 3, 0)
+
+
+def test_an_aborted_stage_is_released_once_the_engine_posts_its_fence() -> None:
+    async def scenario():
+        async with Topo() as topo:
+            call = GenerateCall("a1", list(range(20)), SamplingSpec(max_tokens=50), True)
+            stream = topo.roles["p"].generate(call)
+            await anext(stream)
+            await stream.aclose()  # the client went away mid-request
+            held = topo.roles["p"].kv_stats().pinned_slots
+            return held, (await topo.idle())["p"].pinned_slots
+
+    held, left = asyncio.run(scenario())
+    assert (held, left) == (5, 0)  # held until the fence, then released
+
+
+def test_a_full_staging_arena_refuses_the_request() -> None:
+    async def scenario():
+        async with Topo() as topo:
+            with pytest.raises(OverloadedError, match="staging arena full"):
+                await topo.generate("p", "big", list(range(33 * BS)), 1, stage=True)
+            return (await topo.idle())["p"].pinned_slots
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_cancel_releases_p_and_the_receivers() -> None:
+    prompt = list(range(200, 240))  # 10 blocks
+
+    async def scenario():
+        async with Topo() as topo:
+            rld_prep = await prepare(topo, "rld", "x1", prompt)
+            md_prep = await prepare(topo, "md", "x1", prompt)
+            await topo.generate("p", "x1", prompt, 1, stage=True)
+            await send(topo, "x1", [(rld_prep.address, 0), (md_prep.address, 0)])
+            cancel = pb.CancelKvRequest(kv_request_id="x1", reason="test")
+            found = [(await topo.roles[w].cancel_kv(cancel)).found for w in ("p", "rld", "md")]
+            stats = await topo.idle()
+            req = pb.AwaitKvRequest(kv_request_id="x1", timeout_s=1)
+            states = [(await topo.roles[w].await_kv(req)).state for w in ("rld", "md")]
+            return found, stats, states
+
+    found, stats, states = asyncio.run(scenario())
+    assert found == [True, True, True]
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+    assert all(state in ("cancelled", "done", "failed") for state in states)
+
+
+def test_rld_keeps_slots_a_running_generate_reads_even_after_cancel() -> None:
+    prompt = list(range(300, 316))  # 4 blocks
+
+    async def scenario():
+        async with Topo() as topo:
+            prep = await prepare(topo, "rld", "h1", prompt)
+            await topo.generate("p", "h1", prompt, 1, stage=True)
+            await send(topo, "h1", [(prep.address, 0)])
+            gate = topo.engines["rld"].gate = asyncio.Event()
+            kv = KvInSpec("transfer", "h1", 5.0)
+            call = GenerateCall("h1", prompt, SamplingSpec(max_tokens=3), False, kv)
+            task = asyncio.ensure_future(_drain(topo.roles["rld"].generate(call)))
+            while not topo.engines["rld"].loads:
+                await asyncio.sleep(0.005)
+            await topo.roles["rld"].cancel_kv(pb.CancelKvRequest(kv_request_id="h1"))
+            during = topo.roles["rld"].kv_stats().pinned_slots
+            gate.set()
+            await task
+            return during, (await topo.idle())["rld"].pinned_slots
+
+    assert asyncio.run(scenario()) == (4, 0)
+
+
+def test_md_refuses_kv_it_did_not_reserve() -> None:
+    prompt = list(range(400, 412))
+
+    async def scenario():
+        async with Topo() as topo:
+            await topo.generate("p", "n1", prompt, 1, stage=True)
+            addr = topo.planes["md"].address()
+            await send(topo, "n1", [(addr, 0)])
+            stats = await topo.idle()
+            req = pb.AwaitKvRequest(kv_request_id="n1", timeout_s=0.1)
+            return stats, (await topo.roles["md"].await_kv(req)).state
+
+    stats, state = asyncio.run(scenario())
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+    assert stats["md"].drc.committed_blocks == 0
+    assert state == "unknown"
+
+
+async def _drain(stream) -> list:
+    async with aclosing(stream):
+        return [out async for out in stream]

@@ -1,0 +1,30 @@
+"""`pdd bench transfer` runs end to end and writes its JSON and plot (tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdd.bench import main as bench_main
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_bench_transfer_writes_json_and_png(tmp_path):
+    argv = ["transfer", "--transports", "tcp,ucx", "--sizes", "737280,1048576"]
+    argv += ["--repeats", "2", "--cancel-bytes", str(16 << 20), "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    data = json.loads((tmp_path / "transfer.json").read_text())
+    assert (tmp_path / "transfer.png").stat().st_size > 10_000
+    for kind in ("tcp", "ucx"):
+        rows = data["throughput"][kind]["rows"]
+        assert [r["bytes"] for r in rows] == [737_280, 1_048_576]
+        assert all(r["raw_stats"]["samples"] == 2 for r in rows)  # baseline in the same run
+        assert data["throughput"][kind]["after_close"]["receiver"]["open_inbound"] == 0
+        runs = data["cancel"][kind]["runs"]
+        assert [r["sender_state"] for r in runs] == ["cancelled"] * 3
+        # on loopback the last chunks may land before the cancel does
+        assert {r["receiver_state"] for r in runs} <= {"cancelled", "done"}
+        assert all(r["both_sides_idle"] for r in runs)
+    assert "loadavg_1_5_15" in data["meta"]

@@ -1,0 +1,182 @@
+"""The worker shell's KV mechanism without an engine: slot pool, fences, inbound state, the
+service's refusals for what a role does not serve, and the /health probe."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from pdd.cache.arena import FenceBoard
+from pdd.config import PddConfig, WorkerConfig
+from pdd.engine.connector_params import FenceRef
+from pdd.errors import OverloadedError
+from pdd.proto import worker_pb2 as pb
+from pdd.proto import worker_pb2_grpc as pb_grpc
+from pdd.transfer import InboundResult, TransferState
+from pdd.worker.inbound import InboundState
+from pdd.worker.metrics import WorkerMetrics
+from pdd.worker.roles import KvStats, PlainRole, RoleContext
+from pdd.worker.service import WorkerService
+from pdd.worker.slots import Fences, SlotPool
+
+
+def test_slot_pool_hands_out_lowest_slots_and_refuses_when_full() -> None:
+    pool = SlotPool(6, first=10)
+    assert pool.allocate("a", 2) == [10, 11]
+    assert pool.allocate("b", 3) == [12, 13, 14]
+    assert pool.can_allocate(1) and not pool.can_allocate(2)
+    with pytest.raises(OverloadedError, match="2 slots needed, 1 of 6 free"):
+        pool.allocate("c", 2)
+    assert (pool.release("a"), pool.release("a"), pool.in_use) == (2, 0, 3)
+    assert pool.allocate("c", 3) == [10, 11, 15]
+    assert sorted(pool.owners()) == ["b", "c"]
+
+
+def test_fences_release_on_post_or_after_the_timeout() -> None:
+    async def scenario():
+        board = FenceBoard.create(2, "pddtest-fence")
+        fences = Fences(board, timeout_s=0.2)
+        fences.start()
+        released: list[str] = []
+        a, b = fences.take(), fences.take()
+        with pytest.raises(OverloadedError):
+            fences.take()
+        fences.watch(a, lambda: released.append("a"))
+        fences.watch(b, lambda: released.append("b"))
+        board.post(a.index, a.ticket)
+        await asyncio.sleep(0.05)
+        after_post = list(released)
+        await asyncio.sleep(0.4)  # b is never posted: given up after 0.2 s
+        out = after_post, list(released), fences.outstanding
+        await fences.stop()
+        board.close()
+        board.unlink()
+        return out
+
+    assert asyncio.run(scenario()) == (["a"], ["a", "b"], 0)
+
+
+def test_a_stale_ticket_does_not_release_a_reused_fence() -> None:
+    async def scenario():
+        board = FenceBoard.create(1, "pddtest-fence")
+        fences = Fences(board, timeout_s=30)
+        first = fences.take()
+        fences.forget(first)  # never reached the engine
+        second = fences.take()
+        board.post(first.index, first.ticket)  # an old ticket in the same word
+        released = []
+        fences.watch(second, lambda: released.append(second))
+        fences.check()
+        before = list(released)
+        board.post(second.index, second.ticket)
+        fences.check()
+        board.close()
+        board.unlink()
+        return first.index == second.index, before, released
+
+    assert asyncio.run(scenario()) == (True, [], [FenceRef(index=0, ticket=2)])
+
+
+def _result(tid: int, state: TransferState, n: int = 10) -> InboundResult:
+    return InboundResult(tid, "r", state, "" if state is TransferState.DONE else "boom", n, 1)
+
+
+def test_inbound_state_outcomes() -> None:
+    s = InboundState()
+    assert (s.terminal, s.outcome()) == (False, ("pending", ""))
+    s.seen(1)
+    s.seen(2)
+    s.finish(_result(1, TransferState.DONE))
+    assert s.outcome() == ("pending", "")
+    s.finish(_result(2, TransferState.FAILED))
+    assert (s.terminal, s.done, s.outcome(), s.bytes_received) == (
+        True, False, ("failed", "boom"), 20,
+    )  # fmt: skip
+    s.seen(1)  # a late chunk of a reported transfer does not reopen it
+    assert s.open == set()
+    c = InboundState(cancelled="router said so")
+    assert (c.terminal, c.outcome()) == (True, ("cancelled", "router said so"))
+
+
+class _ReadyEngine:
+    ready = True
+
+    def validate(self, prompt, spec) -> None:
+        return None
+
+
+def _serve(engine, metrics):
+    worker = WorkerConfig(id="w", role="colocated")
+    role = PlainRole(RoleContext(engine, None, worker, PddConfig(), 32, 0))
+    service = WorkerService(engine, worker, "m", metrics, role)
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    return service, server, port
+
+
+def test_service_refuses_kv_work_a_colocated_worker_does_not_do() -> None:
+    metrics = WorkerMetrics("colocated", lambda: None)
+
+    async def scenario():
+        _, server, port = _serve(_ReadyEngine(), metrics)
+        await server.start()
+        codes = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.WorkerStub(ch)
+                for call in (
+                    stub.SendKv(pb.SendKvRequest(kv_request_id="x")),
+                    stub.AwaitKv(pb.AwaitKvRequest(kv_request_id="x")),
+                    stub.DrcEvents(pb.DrcEventsRequest(since=-1)),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call
+                    codes.append((info.value.code(), info.value.details()))
+                req = pb.GenerateRequest(
+                    request_id="g", prompt_token_ids=[1, 2], sampling=pb.SamplingParams(),
+                    kv_stage=True,
+                )  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    [r async for r in stub.Generate(req)]
+                codes.append((info.value.code(), info.value.details()))
+        finally:
+            await server.stop(0)
+        return codes
+
+    try:
+        codes = asyncio.run(scenario())
+    finally:
+        metrics.close()
+    assert codes == [
+        (grpc.StatusCode.UNIMPLEMENTED, "worker w (role colocated) does not serve SendKv"),
+        (grpc.StatusCode.UNIMPLEMENTED, "worker w (role colocated) does not serve AwaitKv"),
+        (grpc.StatusCode.UNIMPLEMENTED, "worker w (role colocated) does not serve DrcEvents"),
+        (grpc.StatusCode.FAILED_PRECONDITION, "worker w (role colocated) cannot serve kv_stage"),
+    ]
+
+
+def test_health_probe_is_503_until_ready_then_200() -> None:
+    state = {"ready": False}
+    metrics = WorkerMetrics(
+        "prefill", lambda: None, lambda: KvStats(pinned_slots=3), lambda: state["ready"]
+    )
+    try:
+        port = metrics.serve("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/health"
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url, timeout=5)
+        assert info.value.code == 503
+        state["ready"] = True
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            assert (resp.status, resp.read()) == (200, b"ok\n")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b'pdd_worker_ready{role="prefill"} 0.0' in body
+    finally:
+        metrics.close()
+    assert "pdd_worker_requests" not in REGISTRY._names_to_collectors  # noqa: SLF001
