@@ -50,8 +50,8 @@ def serve(config: str, worker_ids: list[str], overrides: list[str] = (), timeout
     def pump():
         for line in proc.stdout:
             served.output.append(line.rstrip("\n"))
-            if line.startswith("pdd ready: "):
-                served.url = line.split("pdd ready: ", 1)[1].strip()
+            if "pdd ready: " in line:
+                served.url = line.split("pdd ready: ", 1)[1].split()[0]
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

@@ -8,6 +8,7 @@ import sys
 # subcommand -> (module, help); the module's main(argv) returns an exit code.
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("pdd.bench.transfer", "KV transports against raw socket / raw ucxx baselines"),
+    "serve": ("pdd.bench.serve", "serving benchmark: agentic / sweep / trace across modes"),
 }
 
 

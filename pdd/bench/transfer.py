@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
         help="use `pdd lab` (must be up): sender in dc-a, receivers in dc-b",
     )
     p.add_argument("--lab-prefix", default="", help="prefix of the lab to use")
+    p.add_argument(
+        "--tls", action="store_true", help="TCP with mutual TLS (a throwaway CA is generated)"
+    )
     return p
 
 
@@ -321,6 +324,15 @@ def main(argv: list[str]) -> int:
     kinds = [k for k in args.transports.split(",") if k]
     sizes = sorted(int(s) for s in args.sizes.split(","))
     config = TransferConfig(wan_streams=args.streams, listen_host=args.receiver_host)
+    if args.tls:
+        import tempfile
+
+        from pdd.transfer.testing import make_pki
+
+        pki = make_pki(tempfile.mkdtemp(prefix="pdd-bench-pki-"))
+        files = {"tls_cert_file": "receiver.pem", "tls_key_file": "receiver.key"}
+        tls = {k: pki[v] for k, v in files.items()} | {"tls_ca_file": pki["ca.pem"]}
+        config = config.model_copy(update={"tls": True, **tls})
     results = {"meta": _meta(args, config), "throughput": {}, "cancel": {}}
     print(results["meta"]["uptime"], flush=True)
     for kind in kinds:

@@ -30,7 +30,9 @@ class TransferConfig(Section):
         ),
     )
     window_chunks: int = Field(
-        4, gt=0, description="Unacknowledged chunks in flight per TCP stream (bounds memory)."
+        4,
+        gt=0,
+        description="Unacknowledged chunks in flight per TCP stream / per UCX peer (bounds memory).",
     )
     deadline_s: float = Field(60.0, gt=0, description="Default deadline of one transfer.")
     inbound_grace_s: float = Field(

@@ -116,7 +116,8 @@ class Child:
             if not self.ready.is_set() and line.startswith(self.spec.ready_prefix):
                 self.ready_line = line
                 self.ready.set()
-            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"[{self.name}] {line}\n")  # one write: no interleaving
+            sys.stderr.flush()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -115,7 +115,8 @@ def _serve(cfg: PddConfig, sites: Sites, ready_timeout_s: float, stop: threading
             print(f"pdd serve: {exc.message}", file=sys.stderr)
             topo.stop()
             return 1
-        print(f"pdd ready: {topo.url}", flush=True)
+        sys.stdout.write(f"pdd ready: {topo.url}\n")  # one write: never glued to a child line
+        sys.stdout.flush()
         code = 0
         while not stop.wait(SUPERVISE_POLL_S):
             dead = topo.first_dead()

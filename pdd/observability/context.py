@@ -1,7 +1,7 @@
 """The request a task works for, carried across tasks (a contextvar) and processes (gRPC).
 
     router: bind_request(rid) in the HTTP handler -> every task it spawns sees the scope
-            RequestContextInterceptor (client): each RPC carries metadata x-request-id: rid,
+            request_context_interceptors (client): each RPC carries x-request-id: rid,
               and is reported to the scope's observer (the router's request timeline)
     worker: RequestIdServerInterceptor: binds the id from the metadata for the handler,
             so its log lines carry the router's request id
@@ -83,15 +83,21 @@ def _short(method: bytes | str) -> str:
     return text.rsplit("/", 1)[-1]
 
 
-class RequestContextInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor
-):
-    """Client side, one per channel (``peer``: the worker id). Calls made outside a bound
-    request pass through untouched (health polls, DRC events)."""
+class _Reporter:
+    """Shared by both client interceptors: ``peer`` is the worker id of the channel."""
 
     def __init__(self, peer: str):
         self._peer = peer
 
+    def _report(self, scope, method, request, response, error, started) -> None:  # type: ignore[no-untyped-def]
+        if scope.observer is not None:
+            obs = RpcObservation(
+                self._peer, _short(method), request, response, error, started, time.monotonic()
+            )
+            scope.observer(obs)
+
+
+class _UnaryUnary(_Reporter, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         scope = _scope.get()
         if scope is None:
@@ -113,6 +119,8 @@ class RequestContextInterceptor(
             self._report(scope, details.method, request, response, error, started)
         return call
 
+
+class _UnaryStream(_Reporter, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         scope = _scope.get()
         if scope is None:
@@ -126,15 +134,16 @@ class RequestContextInterceptor(
                 error = "CANCELLED" if c.cancelled() else None
                 self._report(scope, details.method, request, None, error, started)
 
-            call.add_done_callback(done)
+            call.add_done_callback(done)  # the status arrived, or the caller cancelled
         return call
 
-    def _report(self, scope, method, request, response, error, started) -> None:  # type: ignore[no-untyped-def]
-        if scope.observer is not None:
-            obs = RpcObservation(
-                self._peer, _short(method), request, response, error, started, time.monotonic()
-            )
-            scope.observer(obs)
+
+def request_context_interceptors(peer: str) -> list[grpc.aio.ClientInterceptor]:
+    """The client interceptors of one channel to worker ``peer``: unary and server-streaming
+    calls made inside a bound request carry ``x-request-id`` and are reported to the scope's
+    observer; calls outside one (health polls, DRC events) pass through untouched. (grpc.aio
+    files each interceptor object under one call type only, hence two objects.)"""
+    return [_UnaryUnary(peer), _UnaryStream(peer)]
 
 
 class RequestIdServerInterceptor(grpc.aio.ServerInterceptor):

@@ -131,7 +131,8 @@ class ApiKeys:
             log.warning("API key file %s not reloaded: %s", self.path, message)
             return False
         if not self._file:
-            log.warning("API key file %s holds no key: only %s is accepted", self.path, ENV_VAR)
+            accepted = f"only {ENV_VAR} is accepted" if self._env else "every request gets 401"
+            log.warning("API key file %s holds no key: %s", self.path, accepted)
         return True
 
     def _load(self, path: Path) -> None:

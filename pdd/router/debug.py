@@ -176,9 +176,11 @@ def request_view(record: RequestRecord, sla: tuple[float, float]) -> dict[str, o
         "e2e_ms": _ms(record.e2e),
         "sla_good": None if record.finished_at is None else record.meets_sla(*sla),
         "pdd": {
-            **t.summary().as_json(), "tokens_by_tier": dict(t.tokens),
-            "kv_state": t.kv_state or None, "handoff_stall_ms": _ms(t.handoff_stall_s),
-        },  # fmt: skip
+            **t.summary().as_json(),
+            "tokens_by_tier": dict(t.tokens),
+            "kv_state": t.kv_state or None,
+            "handoff_stall_ms": _ms(t.handoff_stall_s),
+        },
         "timeline": [_entry(record, e) for e in events],
     }
 

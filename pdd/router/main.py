@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from pdd.config import PddConfig, load_config
 from pdd.errors import PddError
+from pdd.observability.logging import setup_logging
 
 log = logging.getLogger("pdd.router")
 
@@ -105,7 +106,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--log-level", help="logging level (default: $PDD_LOG_LEVEL, else INFO)")
+    p.add_argument(
+        "--log-json",
+        action="store_true",
+        default=None,
+        help="JSON log lines with the request id (default: $PDD_LOG_JSON=1)",
+    )
     return p.parse_args(argv)
 
 
@@ -120,9 +127,7 @@ def _load(args: argparse.Namespace) -> tuple[PddConfig, FastAPI, socket.socket]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_json, role="router")
     try:
         _, app, sock = _load(args)
     except PddError as exc:

@@ -28,7 +28,7 @@ from pdd.errors import (
     UnavailableError,
     WorkerError,
 )
-from pdd.observability.context import RequestContextInterceptor
+from pdd.observability.context import request_context_interceptors
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
 
@@ -78,6 +78,7 @@ class WorkerClient:
         self._channel = grpc.aio.insecure_channel(
             self.target,
             options=_CHANNEL_OPTIONS,
+            interceptors=request_context_interceptors(self.id),  # x-request-id, timeline
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._background: set[asyncio.Task[object]] = set()

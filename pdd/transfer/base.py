@@ -97,7 +97,7 @@ class BaseTransport(Transport):
             chunks=chunks,
             pins=list(request.segments),
             deadline=time.monotonic() + deadline_s,
-            bytes_total=chunks[0].header.total_bytes,
+            bytes_total=chunks.total,
         )
         self.outbound.open(rec)
         self._submit(peer, rec)

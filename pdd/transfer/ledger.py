@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ class OutRecord:
     transfer_id: int
     request_id: str
     peer: str
-    chunks: list[Chunk]
+    chunks: Sequence[Chunk]  # a ChunkPlan: computed on demand
     pins: list[Any]
     deadline: float
     bytes_total: int

@@ -1,8 +1,8 @@
 """Receiving half of the TCP transport: a listener thread and one thread per accepted stream.
 
 A stream starts with HELLO (the sender's id). Each DATA frame's payload is read straight
-into the buffer the allocator lends, verified against its CRC, and acknowledged on the same
-socket (OK, CHECKSUM, REFUSED or GONE). Payloads of transfers the receiver no longer holds
+into the buffer the allocator lends, verified against its checksum trailer, and acknowledged
+on the same socket (OK, CHECKSUM, REFUSED or GONE). Payloads of transfers the receiver no longer holds
 (cancelled, failed, expired) are read and dropped. When a stream dies (EOF, reset, TLS
 failure) every open transfer from that sender fails and its lent buffers are released.
 """
@@ -154,7 +154,7 @@ class ReceiverStream:
                 inbound.end_chunk(tid, 0, AckStatus.REFUSED, "connection lost mid-chunk")
                 raise
             if crc != sent_crc:
-                reason = f"integrity check failed: chunk {header.chunk_index} CRC mismatch"
+                reason = f"integrity check failed: chunk {header.chunk_index} checksum mismatch"
                 status = inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
             else:
                 status = inbound.end_chunk(tid, header.nbytes)

@@ -118,8 +118,9 @@ def _child_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     config = TransferConfig(**json.loads(args.config))
     zone = LandingZone(args.gate_chunk, args.reuse_bytes, args.slow_ms / 1000)
-    reported: dict[int, float] = {}  # tid -> monotonic time of its report (CLOCK_MONOTONIC is
-    # system-wide, so the parent on the same host can compare it with its own clock)
+    # tid -> monotonic time of its report; CLOCK_MONOTONIC is system-wide, so the parent on
+    # the same host (any network namespace) can compare it with its own clock
+    reported: dict[int, float] = {}
 
     def on_received(result) -> None:
         reported[result.transfer_id] = time.monotonic()
@@ -131,32 +132,37 @@ def _child_main(argv: list[str]) -> int:
     keep: dict[int, np.ndarray] = {}
     for line in sys.stdin:
         cmd = json.loads(line)
-        op = cmd["cmd"]
-        if op == "quit":
+        if cmd["cmd"] == "quit":
             break
-        if op == "stats":
-            _reply(asdict(transport.stats()))
-        elif op == "open_gate":
-            zone.gate.set()
-            _reply({"ok": True})
-        elif op == "results":
-            out = []
-            for r in transport.poll_received():
-                segs = zone.take(r.transfer_id)
-                crc = crc_of(np.concatenate(segs)) if segs else crc_of(b"")
-                _chunks, last = zone.last_seen.pop(r.transfer_id, (0, 0.0))
-                times = {"last_chunk_t": last, "reported_t": reported.pop(r.transfer_id, 0.0)}
-                out.append({**asdict(r), "state": r.state.value, "crc": crc, **times})
-            _reply({"results": out})
-        elif op == "send":
-            data = keep.setdefault(cmd["seed"], pattern(cmd["seed"], cmd["nbytes"]))
-            req = SendRequest(cmd.get("request_id", "req"), [KVSegment(data, 0, 1)])
-            handle = transport.send(peer_from_json(cmd["peer"]), req)
-            _reply({"transfer_id": handle.transfer_id})
+        _reply(_serve(cmd, transport, zone, reported, keep))
     zone.gate.set()
     transport.close()
     _reply({"event": "closed", "stats": asdict(transport.stats())})
     return 0
+
+
+def _serve(cmd: dict, transport, zone: LandingZone, reported: dict, keep: dict) -> dict:
+    """Answer one command of the parent (see the module docstring)."""
+    op = cmd["cmd"]
+    if op == "stats":
+        return asdict(transport.stats())
+    if op == "open_gate":
+        zone.gate.set()
+        return {"ok": True}
+    if op == "results":
+        out = []
+        for r in transport.poll_received():
+            segs = zone.take(r.transfer_id)
+            crc = crc_of(np.concatenate(segs)) if segs else crc_of(b"")
+            _chunks, last = zone.last_seen.pop(r.transfer_id, (0, 0.0))
+            times = {"last_chunk_t": last, "reported_t": reported.pop(r.transfer_id, 0.0)}
+            out.append({**asdict(r), "state": r.state.value, "crc": crc, **times})
+        return {"results": out}
+    if op == "send":
+        data = keep.setdefault(cmd["seed"], pattern(cmd["seed"], cmd["nbytes"]))
+        req = SendRequest(cmd.get("request_id", "req"), [KVSegment(data, 0, 1)])
+        return {"transfer_id": transport.send(peer_from_json(cmd["peer"]), req).transfer_id}
+    return {"error": f"unknown command {op!r}"}
 
 
 class PeerProcess:

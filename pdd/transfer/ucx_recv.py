@@ -171,7 +171,7 @@ class UcxReceiver:
 
         def verified(digest: int) -> None:
             if digest != header.checksum:
-                reason = f"integrity check failed: chunk {header.chunk_index} CRC mismatch"
+                reason = f"integrity check failed: chunk {header.chunk_index} checksum mismatch"
                 self._ack(ep, header, self.inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason))
             else:
                 self._ack(ep, header, self.inbound.end_chunk(tid, header.nbytes))

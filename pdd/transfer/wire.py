@@ -2,9 +2,10 @@
 
 Every frame starts with an 8-byte prefix `magic "PDDK" | version u8 | kind u8 | 2 pad bytes`,
 followed by a fixed-size body per kind. A DATA frame's body is the `ChunkHeader`; its payload
-(`nbytes` bytes) follows it directly. Over TCP a 4-byte CRC trailer follows the payload (the
-header's checksum field is 0): both sides checksum each slice while it is hot in cache, which
-halves the cost of the integrity check; UCX and inproc carry the CRC in the header.
+(`nbytes` bytes) follows it directly. Over TCP a 4-byte checksum trailer follows the payload
+(the header's checksum field is 0) so both sides checksum each 1 MiB slice while it is hot in
+cache; UCX and inproc carry the checksum in the header. The checksum (xxh3 by default, crc32c
+or crc32) is named per chunk, so mixed versions interoperate.
 
     DATA    sender -> receiver   ChunkHeader, then payload
     ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA
@@ -14,16 +15,18 @@ halves the cost of the integrity check; UCX and inproc carry the CRC in the head
 
 Chunks: each segment of a request is cut into byte ranges of at most `chunk_bytes`; the
 header carries the segment's block and layer range, dtype and shape, the byte offset of the
-chunk inside its segment and the CRC of the payload, so the receiver can place and verify
-every chunk on its own, in any arrival order.
+chunk inside its segment and its checksum, so the receiver can place and verify every chunk
+on its own, in any arrival order.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +61,7 @@ class FrameKind(enum.IntEnum):
 
 class AckStatus(enum.IntEnum):
     OK = 0
-    CHECKSUM = 1  # payload did not match its CRC: the chunk was discarded
+    CHECKSUM = 1  # payload did not match its checksum: the chunk was discarded
     REFUSED = 2  # the allocator refused the chunk (no room, unknown request)
     GONE = 3  # the transfer is no longer open on the receiver (cancelled, expired, failed)
 
@@ -297,12 +300,69 @@ def _as_bytes(data: Any) -> memoryview:
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
-def plan_chunks(transfer_id: int, request: Any, chunk_bytes: int, algo: int) -> list[Chunk]:
-    """Cut every segment of `request` (a SendRequest) into chunks of at most `chunk_bytes`.
+class ChunkPlan(Sequence[Chunk]):
+    """The chunks of one transfer, computed on demand from the segments.
 
-    An empty request still yields one zero-byte chunk so the receiver learns the transfer
-    exists and completes it. Checksums are filled in by the sending thread, not here.
+    Planning is O(segments), not O(chunks): `send` runs on the caller's thread (vLLM's
+    engine core), and a multi-GB transfer in 32 KiB WAN chunks would be tens of thousands
+    of objects. Chunk i of segment s covers bytes [i*chunk_bytes, ...) of that segment:
+
+        segment 0: |c0|c1|c2|      segment 1: |c3|c4|      (an empty request: one 0-byte c0)
     """
+
+    def __init__(self, transfer_id: int, request: Any, chunk_bytes: int, algo: int):
+        _check_request(request)
+        self.transfer_id, self.request = transfer_id, request
+        self.chunk_bytes, self.algo = chunk_bytes, algo
+        self.views = [_as_bytes(seg.data) for seg in request.segments]
+        self.total = sum(v.nbytes for v in self.views)
+        self._first: list[int] = []  # index of each segment's first chunk
+        count = 0
+        for view in self.views:
+            self._first.append(count)
+            count += -(-view.nbytes // chunk_bytes)
+        self.count = max(count, 1)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> Chunk:  # type: ignore[override]
+        if index < 0:
+            index += self.count
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        if self.total == 0:
+            si, offset, nbytes = 0, 0, 0
+        else:
+            si = bisect.bisect_right(self._first, index) - 1
+            while self.views[si].nbytes == 0:  # empty segments own no chunk
+                si -= 1
+            offset = (index - self._first[si]) * self.chunk_bytes
+            nbytes = min(self.chunk_bytes, self.views[si].nbytes - offset)
+        seg = self.request.segments[si] if self.request.segments else None
+        header = ChunkHeader(
+            transfer_id=self.transfer_id,
+            request_id=self.request.request_id,
+            chunk_index=index,
+            chunk_count=self.count,
+            segment_index=si,
+            block_start=seg.block_start if seg else 0,
+            block_end=seg.block_end if seg else 0,
+            layer_start=seg.layer_start if seg else 0,
+            layer_end=seg.layer_end if seg else 0,
+            dtype=seg.dtype if seg else "uint8",
+            shape=tuple(seg.shape) if seg else (),
+            offset=offset,
+            nbytes=nbytes,
+            segment_nbytes=self.views[si].nbytes if self.views else 0,
+            total_bytes=self.total,
+            checksum_algo=self.algo,
+        )
+        view = self.views[si][offset : offset + nbytes] if self.views else memoryview(b"")
+        return Chunk(header, view)
+
+
+def _check_request(request: Any) -> None:
     if len(request.request_id.encode()) > REQUEST_ID_BYTES:
         raise InvalidRequestError(f"request id longer than {REQUEST_ID_BYTES} bytes")
     for seg in request.segments:
@@ -312,35 +372,12 @@ def plan_chunks(transfer_id: int, request: Any, chunk_bytes: int, algo: int) -> 
             )
         if not all(0 <= d < 1 << 32 for d in seg.shape):
             raise InvalidRequestError(f"shape dimensions must fit 32 bits: {seg.shape}")
-    views = [_as_bytes(seg.data) for seg in request.segments]
-    total = sum(v.nbytes for v in views)
-    pieces: list[tuple[int, int, int]] = []  # (segment index, offset, nbytes)
-    for si, view in enumerate(views):
-        for off in range(0, view.nbytes, chunk_bytes):
-            pieces.append((si, off, min(chunk_bytes, view.nbytes - off)))
-    if not pieces:
-        pieces.append((0, 0, 0))
-    chunks = []
-    for ci, (si, off, n) in enumerate(pieces):
-        seg = request.segments[si] if request.segments else None
-        header = ChunkHeader(
-            transfer_id=transfer_id,
-            request_id=request.request_id,
-            chunk_index=ci,
-            chunk_count=len(pieces),
-            segment_index=si,
-            block_start=seg.block_start if seg else 0,
-            block_end=seg.block_end if seg else 0,
-            layer_start=seg.layer_start if seg else 0,
-            layer_end=seg.layer_end if seg else 0,
-            dtype=seg.dtype if seg else "uint8",
-            shape=tuple(seg.shape) if seg else (),
-            offset=off,
-            nbytes=n,
-            segment_nbytes=views[si].nbytes if views else 0,
-            total_bytes=total,
-            checksum_algo=algo,
-        )
-        view = views[si][off : off + n] if views else memoryview(b"")
-        chunks.append(Chunk(header, view))
-    return chunks
+
+
+def plan_chunks(transfer_id: int, request: Any, chunk_bytes: int, algo: int) -> ChunkPlan:
+    """Cut every segment of `request` (a SendRequest) into chunks of at most `chunk_bytes`.
+
+    An empty request still yields one zero-byte chunk so the receiver learns the transfer
+    exists and completes it. Checksums are filled in by the sending thread, not here.
+    """
+    return ChunkPlan(transfer_id, request, chunk_bytes, algo)

@@ -105,12 +105,13 @@ def test_a_turn_waits_for_the_request_that_sent_its_prefix():
 
 
 def test_no_request_is_sent_after_the_phase_duration():
-    server = FakeServer({f"r{i}": Answer(delay_s=0.3) for i in range(5)})
+    # One stream; each answer takes 1 s: requests start at 0 s and 1 s, then the 1.5 s bound.
+    server = FakeServer({f"r{i}": Answer(delay_s=1.0) for i in range(5)})
     wl = Workload("w", [Group("g")], [req(f"r{i}", i) for i in range(5)])
-    (phase,) = asyncio.run(_phase(server, _cfg(concurrency=1, duration_s=0.45), wl))
+    (phase,) = asyncio.run(_phase(server, _cfg(concurrency=1, duration_s=1.5), wl))
     assert [r.index for r in phase.records] == [0, 1]
     assert phase.not_sent == 3
-    assert phase.wall_s >= 0.6
+    assert phase.wall_s >= 2.0
 
 
 def test_warmup_runs_before_measured_requests_of_each_group():
@@ -139,14 +140,14 @@ def test_open_loop_follows_the_seeded_poisson_schedule():
     (phase,) = asyncio.run(_phase(FakeServer(), cfg, wl))
     expected = poisson_offsets(20.0, 8, random.Random("arrivals-0-g"))
     for rec, at in zip(phase.records, expected, strict=True):
-        assert at <= rec.sent_s < at + 0.5
+        assert at <= rec.sent_s < at + 2.0  # never early; late only by event-loop lag
 
 
 def test_trace_arrivals_are_replayed():
     wl = Workload("w", [Group("g")], [req(f"r{i}", i, arrival=0.1 * i) for i in range(3)])
     (phase,) = asyncio.run(_phase(FakeServer(), _cfg(), wl))
     for i, rec in enumerate(phase.records):
-        assert 0.1 * i <= rec.sent_s < 0.1 * i + 0.5
+        assert 0.1 * i <= rec.sent_s < 0.1 * i + 2.0
 
 
 def test_poisson_offsets_are_seeded_with_the_right_mean():

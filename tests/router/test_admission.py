@@ -2,12 +2,14 @@
 
 Overload is 429 with Retry-After, no capacity is 503 with Retry-After, and a request past
 ``router.request_timeout_s`` ends with a 504 ``timeout_error`` (or, mid-stream, an error event
-then ``[DONE]``) while the worker gets its stream cancelled and an Abort.
+then ``[DONE]``) while the worker gets its stream cancelled and an Abort. A body over
+``router.max_body_bytes`` is 413 however it is framed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 
@@ -15,10 +17,11 @@ import grpc
 import httpx
 import pytest
 
+from pdd.router.limits import BodyLimitMiddleware
 from pdd.router.tokenizer import TextCodec
 from tests.router.conftest import wait_until
 from tests.router.fake_worker import Script
-from tests.router.harness import MAX_QUEUED, RouterHarness
+from tests.router.harness import MAX_BODY_BYTES, MAX_QUEUED, RouterHarness
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -178,3 +181,85 @@ def test_request_within_the_deadline_is_untouched(slow):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == " a b c"
     assert slow.fake.aborts == []
+
+
+# --- body size: chunked uploads and lying Content-Length -------------------------------------
+
+
+def raw_exchange(h: RouterHarness, request: bytes) -> bytes:
+    """Send raw bytes on a fresh connection; read one response (until close or its body)."""
+    host, port = h.root.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while True:
+            head, sep, body = data.partition(b"\r\n\r\n")
+            if sep and len(body) >= int(_header(head, b"content-length") or 0):
+                return data
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def chunked_upload(extra_headers: bytes = b"") -> bytes:
+    chunk = b"a" * 16384  # 5 chunks: 80 KiB, over the harness's 64 KiB limit
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(5)) + b"0\r\n\r\n"
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: pdd\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n" + extra_headers + b"\r\n" + body
+    )
+
+
+def test_chunked_body_over_the_limit_is_413_without_content_length(router):
+    response = raw_exchange(router, chunked_upload())
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ")
+    err = httpx.Response(413, content=body).json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "payload_too_large")
+    assert err["message"] == (
+        f"request body too large: the limit is {MAX_BODY_BYTES} bytes, got more than that"
+    )
+    assert router.fake.requests == []
+    assert_serves(router)
+
+
+def test_content_length_contradicting_chunked_framing_is_refused(router):
+    # Both framings at once is the request-smuggling shape: the server refuses it outright.
+    response = raw_exchange(router, chunked_upload(b"Content-Length: 10\r\n"))
+    assert response.startswith(b"HTTP/1.1 400 ")
+    assert router.fake.requests == []
+    assert_serves(router)
+
+
+def test_body_limit_counts_bytes_not_the_declared_length():
+    """Behind a server or proxy that passes a lying Content-Length through, the limit holds."""
+    reached: list[bytes] = []
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        reached.append((await receive())["body"])
+
+    limited = BodyLimitMiddleware(app, max_body_bytes=100)
+    sent: list[dict] = []
+    parts = [b"x" * 60, b"x" * 60]
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-length", b"10")]}  # fmt: skip
+    asyncio.run(limited(scope, receive, send))
+    assert reached == []
+    assert sent[0]["status"] == 413
+    assert b"the limit is 100 bytes" in sent[1]["body"]

@@ -68,6 +68,22 @@ def test_plan_chunks_cuts_segments_and_keeps_metadata():
     assert (last.block_start, last.layer_start, last.layer_end, last.dtype) == (2, 1, 4, "float32")
 
 
+def test_plan_is_lazy_and_skips_empty_segments():
+    one = np.zeros(1, np.uint8)
+    segs = [KVSegment(one), KVSegment(np.zeros(0, np.uint8)), KVSegment(one)]
+    plan = plan_chunks(1, SendRequest("b", segs), 32, 1)
+    assert [(c.header.segment_index, c.header.nbytes) for c in plan] == [(0, 1), (2, 1)]
+    data = np.zeros(64 << 20, np.uint8)
+    plan = plan_chunks(2, SendRequest("h", [KVSegment(data)]), 1024, 1)  # 65,536 chunks
+    last = plan[-1].header
+    assert (len(plan), last.chunk_index, last.offset, last.nbytes) == (
+        65_536,
+        65_535,
+        (64 << 20) - 1024,
+        1024,
+    )
+
+
 def test_plan_chunks_edge_cases():
     empty = plan_chunks(1, SendRequest("e", []), 100, 1)
     assert [(c.header.chunk_count, c.header.nbytes) for c in empty] == [(1, 0)]
@@ -75,3 +91,12 @@ def test_plan_chunks_edge_cases():
         plan_chunks(1, SendRequest("n", [KVSegment(np.zeros((4, 4))[:, 1])]), 100, 1)
     with pytest.raises(InvalidRequestError, match="longer than 64"):
         plan_chunks(1, SendRequest("r" * 65, []), 100, 1)
+
+
+def test_transfer_layer_never_imports_torch_or_vllm():
+    import subprocess
+    import sys
+
+    code = "import sys, pdd.transfer, pdd.transfer.tcp; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

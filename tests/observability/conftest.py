@@ -1,0 +1,72 @@
+"""Fixtures for the observability tests: the default model's tokenizer, and a PDD router
+(P, RLD, MD) on fake workers whose Stats report DRC and WAN numbers (``StatsFake``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pdd.config import ModelConfig
+from pdd.proto import worker_pb2
+from pdd.router.tokenizer import TextCodec
+from tests.router.conftest import PDD_POLICY, assert_released, fresh
+from tests.router.fake_kv import FakeKvPlane
+from tests.router.fake_worker import FakeWorker
+from tests.router.harness import MAX_MODEL_LEN, RouterHarness
+
+# What the fakes' Stats report (exact values the status and /debug/workers tests check).
+MD_DRC = {"drc_capacity_blocks": 4000, "drc_used_blocks": 1000, "drc_query_tokens": 2000,
+          "drc_hit_tokens": 1500, "drc_evictions": 7}  # fmt: skip
+P_WAN = {"wan_bandwidth_bps": 93.2e6, "wan_rtt_s": 0.0201}
+
+
+class StatsFake(FakeWorker):
+    """A fake worker whose Stats also carry ``extra`` fields (DRC, WAN, waiting, KV usage)."""
+
+    def __init__(self, *args, extra: dict | None = None, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.extra = extra or {}
+
+    async def Stats(self, request, context):  # noqa: N802 (gRPC method name)
+        resp = await super().Stats(request, context)
+        merged = worker_pb2.StatsResponse()
+        merged.CopyFrom(resp)
+        for key, value in self.extra.items():
+            setattr(merged, key, value)
+        return merged
+
+
+@pytest.fixture(scope="session")
+def codec() -> TextCodec:
+    path = ModelConfig().resolved_path()
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"default model folder {path} is missing: run `make model` (make test does)")
+    return TextCodec.from_folder(path)
+
+
+def pdd_fleet(codec: TextCodec, **router: object) -> RouterHarness:
+    plane = FakeKvPlane()
+    fakes = [
+        StatsFake("p0", MAX_MODEL_LEN, "prefill", plane, extra=P_WAN),
+        StatsFake("rld0", MAX_MODEL_LEN, "relay_decode", plane,
+                  extra={"waiting_requests": 2, "kv_cache_usage": 0.25}),
+        StatsFake("md0", MAX_MODEL_LEN, "main_decode", plane, extra=MD_DRC),
+    ]  # fmt: skip
+    return RouterHarness(codec, fakes, plane, mode="pdd", pdd=PDD_POLICY, **router)
+
+
+@pytest.fixture(scope="module")
+def pdd_harness(codec: TextCodec) -> Iterator[RouterHarness]:
+    h = pdd_fleet(codec, debug_requests=4, sla_ttft_s=5.0, sla_tpot_s=1.0)
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def pdd(pdd_harness: RouterHarness) -> Iterator[RouterHarness]:
+    """Fresh scripts and an empty MD cache; afterwards nothing is left anywhere."""
+    fresh(pdd_harness)
+    yield pdd_harness
+    assert_released(pdd_harness)
