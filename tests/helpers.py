@@ -25,26 +25,37 @@ class Served:
     router_port: int
     worker_ports: dict[str, int]
     output: deque = field(default_factory=lambda: deque(maxlen=400))
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # with pin_metrics_ports
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(list(self.output)[-n:])
 
 
-def serve(config: str, worker_ids: list[str], overrides: list[str] = (), timeout_s: float = 300):
-    """Start `pdd serve` on free ports and wait for its ready line (with a deadline)."""
+def serve(
+    config: str,
+    worker_ids: list[str],
+    overrides: list[str] = (),
+    timeout_s: float = 300,
+    pin_metrics_ports: bool = False,
+):
+    """Start `pdd serve` on free ports and wait for its ready line (with a deadline).
+    ``pin_metrics_ports``: also give each worker a known metrics port (``metrics_ports``)."""
     router_port = free_port()
     worker_ports = {w: free_port() for w in worker_ids}
+    metrics_ports = {w: free_port() for w in worker_ids} if pin_metrics_ports else {}
     args = [sys.executable, "-m", "pdd.cli", "serve", "--config", config]
     args += ["--set", f"router.port={router_port}"]
     for i, w in enumerate(worker_ids):
         args += ["--set", f"workers.{i}.port={worker_ports[w]}"]
+        if w in metrics_ports:
+            args += ["--set", f"workers.{i}.metrics_port={metrics_ports[w]}"]
     for o in overrides:
         args += ["--set", o]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    served = Served(proc, "", router_port, worker_ports)
+    served = Served(proc, "", router_port, worker_ports, metrics_ports=metrics_ports)
     ready = threading.Event()
 
     def pump():

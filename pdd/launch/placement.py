@@ -74,7 +74,7 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 class Sites(Protocol):
-    """Where the children run. ``open`` before use, ``close`` always (a context manager)."""
+    """Where the children run; a context manager (enter before use: the lab may come up)."""
 
     def sites(self) -> dict[str, Site]: ...
     def spawn_for(self, dc: str) -> Spawn: ...

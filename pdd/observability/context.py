@@ -151,8 +151,10 @@ class RequestIdServerInterceptor(grpc.aio.ServerInterceptor):
     runs interceptors and the handler in one context)."""
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        rid = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == REQUEST_ID_METADATA:
-                bind_request(value if isinstance(value, str) else value.decode())
+                rid = value if isinstance(value, str) else value.decode()
                 break
+        _scope.set(None if rid is None else RequestScope(rid))  # never a leftover binding
         return await continuation(handler_call_details)

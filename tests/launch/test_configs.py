@@ -50,7 +50,9 @@ def test_local_is_the_default_pdd_topology():
         ("rld", Role.RELAY_DECODE, "dc-a"),
         ("md", Role.MAIN_DECODE, "dc-b"),
     ]
-    assert (cfg.engine.kv_cache_space_gib, cfg.engine.block_size) == (1, 32)
+    engines = [cfg.engine_for(w.id) for w in cfg.workers]
+    assert [(e.kv_cache_space_gib, e.block_size) for e in engines] == [(1, 32)] * 3
+    assert [e.omp_threads_bind for e in engines] == ["0", "1", "1"]  # P | RLD + MD
     assert route(cfg) == {Role.PREFILL: "p", Role.RELAY_DECODE: "rld", Role.MAIN_DECODE: "md"}
 
 
@@ -67,6 +69,7 @@ def test_baselines_route_to_their_one_decoder(name, mode, decoder):
     assert decoder in chosen.values()
     p, d = cfg.worker("p"), cfg.worker(decoder)
     assert (p.datacenter != d.datacenter) == (mode is RouterMode.PD_WAN)
+    assert [cfg.engine_for(w).omp_threads_bind for w in ("p", decoder)] == ["0", "1"]
 
 
 @pytest.mark.parametrize(

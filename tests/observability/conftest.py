@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdd.config import ModelConfig
+from pdd.observability.context import REQUEST_ID_METADATA as HEADER
 from pdd.proto import worker_pb2
 from pdd.router.tokenizer import TextCodec
 from tests.router.conftest import PDD_POLICY, assert_released, fresh
@@ -22,11 +23,38 @@ P_WAN = {"wan_bandwidth_bps": 93.2e6, "wan_rtt_s": 0.0201}
 
 
 class StatsFake(FakeWorker):
-    """A fake worker whose Stats also carry ``extra`` fields (DRC, WAN, waiting, KV usage)."""
+    """A fake worker whose Stats also carry ``extra`` fields (DRC, WAN, waiting, KV usage),
+    and that records the ``x-request-id`` metadata of every request RPC:
+    ``rpc_ids`` = [(method, the message's request id, the metadata's)]."""
 
     def __init__(self, *args, extra: dict | None = None, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.extra = extra or {}
+        self.rpc_ids: list[tuple[str, str, str | None]] = []
+
+    def reset(self) -> None:
+        super().reset()
+        self.rpc_ids = []
+
+    def _seen(self, method: str, rid: str, context) -> None:  # type: ignore[no-untyped-def]
+        self.rpc_ids.append((method, rid, dict(context.invocation_metadata()).get(HEADER)))
+
+    async def Generate(self, request, context):  # noqa: N802
+        self._seen("Generate", request.request_id, context)
+        async for resp in super().Generate(request, context):
+            yield resp
+
+    async def PrepareKv(self, request, context):  # noqa: N802
+        self._seen("PrepareKv", request.kv_request_id, context)
+        return await super().PrepareKv(request, context)
+
+    async def SendKv(self, request, context):  # noqa: N802
+        self._seen("SendKv", request.kv_request_id, context)
+        return await super().SendKv(request, context)
+
+    async def AwaitKv(self, request, context):  # noqa: N802
+        self._seen("AwaitKv", request.kv_request_id, context)
+        return await super().AwaitKv(request, context)
 
     async def Stats(self, request, context):  # noqa: N802 (gRPC method name)
         resp = await super().Stats(request, context)

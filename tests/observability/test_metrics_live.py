@@ -1,0 +1,98 @@
+"""Every metric the dashboard reads exists on a running PDD system and moves under traffic.
+
+Starts `pdd serve --config configs/local.yaml` (router + P + RLD + MD, real vLLM engines),
+scrapes the router and every worker's /metrics, sends requests down each pipeline (p_md,
+p_rld_md with One-Shot and Catch-Up, and a second turn of a conversation, so MD's DRC hits),
+scrapes again, and checks each dashboard metric on each process the catalog says exports
+it: present, and, for counters and histograms, increased. Metrics the catalog marks
+``planned`` (the exporter does not have them yet) may be missing: then the test ends as
+xfail naming them; a planned metric that shows up fails it (flip it to built).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pdd.config import load_config
+from pdd.observability import catalog
+from pdd.observability.catalog import Kind, MetricSpec
+from pdd.observability.dashboard import dashboard_metrics, load
+from tests.helpers import serve, stop
+from tests.observability.scrape import Family, parse
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "configs/local.yaml"
+SLA = ["router.sla_ttft_s=120", "router.sla_tpot_s=10"]  # every request counts as good here
+# Counters that need rare events to move (evictions, failures): they must exist only.
+QUIET = {"pdd_drc_evicted_blocks_total", "pdd_requests_rejected_total"}
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
+
+
+def _prompt(seed: int, words: int = 600) -> str:
+    w = WORDS.split()
+    return " ".join(w[(seed * 7 + i * 3) % len(w)] + str(i % 13) for i in range(words))
+
+
+def _complete(url: str, prompt: str, pipeline: str, handoff: str = "auto") -> dict:
+    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": pipeline, "handoff": handoff}}  # fmt: skip
+    r = httpx.post(url + "/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _traffic(url: str) -> None:
+    first = _prompt(1)
+    _complete(url, first, "p_md")
+    _complete(url, first + " " + _prompt(2, 200), "p_md")  # second turn: MD's DRC hits
+    _complete(url, _prompt(3), "p_rld_md", "one_shot")
+    _complete(url, _prompt(4), "p_rld_md", "catch_up")
+    _complete(url, _prompt(5, 100), "auto")
+
+
+def _scrape_all(url: str, metrics_urls: dict[str, str]) -> dict[str, dict[str, Family]]:
+    out = {"router": parse(httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text)}
+    for wid, murl in metrics_urls.items():
+        out[wid] = parse(httpx.get(murl, timeout=10).text)
+    return out
+
+
+def _moved(spec: MetricSpec, before: Family | None, after: Family) -> bool:
+    if spec.kind is Kind.GAUGE or spec.name in QUIET:
+        return True
+    sample = f"{spec.name}_count" if spec.kind is Kind.HISTOGRAM else spec.name
+    return after.total(sample) > (before.total(sample) if before else 0.0)
+
+
+def test_every_dashboard_metric_exists_and_moves(codec):
+    cfg = load_config(CONFIG)
+    ids = [w.id for w in cfg.workers]
+    role_of = {w.id: w.role.value for w in cfg.workers}
+    served = serve(CONFIG, ids, SLA, pin_metrics_ports=True)
+    try:
+        murls = {w: f"http://127.0.0.1:{p}/metrics" for w, p in served.metrics_ports.items()}
+        before = _scrape_all(served.url, murls)
+        _traffic(served.url)
+        after = _scrape_all(served.url, murls)
+    finally:
+        stop(served)
+    specs = {catalog.get(n).name: catalog.get(n) for n in dashboard_metrics(load())}
+    missing: dict[str, list[str]] = {}  # metric -> processes lacking it
+    still: list[str] = []
+    for spec in specs.values():
+        for proc, fams in after.items():
+            if (role_of.get(proc) or proc) not in spec.exporters:
+                continue
+            if spec.name not in fams:
+                missing.setdefault(spec.name, []).append(proc)
+            elif not _moved(spec, before[proc].get(spec.name), fams[spec.name]):
+                still.append(f"{spec.name}@{proc}")
+    built_missing = {n: p for n, p in missing.items() if specs[n].status == "built"}
+    assert built_missing == {}, f"built metrics missing: {built_missing}"
+    assert still == [], f"metrics that did not move under traffic: {still}"
+    planned_present = sorted(n for n, s in specs.items() if s.status == "planned" and n not in missing)
+    assert planned_present == [], f"exported now: mark them built in the catalog: {planned_present}"
+    if missing:
+        pytest.xfail(f"workers do not export these yet (catalog: planned): {sorted(missing)}")
