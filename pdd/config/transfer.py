@@ -16,6 +16,14 @@ class TransferConfig(Section):
     chunk_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest wire chunk (bytes); one checksum and ack each."
     )
+    ucx_chunk_bytes: int = Field(
+        16 * 1024 * 1024,
+        gt=0,
+        description=(
+            "UCX chunk (bytes). Inside a datacenter a 16 MiB chunk still moves in ~2 ms and "
+            "halves the per-chunk cost of 4 MiB chunks."
+        ),
+    )
     min_chunk_bytes: int = Field(
         32 * 1024,
         gt=0,

@@ -173,6 +173,7 @@ class MainDecodeRole:
     async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
         prompt = list(req.prompt_token_ids)
         chain = self.hashes(prompt)
+        await self._own.settle(chain)  # the previous turn's own blocks, if still landing
         res = self._landing.prepare(req.kv_request_id, chain, len(prompt), req.lease_s)
         return pb.PrepareKvResponse(
             cached_blocks=res.cached_blocks,

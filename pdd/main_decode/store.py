@@ -13,6 +13,9 @@ normally ``store`` keeps the whole blocks of ``prompt + output`` the DRC lacks:
     final output: copy scratch -> landing buffers of the blocks the DRC lacks, drc.land
     drc.release; the scratch slots come back through run_with_kv's release (fence-safe)
 
+The next turn's PrepareKv usually arrives right after this turn ended: it ``settle``s first,
+waiting (at most SETTLE_WAIT_S) for a store of the same conversation (same first block).
+
 The export starts at block 0 (ExportParams has no first block), so the blocks the DRC
 already holds are copied into scratch too and dropped: the scratch region bounds the longest
 chain stored (``kv_staging_gib``). Best effort: any failure only means fewer cached blocks.
@@ -37,6 +40,7 @@ from pdd.worker.slots import SlotPool
 log = logging.getLogger(__name__)
 
 GREEDY_ONE = SamplingSpec(temperature=0.0, max_tokens=1, ignore_eos=True)
+SETTLE_WAIT_S = 0.5  # PrepareKv waits at most this for a store of the same conversation
 
 
 class OwnBlocks:
@@ -55,7 +59,7 @@ class OwnBlocks:
         self._hashes = hashes
         self._block_size = drc.block_size
         self._scratch = SlotPool(num_slots, first=first_slot)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], BlockHash] = {}  # -> first block of its chain
         self.stored_blocks = 0
 
     @property
@@ -72,13 +76,20 @@ class OwnBlocks:
             return
         prompt = tokens[: n * self._block_size + 1]
         task = asyncio.get_running_loop().create_task(self._store(request_id, prompt, chain))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = chain[0]
+        task.add_done_callback(lambda t: self._tasks.pop(t, None))
+
+    async def settle(self, chain: list[BlockHash]) -> None:
+        """Wait (bounded) for stores of the same conversation (same first block) to land:
+        the next turn's PrepareKv arrives right after the previous turn ended."""
+        same = [t for t, first in self._tasks.items() if chain and first == chain[0]]
+        if same:
+            await asyncio.wait(same, timeout=SETTLE_WAIT_S)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _store(self, request_id: str, prompt: list[int], chain: list[BlockHash]) -> None:
         owner = f"own:{request_id}"

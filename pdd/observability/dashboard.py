@@ -75,7 +75,9 @@ def panels(dashboard: dict) -> list[Panel]:
             p.get("title", ""),
             p["type"],
             p.get("fieldConfig", {}).get("defaults", {}).get("unit", ""),
-            tuple(Target(t.get("expr", ""), t.get("legendFormat", "")) for t in p.get("targets", [])),
+            tuple(
+                Target(t.get("expr", ""), t.get("legendFormat", "")) for t in p.get("targets", [])
+            ),
         )
         for p in flat
     ]

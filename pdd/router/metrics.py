@@ -109,8 +109,9 @@ class RouterMetrics:
             "(router.cost_per_hour of its role).", ["worker", "role"], registry=r,
         )  # fmt: skip
         count = Gauge("pdd_workers", "Workers of each role in the fleet.", ["role"], registry=r)
-        for role in Role:
-            count.labels(role.value).set(sum(w.role is role for w in cfg.workers))
+        for role in Role:  # the roles the fleet has
+            if any(w.role is role for w in cfg.workers):
+                count.labels(role.value).set(sum(w.role is role for w in cfg.workers))
         for w in cfg.workers:
             cost.labels(w.id, w.role.value).set(getattr(cfg.router.cost_per_hour, w.role.value))
 

@@ -42,6 +42,7 @@ from pdd.transfer.ucx_loop import (
     UcxLoop,
     close_endpoint,
     data_tag,
+    process_identity,
     ucx,
 )
 from pdd.transfer.ucx_recv import UcxReceiver
@@ -147,6 +148,9 @@ class UcxTransport(BaseTransport):
     def _io_threads(self) -> list[threading.Thread]:
         return [self.loop.thread, self.loop.helper]
 
+    def _chunk_bytes(self, peer: PeerAddress) -> int:
+        return self.config.ucx_chunk_bytes
+
     # --- sending (all below runs on the I/O thread unless noted) ---------------------------
 
     def _submit(self, peer: PeerAddress, record: OutRecord) -> None:  # any thread
@@ -186,7 +190,10 @@ class UcxTransport(BaseTransport):
         except Exception as exc:  # ucxx raises its own error types
             p.broken = f"cannot connect to {p.key}: {exc}"
             return p
-        hello = np.frombuffer(_ID.pack(self.sender_id), np.uint8).copy()
+        # sender id, then pid and pid namespace: with shared memory the receiver checks that
+        # we are alive before it matches our rendezvous (see process_alive)
+        ident = process_identity(p.data is not p.ctrl)
+        hello = np.array([self.sender_id, *ident], np.uint64)
         self.loop.track(p.ctrl.stream_send(Array(hello)), lambda e: None, hello)
         welcome = np.zeros(1, np.uint64)
 
@@ -223,27 +230,43 @@ class UcxTransport(BaseTransport):
             self._send_chunk(p, rec, index)
 
     def _send_chunk(self, p: UcxPeer, rec: OutRecord, index: int) -> None:
+        """Checksum the chunk on the helper thread (in posting order), then post it.
+
+        The I/O thread keeps progressing and taking acks while the next chunks are hashed.
+        """
         if self.outbound.begin_chunk(rec.transfer_id) is None:
             return
         chunk = rec.chunks[index]
-        header = chunk.header
-        left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
-        frame = header.pack_sent(checksum(header.checksum_algo, chunk.view), left_ms)
-        head = np.frombuffer(_ID.pack(self.sender_id) + frame, np.uint8)
-        payload: Any = chunk.view
-        if self.faults.corrupt is not None and header.nbytes and self.faults.corrupt(header):
-            payload = bytearray(payload)  # fault injection only: flip one byte in a copy
-            payload[0] ^= 0xFF
         tid = rec.transfer_id
         p.inflight += 1
         self._unacked.setdefault(tid, [p, 0])[1] += 1
-        self.loop.send(p.data, head, HDR_TAG, lambda e: None, owner=p)
+        algo = chunk.header.checksum_algo
+        self.loop.offload(
+            lambda: checksum(algo, chunk.view), lambda digest: self._post(p, rec, chunk, digest)
+        )
+
+    def _post(self, p: UcxPeer, rec: OutRecord, chunk: Any, digest: int) -> None:
+        tid, header = rec.transfer_id, chunk.header
 
         def sent(error: str | None) -> None:
             self.outbound.end_chunk(tid)  # UCX no longer reads the source buffer
             if error is not None:
                 self._break(p, f"send to {p.key} failed: {error}")
 
+        if p.broken is not None or not p.ctrl.alive:
+            sent(None if p.broken is not None else "receiver connection lost")
+            return
+        if rec.stop_state is not None:  # cancelled while hashing: never put it on the wire
+            sent(None)
+            self._window_opened(tid)  # no ack will come for it
+            return
+        left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
+        head = np.frombuffer(_ID.pack(self.sender_id) + header.pack_sent(digest, left_ms), np.uint8)
+        payload: Any = chunk.view
+        if self.faults.corrupt is not None and header.nbytes and self.faults.corrupt(header):
+            payload = bytearray(payload)  # fault injection only: flip one byte in a copy
+            payload[0] ^= 0xFF
+        self.loop.send(p.data, head, HDR_TAG, lambda e: None, owner=p)
         if header.nbytes:
             self.loop.send(p.data, payload, data_tag(tid, header.chunk_index), sent, owner=p)
         else:

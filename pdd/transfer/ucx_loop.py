@@ -15,6 +15,7 @@ still in flight and waits (bounded) for every callback, so each buffer's owner h
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -48,6 +49,34 @@ def data_tag(transfer_id: int, chunk_index: int) -> int:
     return DATA_KIND | mixed
 
 
+def process_identity(shared_memory: bool) -> tuple[int, int]:
+    """(pid, pid-namespace inode) a sender announces; (0, 0) when it uses no shared memory."""
+    if not shared_memory:
+        return 0, 0
+    return os.getpid(), _own_pidns()
+
+
+@functools.cache
+def _own_pidns() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def process_alive(pid: int, pidns: int) -> bool:
+    """Is an announced peer process still running? Unknown (0, other namespace) is alive.
+
+    Needed because UCX crashes when a receive matches a shared-memory rendezvous from a
+    process that is already dead; a zombie counts as dead.
+    """
+    if not pid or pidns != _own_pidns():
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def close_endpoint(ep: Any) -> None:
     """Close an endpoint and drop its close callback (which would keep a reference cycle
     through our closures alive). Plain close() hangs on endpoints that already failed."""
@@ -75,6 +104,7 @@ class UcxLoop:
         # A helper thread verifies checksums so progress (the next chunk's copy) goes on
         # meanwhile; the checksum releases the GIL, so the two use both cores.
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs_out = 0  # offloaded and not yet handed back (I/O thread only)
         self._helper_done = False
         self.helper = threading.Thread(target=self._help, name=f"{name}-ucx-hash", daemon=True)
         self.on_error: Callable[[BaseException], None] | None = None
@@ -90,7 +120,13 @@ class UcxLoop:
         if self._helper_done:  # closing: run inline
             then(fn())
             return
-        self._jobs.put((fn, then))
+        self._jobs_out += 1
+
+        def back(result: Any) -> None:
+            self._jobs_out -= 1
+            then(result)
+
+        self._jobs.put((fn, back))
 
     def _help(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -142,7 +178,7 @@ class UcxLoop:
         while self._calls:
             fn = self._calls.popleft()
             self._guard(fn)
-        if any(item[3] is not None for item in self._pending):
+        if self._jobs_out or any(item[3] is not None for item in self._pending):
             # Moving a caller's bytes: poll (shared memory never wakes epoll), yielding the
             # CPU briefly when a pass completed nothing so a slow peer costs little.
             progressed = False

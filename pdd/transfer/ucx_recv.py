@@ -26,6 +26,7 @@ from pdd.transfer.ucx_loop import (
     Array,
     close_endpoint,
     data_tag,
+    process_alive,
     ucx,
 )
 from pdd.transfer.wire import (
@@ -59,6 +60,7 @@ class UcxReceiver:
         self._senders: dict[int, Any] = {}  # sender id -> its control endpoint
         self._conns: list[Any] = []
         self._lost: dict[int, Any] = {}  # id(endpoint) -> its `lost` handler
+        self._pids: dict[int, tuple[int, int]] = {}  # sender id -> (pid, pid namespace)
         self._closed = False
 
     def listen(self) -> None:
@@ -76,25 +78,30 @@ class UcxReceiver:
 
     def release(self) -> None:
         """After the loop stopped: drop endpoints, then the listener (see UcxTransport)."""
-        self._conns, self._senders, self._lost = [], {}, {}
+        self._conns, self._senders, self._lost, self._pids = [], {}, {}, {}
         self.listener = None
 
     def check_alive(self) -> None:
-        """Backstop for close callbacks that UCX does not always deliver: poll `alive`."""
+        """Backstop for close callbacks that UCX does not always deliver: poll `alive`,
+        and the process of every shared-memory sender."""
         for ep in list(self._conns):
             if not ep.alive and id(ep) in self._lost:
+                self._lost[id(ep)]()
+        for sender, ep in list(self._senders.items()):
+            if not process_alive(*self._pids.get(sender, (0, 0))) and id(ep) in self._lost:
                 self._lost[id(ep)]()
 
     def _on_conn(self, conn_request: Any) -> None:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
         self._conns.append(ep)
-        hello = np.zeros(1, np.uint64)
+        hello = np.zeros(3, np.uint64)  # sender id, pid, pid namespace inode
         state: dict[str, int] = {}
 
         def lost() -> None:
             sender = state.get("sender")
             if sender is not None and self._senders.get(sender) is ep:
                 del self._senders[sender]
+                self._pids.pop(sender, None)
                 self.inbound.stop_where(
                     lambda r: r.source == sender, TransferState.FAILED, "sender connection lost"
                 )
@@ -111,6 +118,7 @@ class UcxReceiver:
                 return
             state["sender"] = sender = int(hello[0])
             self._senders[sender] = ep
+            self._pids[sender] = (int(hello[1]), int(hello[2]))
             reply = np.ones(1, np.uint64)
             self.loop.track(ep.stream_send(Array(reply)), lambda e: None, reply)
 
@@ -176,6 +184,12 @@ class UcxReceiver:
             else:
                 self._ack(ep, header, self.inbound.end_chunk(tid, header.nbytes))
 
+        if not process_alive(*self._pids.get(sender, (0, 0))):
+            # UCX crashes matching a shared-memory rendezvous of a dead process: never post.
+            if buf is not None:
+                self.inbound.end_chunk(tid, 0, AckStatus.REFUSED, "sender process gone")
+            self.loop.call(self._lost.get(id(ep), lambda: None))
+            return
         # Posted on the worker, not the endpoint: ucxx crashes when an endpoint-bound request
         # is posted while the endpoint is failing. A dead sender's receives are abandoned.
         tag = data_tag(tid, header.chunk_index)

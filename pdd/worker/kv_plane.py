@@ -140,7 +140,10 @@ class KvPlane:
             raise
 
     def _make(self, kind: str, hooks: ReceiverHooks | None) -> Transport:
-        transport = create_transport(kind, self._transfer, hooks=hooks, on_finished=self._sent)
+        try:
+            transport = create_transport(kind, self._transfer, hooks=hooks, on_finished=self._sent)
+        except ImportError as exc:  # e.g. ucxx not installed on this machine
+            raise ConfigError(f"the {kind} KV transport is not available here: {exc}") from exc
         transport.start()
         return transport
 

@@ -49,9 +49,7 @@ def test_metric_names_parser():
         "/ ignoring(pipeline) group_left sum(vllm:b_total offset 5m) + 1e6 * on(role) pdd_c"
     )
     assert metric_names(expr) == {"pdd_a_bucket", "vllm:b_total", "pdd_c"}
-    assert metric_names("histogram_quantile(0.99, sum(rate(x_bucket[5m])) by (le))") == {
-        "x_bucket"
-    }
+    assert metric_names("histogram_quantile(0.99, sum(rate(x_bucket[5m])) by (le))") == {"x_bucket"}
 
 
 def test_dashboard_parses_and_has_the_grafana_shape():

@@ -58,7 +58,7 @@ def test_economics_series(pdd):
     }  # fmt: skip
     workers = after["pdd_workers"]
     assert {dict(labels)["role"]: v for (_, labels), v in workers.samples.items()} == {
-        "prefill": 1, "relay_decode": 1, "main_decode": 1, "colocated": 0,
+        "prefill": 1, "relay_decode": 1, "main_decode": 1,
     }  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from tests.transfer.helpers import KINDS, idle, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 KiB, MiB = 1 << 10, 1 << 20
-SMALL = {"chunk_bytes": 64 * KiB, "min_chunk_bytes": 64 * KiB}
+SMALL = {"chunk_bytes": 64 * KiB, "min_chunk_bytes": 64 * KiB, "ucx_chunk_bytes": 64 * KiB}
 
 
 @pytest.fixture(params=KINDS)
@@ -81,7 +81,9 @@ def test_chunks_land_in_order_and_before_the_last_is_sent(kind, make_pair):
 
 
 def test_many_concurrent_transfers(kind, make_pair):
-    pair = make_pair(kind, chunk_bytes=256 * KiB, min_chunk_bytes=64 * KiB)
+    pair = make_pair(
+        kind, chunk_bytes=256 * KiB, min_chunk_bytes=64 * KiB, ucx_chunk_bytes=256 * KiB
+    )
     rng = np.random.default_rng(9)
     sizes = [int(x) for x in rng.integers(0, 3 * MiB, 24)]
     handles: dict[int, int] = {}
