@@ -106,3 +106,62 @@ def children_of(pid: int) -> list[int]:
         out += kids
         frontier += kids
     return out
+
+
+def run_oracle(prompts: list, dtype: str, max_tokens: int, timeout_s: float = 900) -> list[dict]:
+    """Greedy tokens of a direct vLLM run (tests/e2e/vllm_oracle.py: no pdd code involved)."""
+    import json
+
+    from pdd.config import ModelConfig
+
+    model_dir = str(ModelConfig(dtype=dtype).resolved_path())
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "e2e", "vllm_oracle.py"), model_dir, dtype,
+         str(max_tokens)],
+        input=json.dumps(prompts), capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"oracle failed:\n{proc.stderr[-3000:]}")
+    line = [x for x in proc.stdout.splitlines() if x.startswith("ORACLE_JSON:")][-1]
+    return json.loads(line[len("ORACLE_JSON:") :])
+
+
+def start_router(config: str, overrides: list[str], timeout_s: float = 120):
+    """One extra `pdd router` process (e.g. another mode over the same workers)."""
+    port = free_port()
+    args = [sys.executable, "-m", "pdd.router.main", "--config", config]
+    for o in [*overrides, f"router.port={port}"]:
+        args += ["--set", o]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    served = Served(proc, "", port, {})
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            served.output.append(line.rstrip("\n"))
+            if "pdd router ready: " in line:
+                served.url = line.split("pdd router ready: ", 1)[1].split()[0]
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(served)
+            raise RuntimeError(f"router did not become ready:\n{served.log_tail()}")
+    return served
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+    """Poll predicate() until true; AssertionError naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval_s)

@@ -28,7 +28,9 @@ from pdd.errors import PddError
 from pdd.launch.children import Child, child_env, child_specs
 from pdd.launch.placement import Placed, Spawn
 
-STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL, per stage (router, then all workers)
+# SIGTERM to SIGKILL, per stage (router, then all workers). A worker needs ~4-11 s: vLLM gives
+# its engine core 10 s to exit before it kills it, and on loaded cores that happens.
+STOP_GRACE_S = 30.0
 HEALTH_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 2.0
 # No proxy: the router is on this host or behind a management link, never behind a proxy.

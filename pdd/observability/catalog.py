@@ -167,10 +167,11 @@ WORKER_METRICS = (
 
 
 def _vllm(name, kind, unit, help):  # type: ignore[no-untyped-def]
-    return _m(name, kind, unit, VLLM_LABELS, WORKERS, help, "planned")
+    return _m(name, kind, unit, VLLM_LABELS, WORKERS, help)
 
 
-# vLLM 0.32's own engine metrics (vllm/v1/metrics/loggers.py) every worker should serve.
+# vLLM 0.32's own engine metrics (vllm/v1/metrics/loggers.py). Every worker serves them: vLLM
+# adds its PrometheusStatLogger next to pdd's stat sink, in the worker's default registry.
 VLLM_METRICS = (
     _vllm("vllm:num_requests_running", G, "requests", "vLLM: requests in model execution."),
     _vllm("vllm:num_requests_waiting", G, "requests", "vLLM: requests waiting."),

@@ -22,6 +22,7 @@ All UCX calls run on the `UcxLoop` thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import threading
@@ -72,7 +73,10 @@ def host_id() -> str:
 class UcxPeer:
     """Sender-side state toward one receiver (lives on the I/O thread)."""
 
+    _serials = itertools.count()
+
     def __init__(self, peer: PeerAddress):
+        self.serial = next(UcxPeer._serials)
         self.peer = peer
         self.key = peer.key()
         self.ctrl: Any = None
@@ -179,9 +183,11 @@ class UcxTransport(BaseTransport):
         p = self._peers[peer.key()] = UcxPeer(peer)
         try:
             p.ctrl = ucx.UCXEndpoint.create(self.loop.worker, peer.host, peer.port, True)
-            # Called from inside UCX progress: defer, closing endpoints there deadlocks.
-            lost = lambda: self._break(p, "receiver connection lost")  # noqa: E731
-            p.ctrl.set_close_callback(lambda: self.loop.call(lost))
+            # Called from inside UCX progress: defer, closing endpoints there deadlocks. The
+            # callback names the peer by key and serial, never by object: an endpoint
+            # reachable from its own callback is a cycle the collector frees too late.
+            key, serial = p.key, p.serial
+            p.ctrl.set_close_callback(lambda: self.loop.call(lambda: self._lost(key, serial)))
             if peer.ucx_address and peer.host_id == self.host_id:
                 addr = ucx.UCXAddress.create_from_buffer(peer.ucx_address)
                 p.data = self.loop.worker.create_endpoint_from_worker_address(addr, False)
@@ -206,6 +212,11 @@ class UcxTransport(BaseTransport):
 
         self.loop.track(p.ctrl.stream_recv(Array(welcome)), on_welcome, welcome)
         return p
+
+    def _lost(self, key: str, serial: int) -> None:
+        p = self._peers.get(key)
+        if p is not None and p.serial == serial:
+            self._break(p, "receiver connection lost")
 
     def _say_bye(self, p: UcxPeer) -> None:
         """Tell a live peer we are closing (ordered after our data) and let it go out."""
@@ -309,4 +320,5 @@ class UcxTransport(BaseTransport):
         self.outbound.stop_where(lambda r: r.peer == p.key, TransferState.FAILED, reason)
         for ep in {id(e): e for e in (p.data, p.ctrl) if e is not None}.values():
             close_endpoint(ep)
-        self.loop.abandon(p, reason)
+        if reason != "transport closed":
+            self.loop.abandon(p, reason)  # the peer may be dead: its requests never finish

@@ -15,6 +15,7 @@ still in flight and waits (bounded) for every callback, so each buffer's owner h
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -80,11 +81,11 @@ def process_alive(pid: int, pidns: int) -> bool:
 def close_endpoint(ep: Any) -> None:
     """Close an endpoint and drop its close callback (which would keep a reference cycle
     through our closures alive). Plain close() hangs on endpoints that already failed."""
-    try:
-        ep.remove_close_callback()
-        ep.close_blocking(10_000, 100)
-    except Exception as exc:  # ucxx raises its own types for already closed endpoints
-        log.debug("endpoint close: %s", exc)
+    for step in (ep.remove_close_callback, lambda: ep.close_blocking(10_000, 100)):
+        try:
+            step()
+        except Exception as exc:  # ucxx raises its own types for already closed endpoints
+            log.debug("endpoint close: %s", exc)
 
 
 class UcxLoop:
@@ -109,6 +110,7 @@ class UcxLoop:
         self.helper = threading.Thread(target=self._help, name=f"{name}-ucx-hash", daemon=True)
         self.on_error: Callable[[BaseException], None] | None = None
         self.on_tick: Callable[[], None] | None = None  # every TICK_S: liveness checks
+        self.tainted = False  # a peer died on this worker: see release()
         self._next_tick = 0.0
 
     def start(self) -> None:
@@ -161,6 +163,7 @@ class UcxLoop:
         endpoint is closed. The dead peer can no longer read or write our buffers, so the
         owner gets its buffers back; the request objects are kept until close.
         """
+        self.tainted = True
         mine = [item for item in self._pending if item[3] == owner]
         if not mine:
             return
@@ -222,29 +225,40 @@ class UcxLoop:
         """Cancel what is in flight and fire every callback.
 
         Requests that hold a caller's buffer (they have an owner) get up to CLOSE_DRAIN_S
-        to complete or cancel; our own posted header/ack receives are simply dropped.
+        to complete or cancel; our own posted header/ack receives are simply dropped. The
+        receives abandoned for dead peers are cancelled too: a request still posted when
+        the worker is destroyed crashes ucxx.
         """
         self._jobs.put(None)
         self.helper.join()
         self._helper_done = True
         while self._calls:
             self._guard(self._calls.popleft())
-        if self._pending:
-            self.worker.cancel_inflight_requests()
+        self.worker.cancel_inflight_requests()
         deadline = time.monotonic() + CLOSE_DRAIN_S
-        while any(item[3] is not None for item in self._pending):
+        while any(item[3] is not None for item in self._pending) or not all(
+            r.completed for r in self._abandoned
+        ):
             if time.monotonic() > deadline:
                 break
             self.worker.progress_worker_event(1)
             self._reap()
         for _request, callback, _keep, _owner in self._pending:  # never completed
             self._guard(lambda cb=callback: cb("ucx request abandoned at close"))
-        self._pending, self._abandoned = [], []
 
     def release(self) -> None:
-        """After close and after the owner dropped its endpoints: free worker, context."""
+        """After close and after the owner dropped its endpoints: free worker, context.
+
+        A worker that had a peer die on it is never destroyed: ucp_worker_destroy crashes
+        (segfault, measured with ucxx 0.52 / UCX 1.21) tearing down the shared-memory
+        endpoint of a dead process. It stays referenced until the process exits; the OS
+        reclaims it then. Workers that only saw clean closes are freed.
+        """
         self._pending, self._abandoned, self._calls = [], [], deque()
         self.on_tick = self.on_error = None
+        if self.tainted:
+            for obj in (self.worker, self.context):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # deliberate, see above
         self.worker = None
         self.context = None
 

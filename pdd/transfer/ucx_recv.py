@@ -11,6 +11,7 @@ every lent buffer is released exactly once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 from typing import TYPE_CHECKING, Any
@@ -51,15 +52,20 @@ _ID = struct.Struct("<Q")
 
 
 class UcxReceiver:
+    """Endpoints are referred to by connection number, never captured in callbacks: an
+    endpoint reachable from its own close callback forms a cycle that the garbage collector
+    frees at an arbitrary time, and ucxx crashes when that happens after its worker."""
+
     def __init__(self, transport: UcxTransport):
         self.t = transport
         self.loop = transport.loop
         self.inbound = transport.inbound
         self.listener: Any = None
         self.port = 0
-        self._senders: dict[int, Any] = {}  # sender id -> its control endpoint
-        self._conns: list[Any] = []
-        self._lost: dict[int, Any] = {}  # id(endpoint) -> its `lost` handler
+        self._ids = itertools.count()
+        self._conns: dict[int, Any] = {}  # connection number -> control endpoint
+        self._sender_of: dict[int, int] = {}  # connection number -> sender id
+        self._senders: dict[int, int] = {}  # sender id -> connection number
         self._pids: dict[int, tuple[int, int]] = {}  # sender id -> (pid, pid namespace)
         self._closed = False
 
@@ -73,59 +79,63 @@ class UcxReceiver:
     def close(self) -> None:
         """On the I/O thread: close every sender's endpoint."""
         self._closed = True
-        for ep in self._conns:
+        for ep in self._conns.values():
             close_endpoint(ep)
 
     def release(self) -> None:
         """After the loop stopped: drop endpoints, then the listener (see UcxTransport)."""
-        self._conns, self._senders, self._lost, self._pids = [], {}, {}, {}
+        self._conns, self._sender_of, self._senders, self._pids = {}, {}, {}, {}
         self.listener = None
 
     def check_alive(self) -> None:
         """Backstop for close callbacks that UCX does not always deliver: poll `alive`,
         and the process of every shared-memory sender."""
-        for ep in list(self._conns):
-            if not ep.alive and id(ep) in self._lost:
-                self._lost[id(ep)]()
-        for sender, ep in list(self._senders.items()):
-            if not process_alive(*self._pids.get(sender, (0, 0))) and id(ep) in self._lost:
-                self._lost[id(ep)]()
+        for conn, ep in list(self._conns.items()):
+            sender = self._sender_of.get(conn)
+            dead = sender is not None and not process_alive(*self._pids.get(sender, (0, 0)))
+            if dead or not ep.alive:
+                self._lost(conn)
+
+    def _endpoint_of(self, sender: int) -> Any:
+        conn = self._senders.get(sender)
+        return self._conns.get(conn) if conn is not None else None
 
     def _on_conn(self, conn_request: Any) -> None:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
-        self._conns.append(ep)
+        conn = next(self._ids)
+        self._conns[conn] = ep
         hello = np.zeros(3, np.uint64)  # sender id, pid, pid namespace inode
-        state: dict[str, int] = {}
-
-        def lost() -> None:
-            sender = state.get("sender")
-            if sender is not None and self._senders.get(sender) is ep:
-                del self._senders[sender]
-                self._pids.pop(sender, None)
-                self.inbound.stop_where(
-                    lambda r: r.source == sender, TransferState.FAILED, "sender connection lost"
-                )
-            if ep in self._conns:
-                self._conns.remove(ep)
-            self._lost.pop(id(ep), None)
-            close_endpoint(ep)
-            if sender is not None:  # its posted receives can never complete: release them
-                self.loop.abandon(("sender", sender), "sender connection lost")
-
-        def on_hello(error: str | None) -> None:
-            if error is not None:
-                lost()
-                return
-            state["sender"] = sender = int(hello[0])
-            self._senders[sender] = ep
-            self._pids[sender] = (int(hello[1]), int(hello[2]))
-            reply = np.ones(1, np.uint64)
-            self.loop.track(ep.stream_send(Array(reply)), lambda e: None, reply)
-
         # UCX calls this from inside progress, where closing the endpoint would deadlock.
-        ep.set_close_callback(lambda: self.loop.call(lost))
-        self._lost[id(ep)] = lost
-        self.loop.track(ep.stream_recv(Array(hello)), on_hello, hello)
+        ep.set_close_callback(lambda: self.loop.call(lambda: self._lost(conn)))
+        self.loop.track(
+            ep.stream_recv(Array(hello)), lambda e: self._on_hello(conn, hello, e), hello
+        )
+
+    def _on_hello(self, conn: int, hello: np.ndarray, error: str | None) -> None:
+        ep = self._conns.get(conn)
+        if ep is None or error is not None:
+            self._lost(conn)
+            return
+        sender = int(hello[0])
+        self._sender_of[conn], self._senders[sender] = sender, conn
+        self._pids[sender] = (int(hello[1]), int(hello[2]))
+        reply = np.ones(1, np.uint64)
+        self.loop.track(ep.stream_send(Array(reply)), lambda e: None, reply)
+
+    def _lost(self, conn: int) -> None:
+        """A sender's connection is gone: fail its transfers, release its receives."""
+        ep = self._conns.pop(conn, None)
+        sender = self._sender_of.pop(conn, None)
+        if sender is not None and self._senders.get(sender) == conn:
+            del self._senders[sender]
+            self._pids.pop(sender, None)
+            self.inbound.stop_where(
+                lambda r: r.source == sender, TransferState.FAILED, "sender connection lost"
+            )
+            if not self._closed:  # the sender may be dead: its receives never finish
+                self.loop.abandon(("sender", sender), "sender connection lost")
+        if ep is not None:
+            close_endpoint(ep)
 
     def _post_header_recv(self) -> None:
         if self._closed:
@@ -153,7 +163,7 @@ class UcxReceiver:
         self.loop.recv(self.loop.worker, buf, HDR_TAG, KIND_MASK, on_header)
 
     def _on_data_header(self, sender: int, header: ChunkHeader) -> None:
-        ep = self._senders.get(sender)
+        ep = self._endpoint_of(sender)
         if ep is None or not ep.alive:
             # Its connection died (ucxx crashes when a request is posted on a failed
             # endpoint); `lost` fails the transfer. Nothing was lent for this chunk yet.
@@ -164,13 +174,13 @@ class UcxReceiver:
         if header.nbytes == 0:
             if buf is not None:
                 status = self.inbound.end_chunk(tid, 0)
-            self._ack(ep, header, status)
+            self._ack(sender, header, status)
             return
         target = buf if buf is not None else np.empty(header.nbytes, np.uint8)
 
         def landed(error: str | None) -> None:
             if buf is None:
-                self._ack(ep, header, status)
+                self._ack(sender, header, status)
                 return
             if error is not None:
                 self.inbound.end_chunk(tid, 0, AckStatus.REFUSED, f"receive failed: {error}")
@@ -180,23 +190,27 @@ class UcxReceiver:
         def verified(digest: int) -> None:
             if digest != header.checksum:
                 reason = f"integrity check failed: chunk {header.chunk_index} checksum mismatch"
-                self._ack(ep, header, self.inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason))
+                status = self.inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
             else:
-                self._ack(ep, header, self.inbound.end_chunk(tid, header.nbytes))
+                status = self.inbound.end_chunk(tid, header.nbytes)
+            self._ack(sender, header, status)
 
         if not process_alive(*self._pids.get(sender, (0, 0))):
             # UCX crashes matching a shared-memory rendezvous of a dead process: never post.
             if buf is not None:
                 self.inbound.end_chunk(tid, 0, AckStatus.REFUSED, "sender process gone")
-            self.loop.call(self._lost.get(id(ep), lambda: None))
+            conn = self._senders.get(sender)
+            if conn is not None:
+                self.loop.call(lambda: self._lost(conn))
             return
         # Posted on the worker, not the endpoint: ucxx crashes when an endpoint-bound request
         # is posted while the endpoint is failing. A dead sender's receives are abandoned.
         tag = data_tag(tid, header.chunk_index)
         self.loop.recv(self.loop.worker, target, tag, FULL_MASK, landed, owner=("sender", sender))
 
-    def _ack(self, ep: Any, header: ChunkHeader, status: AckStatus) -> None:
-        if not ep.alive:  # the sender is gone; it learns nothing more from us
+    def _ack(self, sender: int, header: ChunkHeader, status: AckStatus) -> None:
+        ep = self._endpoint_of(sender)
+        if ep is None or not ep.alive:  # the sender is gone; it learns nothing more from us
             return
         frame = np.frombuffer(
             pack_ack(header.transfer_id, header.chunk_index, status, header.nbytes), np.uint8

@@ -1,7 +1,7 @@
 """The oracle: a direct vLLM run (no pdd code on the generation path), greedy.
 
 Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS < prompts.json > results.json
-prompts.json is a list of strings; the last stdout line is ORACLE_JSON: followed by
+prompts.json is a list of prompts (strings, or lists of token ids); the last stdout line is ORACLE_JSON: followed by
 [{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
 """
 
@@ -21,6 +21,7 @@ def main() -> None:
     llm = LLM(model=model, dtype=dtype, max_model_len=4096, block_size=32, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     # One prompt at a time, as the test sends them: batch composition changes bf16 numerics.
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     sys.stdout.write("\nORACLE_JSON:")
     json.dump(

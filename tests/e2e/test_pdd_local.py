@@ -1,0 +1,221 @@
+"""The PDD core end to end on one host: `pdd serve --config configs/local.yaml` (router + P +
+RLD + MD, real vLLM, float32), plus routers in the baseline modes over the same workers.
+
+The oracle: with greedy decoding, every pipeline's tokens equal a direct single-engine vLLM
+run of the same token-ID prompt. Every test ends with zero pinned slots and zero open
+transfers on every worker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+
+from pdd.config import ModelConfig, load_config
+from pdd.proto import worker_pb2, worker_pb2_grpc
+from pdd.router.tokenizer import TextCodec
+from tests.helpers import run_oracle, serve, start_router, stop, wait_until
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "configs/local.yaml"
+WORKERS = ["p", "rld", "md"]
+DTYPE = "float32"
+MAX_TOKENS = 16
+COMMON = [f"model.dtype={DTYPE}"]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "List two planets of the solar system.",
+]
+RAW = [
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time, in a small village by the sea,",
+    "The three laws of motion are",
+]
+SENTENCES = [
+    "The river winds through the valley and feeds the old mill by the bridge.",
+    "Engineers measured the load on every beam before the winter storms arrived.",
+    "In the market, traders argued about the price of silver and spices.",
+    "A quiet library keeps its oldest maps in a cold room under the stairs.",
+]
+
+
+def _long_text(n_sentences: int, shift: int) -> str:
+    return " ".join(SENTENCES[(i + shift) % len(SENTENCES)] for i in range(n_sentences))
+
+
+def build_prompts(codec: TextCodec) -> list[list[int]]:
+    """20+ token-ID prompts: chat questions, raw text, long documents, multi-turn chats."""
+    prompts = [codec.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts += [codec.encode(t) for t in RAW]
+    for n, shift in ((12, 0), (30, 1), (50, 2), (70, 3)):  # ~200 to ~1,200 tokens
+        prompts.append(codec.encode(_long_text(n, shift) + "\nSummary:"))
+    for i in range(4):
+        history = [
+            {"role": "user", "content": _long_text(6 + 4 * i, i) + " What is this about?"},
+            {"role": "assistant", "content": "It describes a few scenes from daily life."},
+            {"role": "user", "content": QUESTIONS[i]},
+        ]
+        prompts.append(codec.encode_chat(history))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return TextCodec.from_folder(ModelConfig(dtype=DTYPE).resolved_path())
+
+
+@pytest.fixture(scope="module")
+def prompts(codec):
+    return build_prompts(codec)
+
+
+@pytest.fixture(scope="module")
+def oracle(prompts):
+    return run_oracle(prompts, DTYPE, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = serve(CONFIG, WORKERS, COMMON)
+    yield s
+    assert stop(s) == 0, s.log_tail()
+
+
+def _router_overrides(served, mode: str) -> list[str]:
+    ports = [f"workers.{i}.port={served.worker_ports[w]}" for i, w in enumerate(WORKERS)]
+    return [*COMMON, *ports, f"router.mode={mode}"]
+
+
+@pytest.fixture(scope="module")
+def baselines(served):
+    routers = {
+        m: start_router(CONFIG, _router_overrides(served, m)) for m in ("pd_wan", "pd_local")
+    }
+    yield {m: r.url for m, r in routers.items()}
+    for r in routers.values():
+        stop(r)
+
+
+def stats(served, worker: str) -> worker_pb2.StatsResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{served.worker_ports[worker]}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(served):
+    yield
+    for w in WORKERS:
+        wait_until(
+            lambda w=w: (s := stats(served, w)).pinned_slots == 0 and s.open_transfers == 0,
+            30,
+            f"{w}: zero pinned slots and zero open transfers",
+        )
+        assert stats(served, w).running_requests == 0
+
+
+def complete(url: str, prompt: list[int], pdd: dict | None = None, **kw) -> dict:
+    body = {"model": load_config(CONFIG).model.name, "prompt": prompt, "temperature": 0}
+    body |= {"max_tokens": MAX_TOKENS, **kw}
+    if pdd:
+        body["pdd"] = pdd
+    r = httpx.post(f"{url}/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-pdd-pipeline"] == r.json()["pdd"]["pipeline"]
+    return r.json()
+
+
+VARIANTS = {
+    "p_md": {"pipeline": "p_md"},
+    "p_rld_md_one_shot": {"pipeline": "p_rld_md", "handoff": "one_shot"},
+    "p_rld_md_catch_up": {"pipeline": "p_rld_md", "handoff": "catch_up"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_pdd_pipelines_equal_single_engine(served, codec, prompts, oracle, variant):
+    assert len(prompts) >= 20
+    for prompt, expected in zip(prompts, oracle, strict=True):
+        body = complete(served.url, prompt, VARIANTS[variant])
+        got = body["choices"][0]["text"]
+        want = codec.decode(expected["token_ids"])
+        assert got == want, (variant, len(prompt), body["pdd"])
+        assert body["usage"]["completion_tokens"] == len(expected["token_ids"])
+        assert body["pdd"]["pipeline"] == VARIANTS[variant]["pipeline"]
+        assert body["pdd"]["prompt_tokens"] == len(prompt)
+
+
+@pytest.mark.parametrize("mode", ["pd_wan", "pd_local"])
+def test_baselines_equal_single_engine(baselines, codec, prompts, oracle, mode):
+    for prompt, expected in zip(prompts, oracle, strict=True):
+        body = complete(baselines[mode], prompt)
+        assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), mode
+        assert body["pdd"]["pipeline"] == "pd"
+        assert body["pdd"]["rld_tokens"] == 0
+
+
+def test_second_turn_sends_only_new_blocks(served, codec):
+    """DRC: turn 2 of a conversation finds turn 1's prompt on MD; only new blocks cross."""
+    block = load_config(CONFIG).engine.block_size
+    bytes_per_block = stats(served, "md").kv_block_bytes
+    turn1 = [{"role": "user", "content": _long_text(40, 1) + " Summarize this."}]
+    body1 = complete_chat(served.url, turn1, {"pipeline": "p_rld_md"})
+    p1 = body1["usage"]["prompt_tokens"]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": body1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Now say it in five words."},
+    ]
+    body2 = complete_chat(served.url, turn2, None)
+    pd2 = body2["pdd"]
+    assert pd2["md_cached_tokens"] >= (p1 // block) * block
+    new_blocks = pd2["prompt_tokens"] // block - pd2["md_cached_tokens"] // block
+    assert pd2["wan_kv_bytes"] == new_blocks * bytes_per_block
+    assert pd2["wan_kv_bytes"] < (p1 // block) * bytes_per_block
+
+
+def complete_chat(url: str, messages: list[dict], pdd: dict | None) -> dict:
+    body = {"model": load_config(CONFIG).model.name, "messages": messages, "temperature": 0}
+    body["max_tokens"] = 24
+    if pdd:
+        body["pdd"] = pdd
+    r = httpx.post(f"{url}/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stream_is_rld_tokens_then_md_tokens(served, codec, prompts, oracle):
+    """The streamed text of a p_rld_md request is exactly the oracle's, with no repeats or
+    gaps, and the record attributes each token to a tier."""
+    prompt, expected = prompts[-5], oracle[-5]
+    body = {
+        "model": load_config(CONFIG).model.name,
+        "prompt": prompt,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "pdd": {"pipeline": "p_rld_md", "handoff": "one_shot"},
+    }
+    text, record = [], None
+    with httpx.stream("POST", f"{served.url}/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices") or []:
+                text.append(c.get("text") or "")
+            record = chunk.get("pdd") or record
+    assert "".join(text) == codec.decode(expected["token_ids"])
+    assert record["pipeline"] == "p_rld_md" and record["handoff"] in ("one_shot", "rld_finished")
+    assert 0 <= record["rld_tokens"] <= len(expected["token_ids"])
