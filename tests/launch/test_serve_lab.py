@@ -10,6 +10,8 @@ Each uses its own lab prefix and subnet (pdtserve, 10.77.2.0/28), never a user's
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -145,6 +147,37 @@ def test_lab_completions_take_the_pipeline_the_link_calls_for(pdd_lab):
     )  # fmt: skip
     assert record["wan_kv_bytes"] == blocks * 32 * 23040
     assert cold["usage"]["completion_tokens"] == 16 or cold["choices"][0]["finish_reason"] == "stop"
+
+
+def md_bytes_received(url: str) -> int:
+    """MD's KV bytes landed so far (from the router's fleet view)."""
+    r = httpx.get(url.removesuffix("/v1") + "/debug/workers", timeout=10)
+    assert r.status_code == 200, r.text
+    (md,) = [w for w in r.json()["workers"] if w["id"] == "md"]
+    return int(md["kv_plane"]["bytes_received"])
+
+
+def test_lab_anomaly_long_prompt_short_output_finishes_on_rld(pdd_lab):
+    """Long input, max_tokens=8 on p_rld_md: RLD finishes before the WAN transfer, the
+    transfer is cut off, and far fewer bytes than the prompt's KV cross the WAN."""
+    s, _ = pdd_lab
+    before = md_bytes_received(s.url)
+    words = " ".join(f"v{i}" for i in range(560))  # ~2,000 tokens: ~46 MB of KV, ~4 s on the WAN
+    body = {
+        "model": model_name(), "prompt": words, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "pdd": {"pipeline": "p_rld_md"},
+    }  # fmt: skip
+    r = httpx.post(s.url + "/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 8
+    assert (out["pdd"]["pipeline"], out["pdd"]["handoff"]) == ("p_rld_md", "rld_finished")
+    assert out["pdd"]["rld_tokens"] == 7  # P emitted the first token, RLD the rest
+    prompt_kv = (out["usage"]["prompt_tokens"] // 32) * 32 * 23040
+    # Let the cancel reach MD and the router poll MD's Stats again (every second).
+    time.sleep(2.5)
+    landed = md_bytes_received(s.url) - before
+    assert landed < prompt_kv / 2, (landed, prompt_kv)
 
 
 def test_lab_sigterm_removes_every_process_and_the_lab(pdd_lab):
