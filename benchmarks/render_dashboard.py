@@ -143,8 +143,10 @@ class Prometheus:
         self.proc.wait(timeout=30)
 
 
-def builtin_load(url: str, duration_s: float, concurrency: int) -> int:
-    """Closed-loop multi-turn conversations (each turn resends the history: prefix hits)."""
+def builtin_load(url: str, duration_s: float, concurrency: int, mix: list[str]) -> int:
+    """Closed-loop multi-turn conversations (each turn resends the history: prefix hits).
+    ``mix``: the ``pdd`` overrides requests cycle through (``auto``, ``p_md``,
+    ``p_rld_md/catch_up``, ...)."""
     stop_at = time.monotonic() + duration_s
     done = [0]
 
@@ -157,7 +159,9 @@ def builtin_load(url: str, duration_s: float, concurrency: int) -> int:
                 history += f"\nUser turn {turn}: " + " ".join(
                     f"q{seed}{turn}{i}" for i in range(60)
                 )
-                body = {"prompt": history, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+                pipeline, _, handoff = mix[(seed + turn) % len(mix)].partition("/")
+                body = {"prompt": history, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                        "pdd": {"pipeline": pipeline, "handoff": handoff or "auto"}}  # fmt: skip
                 r = http.post(url + "/completions", json=body)
                 if r.status_code == 200:
                     history += r.json()["choices"][0]["text"]
@@ -245,6 +249,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--load-cmd", help="shell command that runs the load (env PDD_URL)")
     p.add_argument("--duration", type=float, default=120.0, help="built-in load: seconds")
     p.add_argument("--concurrency", type=int, default=2, help="built-in load: conversations")
+    p.add_argument("--mix", default="auto", help="built-in load: pipeline[/handoff] list the "
+                   "requests cycle through, e.g. auto,p_rld_md/catch_up (mode pdd only)")  # fmt: skip
     p.add_argument("--rate-interval", default="15s", help="what $__rate_interval becomes")
     p.add_argument("--prometheus", help="prometheus binary (default: venv, else Debian's)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                                env=dict(os.environ, PDD_URL=url))  # fmt: skip
                 what = args.load_cmd
             else:
-                n = builtin_load(url, args.duration, args.concurrency)
+                n = builtin_load(url, args.duration, args.concurrency, args.mix.split(","))
                 what = f"{n} requests, {args.concurrency} conversations"
             time.sleep(3 * SCRAPE_S)
             end = time.time()

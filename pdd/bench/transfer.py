@@ -12,7 +12,11 @@ Cancel: a large transfer is cancelled mid-flight; the receiver records when the 
 of it arrived and when it released the transfer; both are compared with the link's RTT.
 
     pdd bench transfer                                   # loopback, tcp + ucx
-    pdd bench transfer --lab --transports tcp --sizes 737280,8388608
+    pdd bench transfer --checksum none --sizes 67108864 --no-cancel   # what the check costs
+    pdd lab up --prefix pddtx --subnet 10.99.7.0/28 --delay-ms 10 --rate-mbit 100
+    pdd bench transfer --lab --lab-prefix pddtx --transports tcp \
+        --sizes 737280,8388608,33554432 --repeats 3 --cancel-bytes 33554432 --out results/transfer-lab
+    pdd lab down --prefix pddtx
     pdd bench transfer --receiver-netns NS --receiver-host IP   # any two namespaces
 
 Writes `transfer.json` and `transfer.png` (matplotlib, Agg) into --out (results/transfer/).
@@ -64,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lab-prefix", default="", help="prefix of the lab to use")
     p.add_argument(
         "--tls", action="store_true", help="TCP with mutual TLS (a throwaway CA is generated)"
+    )
+    p.add_argument(
+        "--checksum",
+        default="xxh3",
+        choices=["xxh3", "crc32c", "crc32", "none"],
+        help="integrity check (none: measure what the check costs)",
     )
     return p
 
@@ -170,10 +180,10 @@ def bench_throughput(kind: str, sizes: list[int], args, config: TransferConfig) 
 
 def _print_row(row: dict) -> None:
     tr = row["transport_stats"]
-    line = f"{row['transport']:>6} {row['bytes']:>12,} B  {tr['gib_s']:6.2f} GiB/s"
+    line = f"{row['transport']:>6} {row['bytes']:>12,} B  {tr['gib_s']:7.3g} GiB/s"
     line += f"  {tr['median_s'] * 1e3:9.2f} ms"
     if "raw_stats" in row:
-        line += f"   raw {row['raw_stats']['gib_s']:6.2f} GiB/s  ratio {row['ratio_to_raw']:.2f}"
+        line += f"   raw {row['raw_stats']['gib_s']:7.3g} GiB/s  ratio {row['ratio_to_raw']:.2f}"
     print(line, flush=True)
 
 
@@ -323,7 +333,9 @@ def main(argv: list[str]) -> int:
         return _lab_reexec(args, argv)
     kinds = [k for k in args.transports.split(",") if k]
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    config = TransferConfig(wan_streams=args.streams, listen_host=args.receiver_host)
+    config = TransferConfig(
+        wan_streams=args.streams, listen_host=args.receiver_host, checksum=args.checksum
+    )
     if args.tls:
         import tempfile
 

@@ -167,11 +167,15 @@ WORKER_METRICS = (
 
 
 def _vllm(name, kind, unit, help):  # type: ignore[no-untyped-def]
-    return _m(name, kind, unit, VLLM_LABELS, WORKERS, help)
+    return _m(name, kind, unit, VLLM_LABELS, WORKERS, help, "planned")
 
 
-# vLLM 0.32's own engine metrics (vllm/v1/metrics/loggers.py). Every worker serves them: vLLM
-# adds its PrometheusStatLogger next to pdd's stat sink, in the worker's default registry.
+# vLLM 0.32's own engine metrics (vllm/v1/metrics/loggers.py). Every worker has them (vLLM adds
+# its PrometheusStatLogger next to pdd's stat sink, in the worker's default registry), but they
+# are "planned" until Prometheus can read them: Prometheus asks for OpenMetrics, and
+# prometheus_client 0.26 then writes the samples as vllm_* (colons escaped) under vllm:* HELP
+# lines, so vllm:* series never exist in Prometheus. The worker's /metrics must answer in the
+# classic text format (0.0.4) whatever the Accept header says.
 VLLM_METRICS = (
     _vllm("vllm:num_requests_running", G, "requests", "vLLM: requests in model execution."),
     _vllm("vllm:num_requests_waiting", G, "requests", "vLLM: requests waiting."),

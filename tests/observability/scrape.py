@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
+
+# What Prometheus 2.x sends: OpenMetrics first, the classic text format as a fallback.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 @dataclass
@@ -25,10 +34,14 @@ class Family:
         )
 
 
-def parse(text: str) -> dict[str, Family]:
-    """Families of a scrape by catalog name; ``_created`` samples are left out."""
+def parse(text: str, content_type: str = "text/plain") -> dict[str, Family]:
+    """Families of a scrape by catalog name (only those with samples); ``_created`` samples
+    are left out. ``content_type``: the response's, to read OpenMetrics too."""
     out: dict[str, Family] = {}
-    for fam in text_string_to_metric_families(text):
+    om = content_type.startswith("application/openmetrics-text")
+    for fam in (openmetrics_families if om else text_string_to_metric_families)(text):
+        if not fam.samples:
+            continue
         name = fam.name + "_total" if fam.type == "counter" else fam.name
         if fam.type == "gauge" and fam.name.endswith("_created"):
             continue

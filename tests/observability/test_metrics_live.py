@@ -1,7 +1,8 @@
 """Every metric the dashboard reads exists on a running PDD system and moves under traffic.
 
 Starts `pdd serve --config configs/local.yaml` (router + P + RLD + MD, real vLLM engines),
-scrapes the router and every worker's /metrics, sends requests down each pipeline (p_md,
+scrapes the router and every worker's /metrics the way Prometheus does (asking for
+OpenMetrics), sends requests down each pipeline (p_md,
 p_rld_md with One-Shot and Catch-Up, and a second turn of a conversation, so MD's DRC hits),
 scrapes again, and checks each dashboard metric: present on every process the catalog says
 exports it, and, for counters and histograms, increased on at least one of them (RLD's engine
@@ -20,7 +21,7 @@ from pdd.observability import catalog
 from pdd.observability.catalog import Kind, MetricSpec
 from pdd.observability.dashboard import dashboard_metrics, load
 from tests.helpers import serve, stop
-from tests.observability.scrape import Family, parse
+from tests.observability.scrape import PROMETHEUS_ACCEPT, Family, parse
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +54,17 @@ def _traffic(url: str) -> None:
     _complete(url, _prompt(5, 100), "auto")
 
 
+def _scrape(url: str) -> dict[str, Family]:
+    """As Prometheus scrapes: it asks for OpenMetrics first."""
+    r = httpx.get(url, headers={"Accept": PROMETHEUS_ACCEPT}, timeout=10)
+    assert r.status_code == 200, r.text
+    return parse(r.text, r.headers["content-type"])
+
+
 def _scrape_all(url: str, metrics_urls: dict[str, str]) -> dict[str, dict[str, Family]]:
-    out = {"router": parse(httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text)}
+    out = {"router": _scrape(url.removesuffix("/v1") + "/metrics")}
     for wid, murl in metrics_urls.items():
-        out[wid] = parse(httpx.get(murl, timeout=10).text)
+        out[wid] = _scrape(murl)
     return out
 
 
