@@ -1,12 +1,11 @@
-"""Reading Prometheus text: families by their catalog name (counters with ``_total``)."""
+"""Reading Prometheus scrapes: families by catalog name (``parse``), or sample sums by series
+name as Prometheus stores them (``samples``)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from prometheus_client.openmetrics.parser import (
-    text_string_to_metric_families as openmetrics_families,
-)
 from prometheus_client.parser import text_string_to_metric_families
 
 # What Prometheus 2.x sends: OpenMetrics first, the classic text format as a fallback.
@@ -34,12 +33,11 @@ class Family:
         )
 
 
-def parse(text: str, content_type: str = "text/plain") -> dict[str, Family]:
-    """Families of a scrape by catalog name (only those with samples); ``_created`` samples
-    are left out. ``content_type``: the response's, to read OpenMetrics too."""
+def parse(text: str) -> dict[str, Family]:
+    """Families of a classic-text scrape by catalog name (only those with samples);
+    ``_created`` samples are left out."""
     out: dict[str, Family] = {}
-    om = content_type.startswith("application/openmetrics-text")
-    for fam in (openmetrics_families if om else text_string_to_metric_families)(text):
+    for fam in text_string_to_metric_families(text):
         if not fam.samples:
             continue
         name = fam.name + "_total" if fam.type == "counter" else fam.name
@@ -58,3 +56,21 @@ def value(families: dict[str, Family], name: str, **labels: str) -> float:
     f = families[name]
     sample = f"{name}_count" if f.kind == "histogram" else name
     return f.total(sample, **labels)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: str) -> dict[str, float]:
+    """Per sample name (as Prometheus stores series: ``x_total``, ``x_count``, ...), the sum of
+    its values over all label sets. A plain line reader that takes classic text and
+    OpenMetrics alike, as lenient as Prometheus (which stores samples by their own name)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        name, value = m.group(1), float(m.group(3))
+        out[name] = out.get(name, 0.0) + value
+    return out
