@@ -17,7 +17,7 @@ With ``--config`` the script starts ``pdd serve`` itself (pinning the router and
 metrics ports); with ``--router`` and ``--worker ROLE=HOST:PORT`` it watches a running
 system. Load: ``--load-cmd`` (a shell command; ``PDD_URL`` holds the router's /v1 URL) or the
 built-in closed loop of multi-turn conversations (``--concurrency``, ``--duration``).
-Writes the PNG (``--out``) and the queried series as JSON next to it.
+Writes the PNG (``--out``) and, with ``--data-out``, the queried series as JSON.
 """
 
 from __future__ import annotations
@@ -255,6 +255,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prometheus", help="prometheus binary (default: venv, else Debian's)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--out", default=str(REPO / "docs" / "dashboard.png"))
+    p.add_argument("--data-out", help="also write the queried series here (JSON)")
     args = p.parse_args(argv)
     if bool(args.config) == bool(args.router):
         p.error("give --config (start a system) or --router (watch a running one)")
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             if served is not None:
                 served.stop()
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(data))
+    if args.data_out:
+        Path(args.data_out).write_text(json.dumps(data))
     label = args.config or args.router
     draw(data, out, f"{label}: {what}, {end - start:.0f} s")
     print(f"wrote {out} ({sum(bool(d['series']) for d in data)}/{len(data)} panels with data)")

@@ -229,9 +229,8 @@ class UcxLoop:
         """Cancel what is in flight and fire every callback.
 
         Requests that hold a caller's buffer (they have an owner) get up to CLOSE_DRAIN_S
-        to complete or cancel; our own posted header/ack receives are simply dropped. The
-        receives abandoned for dead peers are cancelled too: a request still posted when
-        the worker is destroyed crashes ucxx.
+        to complete or cancel; our own posted header/ack receives are simply dropped, and
+        so are requests abandoned for dead peers (their worker is kept, see release()).
         """
         self._jobs.put(None)
         self.helper.join()
@@ -240,9 +239,7 @@ class UcxLoop:
             self._guard(self._calls.popleft())
         self.worker.cancel_inflight_requests()
         deadline = time.monotonic() + CLOSE_DRAIN_S
-        while any(item[3] is not None for item in self._pending) or not all(
-            r.completed for r in self._abandoned
-        ):
+        while any(item[3] is not None for item in self._pending):
             if time.monotonic() > deadline:
                 break
             self.worker.progress_worker_event(1)

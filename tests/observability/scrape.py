@@ -59,7 +59,6 @@ def value(families: dict[str, Family], name: str, **labels: str) -> float:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def samples(text: str) -> dict[str, float]:
