@@ -22,13 +22,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 
 from pdd.config import PddConfig, WorkerConfig, load_config
 from pdd.engine.env import configure_process_env
 from pdd.errors import ConfigError, PddError
+from pdd.observability.context import RequestIdServerInterceptor
+from pdd.observability.logging import setup_logging
 from pdd.protocol import Role
 
 log = logging.getLogger("pdd.worker")
@@ -138,7 +139,7 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
         service = await _build(cfg, worker, parts)
         engine, metrics = parts["engine"], parts["metrics"]
         metrics_port = metrics.serve(worker.host, worker.metrics_port)  # /health: 503 for now
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[RequestIdServerInterceptor()])
         pb_grpc.add_WorkerServicer_to_server(service, server)
         grpc_port = server.add_insecure_port(f"{worker.host}:{worker.port}")
         if grpc_port == 0:
@@ -183,11 +184,7 @@ async def _until_ready_or_stopped(engine, stop: asyncio.Event) -> bool:
 
 def _run(argv: list[str] | None, prog: str, role: Role | None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv), prog, need_worker=role is None)
-    logging.basicConfig(
-        level=os.environ.get("PDD_LOG_LEVEL", "INFO"),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(role=prog.removeprefix("pdd "))
     configure_process_env()
     try:
         cfg = load_config(args.config, args.overrides)
@@ -195,6 +192,7 @@ def _run(argv: list[str] | None, prog: str, role: Role | None) -> int:
     except ConfigError as err:
         print(f"{prog}: {err.message}", file=sys.stderr)
         return 2
+    setup_logging(role=worker.role.value, worker=worker.id)
     log.info("worker %s effective config: %s", worker.id, cfg.model_dump_json())
     try:
         return asyncio.run(_serve(cfg, worker))

@@ -145,6 +145,9 @@ class WorkerMetrics:
                 status = "200 OK" if ok else "503 Service Unavailable"
                 start_response(status, [("Content-Type", "text/plain")])
                 return [b"ok\n" if ok else b"not ready\n"]
+            # Always the classic text format: with OpenMetrics (what Prometheus asks for)
+            # prometheus_client renames vLLM's `vllm:*` samples, and dashboards miss them.
+            environ = {k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}
             return metrics_app(environ, start_response)
 
         family, addr = _get_best_family(host, port)
