@@ -157,17 +157,16 @@ WORKER_METRICS = (
        "Blocks evicted from the DRC (LRU)."),
     # Per transport (ucx: P to RLD inside datacenter A; tcp: P to MD across the WAN).
     _m("pdd_kv_transfer_bytes_total", C, "bytes", ("role", "transport"), PREFILL,
-       "KV bytes P sent, by transport.", "planned"),
+       "KV bytes sent and acknowledged, by transport."),
     _m("pdd_kv_transfer_seconds", H, "seconds", ("role", "transport"), PREFILL,
        "Duration of each finished outbound KV transfer, by transport.", "planned"),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,
-       "Outbound KV transfers by transport and how they ended (done, failed, cancelled, "
-       "expired).", "planned"),
+       "Outbound KV transfers by transport and how they ended (done, failed, cancelled)."),
 )  # fmt: skip
 
 
 def _vllm(name, kind, unit, help):  # type: ignore[no-untyped-def]
-    return _m(name, kind, unit, VLLM_LABELS, WORKERS, help, "planned")
+    return _m(name, kind, unit, VLLM_LABELS, WORKERS, help)
 
 
 # vLLM 0.32's own engine metrics (vllm/v1/metrics/loggers.py). Every worker has them (vLLM adds

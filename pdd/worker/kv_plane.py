@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from pdd.cache.arena import FenceBoard, SlotArena, unlink_stale
 from pdd.config import TransferConfig, WorkerConfig
 from pdd.engine.connector_params import ConnectorSettings
@@ -73,6 +75,17 @@ def advertise_host(worker: WorkerConfig) -> str:
 
 def to_peer(addr: pb.PeerAddress) -> PeerAddress:
     return PeerAddress(addr.host, addr.port, addr.ucx_address, addr.host_id, addr.name)
+
+
+# Per-transport counters of outbound KV (P: ucx toward RLD, tcp toward MD), one per process.
+_TRANSFER_BYTES = Counter(
+    "pdd_kv_transfer_bytes", "KV bytes sent and acknowledged, by transport.", ["role", "transport"]
+)
+_TRANSFERS = Counter(
+    "pdd_kv_transfers",
+    "Outbound KV transfers by transport and how they ended (done, failed, cancelled).",
+    ["role", "transport", "outcome"],
+)
 
 
 class KvPlane:
@@ -141,7 +154,9 @@ class KvPlane:
 
     def _make(self, kind: str, hooks: ReceiverHooks | None) -> Transport:
         try:
-            transport = create_transport(kind, self._transfer, hooks=hooks, on_finished=self._sent)
+            transport = create_transport(
+                kind, self._transfer, hooks=hooks, on_finished=lambda st: self._sent(kind, st)
+            )
         except ImportError as exc:  # e.g. ucxx not installed on this machine
             raise ConfigError(f"the {kind} KV transport is not available here: {exc}") from exc
         transport.start()
@@ -218,9 +233,12 @@ class KvPlane:
 
     # --- callbacks (transport threads) ----------------------------------------------------
 
-    def _sent(self, status: TransferStatus) -> None:
+    def _sent(self, kind: str, status: TransferStatus) -> None:
         with self._lock:
             self.bytes_sent += status.bytes_acked
+        role = self._worker.role.value
+        _TRANSFER_BYTES.labels(role, kind).inc(status.bytes_acked)
+        _TRANSFERS.labels(role, kind, status.state.value).inc()
         if self._on_sent is not None:
             self._on_sent(status)
 
