@@ -51,26 +51,34 @@ def serve(
             args += ["--set", f"workers.{i}.metrics_port={metrics_ports[w]}"]
     for o in overrides:
         args += ["--set", o]
+    served = Served(_popen(args), "", router_port, worker_ports, metrics_ports=metrics_ports)
+    return _await_ready(served, "pdd ready: ", timeout_s)
+
+
+def _popen(args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    served = Served(proc, "", router_port, worker_ports, metrics_ports=metrics_ports)
+
+
+def _await_ready(served: Served, marker: str, timeout_s: float) -> Served:
+    """Pump the process's output into served.output; wait for `marker URL` (deadline)."""
     ready = threading.Event()
 
     def pump():
-        for line in proc.stdout:
+        for line in served.proc.stdout:
             served.output.append(line.rstrip("\n"))
-            if "pdd ready: " in line:
-                served.url = line.split("pdd ready: ", 1)[1].split()[0]
+            if marker in line and not ready.is_set():
+                served.url = line.split(marker, 1)[1].split()[0]
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while not ready.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if served.proc.poll() is not None or time.monotonic() > deadline:
             stop(served)
-            raise RuntimeError(f"pdd serve did not become ready:\n{served.log_tail()}")
+            raise RuntimeError(f"{marker.strip()} never came:\n{served.log_tail()}")
     return served
 
 
@@ -132,27 +140,7 @@ def start_router(config: str, overrides: list[str], timeout_s: float = 120):
     args = [sys.executable, "-m", "pdd.router.main", "--config", config]
     for o in [*overrides, f"router.port={port}"]:
         args += ["--set", o]
-    proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
-    served = Served(proc, "", port, {})
-    ready = threading.Event()
-
-    def pump():
-        for line in proc.stdout:
-            served.output.append(line.rstrip("\n"))
-            if "pdd router ready: " in line:
-                served.url = line.split("pdd router ready: ", 1)[1].split()[0]
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not ready.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(served)
-            raise RuntimeError(f"router did not become ready:\n{served.log_tail()}")
-    return served
+    return _await_ready(Served(_popen(args), "", port, {}), "pdd router ready: ", timeout_s)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):

@@ -32,6 +32,7 @@ __all__ = [
     "WorkerConfig",
     "load_config",
     "apply_overrides",
+    "read_yaml_mapping",
 ]
 
 
@@ -117,20 +118,23 @@ def _format_validation(err: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The top-level mapping of a YAML file; ConfigError naming the path otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PddConfig:
     """Load a YAML file (or defaults when path is None) and apply overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping")
-        data = loaded
+    data = read_yaml_mapping(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     try:
         return PddConfig.model_validate(data)

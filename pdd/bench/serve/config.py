@@ -8,12 +8,11 @@ overrides ``--short`` applies before the user's own.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pdd.config import apply_overrides
+from pdd.config import apply_overrides, read_yaml_mapping
 from pdd.config.base import Section
 from pdd.errors import ConfigError
 from pdd.protocol import Role
@@ -245,18 +244,7 @@ def load_bench_config(
     path: str | Path | None = None, overrides: list[str] | None = None, short: bool = False
 ) -> BenchConfig:
     """Load YAML (defaults when None), apply ``--short`` then ``overrides``; raise ConfigError."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"benchmark config not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping")
-        data = loaded
+    data = read_yaml_mapping(path, "benchmark config") if path is not None else {}
     data = apply_overrides(data, (SHORT_PROFILE if short else []) + list(overrides or []))
     try:
         return BenchConfig.model_validate(data)
