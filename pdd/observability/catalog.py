@@ -159,7 +159,7 @@ WORKER_METRICS = (
     _m("pdd_kv_transfer_bytes_total", C, "bytes", ("role", "transport"), PREFILL,
        "KV bytes sent and acknowledged, by transport."),
     _m("pdd_kv_transfer_seconds", H, "seconds", ("role", "transport"), PREFILL,
-       "Duration of each finished outbound KV transfer, by transport.", "planned"),
+       "Duration of each finished outbound KV transfer, by transport."),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,
        "Outbound KV transfers by transport and how they ended (done, failed, cancelled)."),
 )  # fmt: skip

@@ -161,6 +161,7 @@ class PrefillRole:
                 continue
             request = SendRequest(stage.kv_id, segments, deadline_s=deadline_s)
             handle = transport.send(to_peer(dest.peer), request)
+            self._plane.started(handle.transfer_id)
             stage.sends[handle.transfer_id] = handle
             self._by_transfer[handle.transfer_id] = stage.kv_id
             sent.append(len(segments) * self._plane.arena.slot_bytes)

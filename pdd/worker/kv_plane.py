@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from pdd.cache.arena import FenceBoard, SlotArena, unlink_stale
 from pdd.config import TransferConfig, WorkerConfig
@@ -81,6 +82,12 @@ def to_peer(addr: pb.PeerAddress) -> PeerAddress:
 _TRANSFER_BYTES = Counter(
     "pdd_kv_transfer_bytes", "KV bytes sent and acknowledged, by transport.", ["role", "transport"]
 )
+_TRANSFER_SECONDS = Histogram(
+    "pdd_kv_transfer_seconds",
+    "Outbound KV transfer duration, send() to terminal, by transport.",
+    ["role", "transport"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 _TRANSFERS = Counter(
     "pdd_kv_transfers",
     "Outbound KV transfers by transport and how they ended (done, failed, cancelled).",
@@ -111,6 +118,7 @@ class KvPlane:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._send_started: dict[int, float] = {}
         log.info(
             "KV arena %s: %d slots of %d bytes (%s)",
             self.arena.ref.name, spec.num_slots, slot_bytes, spec.kv_role,
@@ -233,10 +241,18 @@ class KvPlane:
 
     # --- callbacks (transport threads) ----------------------------------------------------
 
+    def started(self, transfer_id: int) -> None:
+        """A role calls this right after ``send``: the transfer's duration starts now."""
+        with self._lock:
+            self._send_started[transfer_id] = time.monotonic()
+
     def _sent(self, kind: str, status: TransferStatus) -> None:
         with self._lock:
             self.bytes_sent += status.bytes_acked
+            t0 = self._send_started.pop(status.transfer_id, None)
         role = self._worker.role.value
+        if t0 is not None:
+            _TRANSFER_SECONDS.labels(role, kind).observe(time.monotonic() - t0)
         _TRANSFER_BYTES.labels(role, kind).inc(status.bytes_acked)
         _TRANSFERS.labels(role, kind, status.state.value).inc()
         if self._on_sent is not None:
