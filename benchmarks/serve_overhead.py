@@ -81,7 +81,7 @@ def start_vllm(model_dir: str, name: str, dtype: str, port: int, log) -> subproc
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--served-model-name", name, "--dtype", dtype,
         "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
-        "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests",
+        "--host", "127.0.0.1", "--port", str(port), "--no-enable-log-requests",
     ]  # fmt: skip
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
