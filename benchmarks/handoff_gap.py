@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             tag = uuid.uuid4().hex[:6]
             prompt = " ".join(f"{tag}{j}" for j in range(args.prompt_words))
             runs.append(stream_times(args.url, args.model, prompt, args.tokens, handoff))
-            print(json.dumps({k: v for k, v in runs[-1].items() if k != "record"}), flush=True)
+            rec = runs[-1]["record"] or {}
+            brief = {k: v for k, v in runs[-1].items() if k != "record"}
+            brief |= {k: rec.get(k) for k in ("handoff", "rld_tokens", "handoff_rounds")}
+            print(json.dumps(brief), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))

@@ -36,11 +36,8 @@ from pdd.transfer import ReceiverHooks
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     REAL_FINISHES,
-    load_params,
-    loaded_tokens,
-    offered_tokens,
     plain,
-    run_with_kv,
+    stream_loading,
 )
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
 
@@ -139,17 +136,13 @@ class MainDecodeRole:
                 yield KvDelta(delta)
 
     async def _load(self, call: GenerateCall, owner: str, slots: list[int]):
-        offered = offered_tokens(len(slots), self._block_size, len(call.prompt))
         release = lambda: self.drc.release(owner)  # noqa: E731
-        stream = run_with_kv(self._engine, self._plane.fences, call, load_params(slots), release)
-        first = True
+        stream = stream_loading(
+            self._engine, self._plane.fences, call, slots, self._block_size, release
+        )
         async with aclosing(stream):
-            async for delta in stream:
-                loaded = offered if first else 0
-                if delta.finished:
-                    loaded = loaded_tokens(delta, offered, self._block_size)
-                first = False
-                yield KvDelta(delta, loaded_tokens=loaded)
+            async for kv_delta in stream:
+                yield kv_delta
 
     def _pin(self, request_id: str, owner: str, prompt: list[int]) -> list[int]:
         """Pin the prompt's cached whole-block prefix for ``owner``; its slots ([] if none)."""

@@ -36,7 +36,10 @@ from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
 from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
 from pdd.worker.kv_plane import PlaneSpec
-from pdd.worker.kv_run import load_params, loaded_tokens, offered_tokens, plain, run_with_kv
+from pdd.worker.kv_run import (
+    plain,
+    stream_loading,
+)
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 
@@ -156,17 +159,12 @@ class RelayDecodeRole:
             landing.users -= 1
             self._maybe_free(landing)
 
-        offered = offered_tokens(len(slots), self._block_size, len(call.prompt))
-        fences = self._plane.fences
-        stream = run_with_kv(self._engine, fences, call, load_params(slots), release)
-        first = True
+        stream = stream_loading(
+            self._engine, self._plane.fences, call, slots, self._block_size, release
+        )
         async with aclosing(stream):
-            async for delta in stream:
-                loaded = offered if first else 0
-                if delta.finished:
-                    loaded = loaded_tokens(delta, offered, self._block_size)
-                first = False
-                yield KvDelta(delta, loaded_tokens=loaded)
+            async for kv_delta in stream:
+                yield kv_delta
 
     async def _take(self, call: GenerateCall) -> _Landing | None:
         """Wait (kv_in.wait_s) for the request's KV if a landing expects it; the landing if it

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pdd.engine.connector_params import FenceRef, LoadParams, wrap
 from pdd.engine.types import EngineDelta
 from pdd.errors import InvalidRequestError
-from pdd.worker.roles import GenerateCall
+from pdd.worker.roles import GenerateCall, KvDelta
 
 if TYPE_CHECKING:
     from pdd.engine.engine import Engine
@@ -98,3 +98,25 @@ def loaded_tokens(delta: EngineDelta, offered: int, block_size: int) -> int:
     if not loaded.get("ok") or not loaded.get("num_blocks"):
         return 0
     return int(loaded["num_tokens"]) - int(loaded["first_block"]) * block_size
+
+
+async def stream_loading(
+    engine: Engine,
+    fences: Fences,
+    call: GenerateCall,
+    slots: list[int],
+    block_size: int,
+    release: Callable[[], None],
+) -> AsyncIterator[KvDelta]:
+    """Run ``call`` loading prompt block i from ``slots[i]``; ``release`` as in run_with_kv.
+    The first delta reports the tokens offered, the final one what the connector copied."""
+    offered = offered_tokens(len(slots), block_size, len(call.prompt))
+    stream = run_with_kv(engine, fences, call, load_params(slots), release)
+    first = True
+    async with aclosing(stream):
+        async for delta in stream:
+            loaded = offered if first else 0
+            if delta.finished:
+                loaded = loaded_tokens(delta, offered, block_size)
+            first = False
+            yield KvDelta(delta, loaded_tokens=loaded)
