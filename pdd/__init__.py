@@ -1,2 +1,3 @@
 """pdd: Prefill - RelayDecode - MainDecode serving across two datacenters."""
+
 __version__ = "0.1.0"
