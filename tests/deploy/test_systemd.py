@@ -84,7 +84,11 @@ def test_example_fleet_config_loads_with_distinct_ports_per_host():
     assert sorted(w.id for w in cfg.workers) == ["md0", "md1", "p0", "p1", "rld0"]
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze (Debian's systemd) is not on PATH: the units are still parsed and "
+    "their ExecStart lines checked against the CLI by the other tests",
+)
 def test_systemd_accepts_every_directive():
     result = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *map(str, UNITS.values())],
