@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -40,6 +39,7 @@ from pdd.worker.kv_run import (
     stream_loading,
 )
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class MainDecodeRole:
         )
         store_slots = ctx.plane.arena.num_slots - drc_slots
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
-        self._ticker: asyncio.Task[None] | None = None
+        self._ticker = Ticker(self.tick, TICK_S, "md-leases")
 
     def hashes(self, tokens: list[int]) -> list[BlockHash]:
         """Chain hashes of the whole blocks of ``tokens`` (the router computes the same)."""
@@ -98,12 +98,10 @@ class MainDecodeRole:
         self._landing.waiters.bind(loop)
         hooks = ReceiverHooks(self._landing.allocate, on_received=self._landing.received)
         self._plane.start(hooks)
-        self._ticker = loop.create_task(self._tick_forever(), name="md-leases")
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        await self._ticker.stop()
         await self._own.stop()
         self._landing.release_all()
 
@@ -193,11 +191,6 @@ class MainDecodeRole:
         for rid in self.drc.expire():
             log.warning("DRC lease %s expired (backstop)", rid)
         self._plane.drain()
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            self.tick(time.monotonic())
 
     def kv_stats(self) -> KvStats:
         drc = self.drc.stats()

@@ -35,6 +35,7 @@ from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import plain, run_with_kv
 from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
+from pdd.worker.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +73,18 @@ class PrefillRole:
         self._generating: dict[str, str | None] = {}  # kv id -> why it was cancelled
         self._by_transfer: dict[int, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        self._ticker = Ticker(self.tick, TICK_S, "prefill-leases")
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._plane.start(on_sent=self._sent_threadsafe)
-        self._ticker = self._loop.create_task(self._tick_forever(), name="prefill-leases")
+        self._ticker.start()
 
     async def stop(self) -> None:
         """Drop every stage (the engine is stopped; the plane closes the transports next)."""
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        await self._ticker.stop()
         for stage in list(self._stages.values()):
             for handle in stage.sends.values():
                 handle.cancel()
@@ -233,11 +232,6 @@ class PrefillRole:
                 log.warning("KV stage of %s: lease expired, releasing it", stage.kv_id)
                 self._close(stage, "lease expired")
         self._plane.drain()
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            self.tick(time.monotonic())
 
     def kv_stats(self) -> KvStats:
         est = self._plane.wan_estimate()

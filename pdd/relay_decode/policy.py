@@ -42,6 +42,7 @@ from pdd.worker.kv_run import (
 )
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
+from pdd.worker.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class RelayDecodeRole:
         self._recent = Recent()
         self._waiters = Waiters()
         self._lock = threading.Lock()
-        self._ticker: asyncio.Task[None] | None = None
+        self._ticker = Ticker(self.tick, TICK_S, "rld-leases")
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -95,12 +96,10 @@ class RelayDecodeRole:
         loop = asyncio.get_running_loop()
         self._waiters.bind(loop)
         self._plane.start(ReceiverHooks(self._allocate, on_received=self._received))
-        self._ticker = loop.create_task(self._tick_forever(), name="rld-leases")
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        await self._ticker.stop()
         with self._lock:
             landings, self._landings = list(self._landings.values()), {}
         for landing in landings:
@@ -271,11 +270,6 @@ class RelayDecodeRole:
             self._waiters.notify(landing.kv_id)
             self._maybe_free(landing)
         self._plane.drain()
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            self.tick(time.monotonic())
 
     def kv_stats(self) -> KvStats:
         return KvStats(
