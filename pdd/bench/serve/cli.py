@@ -12,6 +12,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from pdd.bench.serve.compare import compare
+from pdd.bench.serve.compare import markdown as compare_markdown
 from pdd.bench.serve.config import BenchConfig, load_bench_config
 from pdd.bench.serve.report import MODE_COLUMNS, mode_row
 from pdd.bench.serve.results import ModeResult
@@ -79,7 +81,7 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
         raise ConfigError(f"invalid benchmark arguments: {exc}") from None
 
 
-def print_summary(results: list[ModeResult], out: Path) -> None:
+def print_summary(results: list[ModeResult], out: Path, cfg: BenchConfig) -> None:
     names: list[str] = []
     for m in results:
         names += [n for n in m.workloads if n not in names]
@@ -88,6 +90,9 @@ def print_summary(results: list[ModeResult], out: Path) -> None:
         for m in results:
             if name in m.workloads:
                 print(mode_row(m.name, m.workloads[name].summary))
+    comparison = compare(results, cfg.compare)
+    if comparison is not None:
+        print("\n" + "\n".join(compare_markdown(comparison)))
     for m in results:
         if m.error:
             print(f"\nmode {m.name} FAILED: {m.error}")
@@ -105,6 +110,6 @@ def main(argv: list[str]) -> int:
     except PddError as exc:  # config, trace, costs, tokenizer: found before any mode runs
         print(f"pdd bench serve: {exc.message}", file=sys.stderr)
         return 2
-    print_summary(results, out)
+    print_summary(results, out, cfg)
     failed = any(m.error or m.errors() for m in results)
     return 1 if failed else 0

@@ -171,6 +171,21 @@ class ModeConfig(Section):
         return self
 
 
+class CompareConfig(Section):
+    """The headline comparison: ``candidate`` against ``baseline`` on one workload, with the
+    targets of issue #5 (PDD-FACTS: -51.5% P90 TTFT, up to 10x fewer WAN bytes, +27.8%
+    goodput, 6.2% of tokens from RLD)."""
+
+    baseline: str = Field("pd_wan", description="Mode the candidate is measured against.")
+    candidate: str = Field("pdd", description="Mode under test.")
+    workload: WorkloadName = Field("agentic", description="Workload the comparison reads.")
+    ttft_p90_reduction: float = Field(0.5, description="Target: 1 - P90 cand/base at least.")
+    ttft_p99_reduction: float = Field(0.5, description="Target: 1 - P99 cand/base at least.")
+    wan_bytes_factor: float = Field(5.0, description="Target: base/cand WAN bytes at least.")
+    goodput_gain: float = Field(0.2, description="Target: cand/base SLA goodput - 1 at least.")
+    rld_share_max: float = Field(0.15, description="Target: RLD share of output tokens below.")
+
+
 class BenchConfig(Section):
     """`pdd bench serve`: which workloads run against which modes, and how they are judged."""
 
@@ -201,6 +216,14 @@ class BenchConfig(Section):
     serve_ready_timeout_s: float = Field(600.0, gt=0, description="Wait for `pdd ready`.")
     results_dir: Path = Field(Path("results/bench-serve"), description="Parent of run folders.")
     progress_interval_s: float = Field(5.0, gt=0, description="Seconds between progress lines.")
+    lab_prefix: str | None = Field(
+        None,
+        description="Meter bytes on this lab's WAN per measured phase (the lab must stay up "
+        "for the whole run: bring it up before, so `pdd serve` leaves it up).",
+    )
+    compare: CompareConfig = Field(
+        default_factory=CompareConfig, description="Headline comparison (when both modes ran)."
+    )
 
     @model_validator(mode="after")
     def _checks(self) -> BenchConfig:

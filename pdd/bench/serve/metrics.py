@@ -112,6 +112,8 @@ class Summary:
     goodput_rps: float = 0.0
     wan_bytes_total: int = 0
     wan_bytes_per_request: float | None = None
+    link_bytes_total: int | None = None  # metered on the lab's WAN (every byte, both ways)
+    link_bytes_per_request: float | None = None
     target_hit_mean: float | None = None
     prefix_hit_rate: float | None = None
     drc_hit_rate: float | None = None
@@ -137,6 +139,7 @@ def summarize(
     sla: SlaConfig,
     cost: float,
     not_sent: int = 0,
+    link_bytes: int | None = None,
 ) -> Summary:
     """Summary of measured ``records`` over ``wall_s`` seconds (warm-up records are ignored)."""
     recs = [r for r in records if not r.warmup]
@@ -177,6 +180,8 @@ def summarize(
         goodput_rps=good,
         wan_bytes_total=wan,
         wan_bytes_per_request=_ratio(wan, len(ok)),
+        link_bytes_total=link_bytes,
+        link_bytes_per_request=None if link_bytes is None else _ratio(link_bytes, len(recs)),
         target_hit_mean=sum(targets) / len(targets) if targets else None,
         prefix_hit_rate=_ratio(sum(r.cached_tokens for r in ok), prompt_tokens),
         drc_hit_rate=_ratio(sum(r.pdd.md_cached_tokens for r in ok), prompt_tokens),

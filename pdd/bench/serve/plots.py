@@ -3,7 +3,8 @@
 - ``ttft_cdf.png``: TTFT CDF per mode, one panel per workload.
 - ``bathtub.png``: SLA goodput and BCR against the prefix hit rate, per mode (sweep buckets).
   Written only when a workload with hit buckets (the sweep) ran.
-- ``wan_bytes.png``: WAN KV bytes per request and in total, per mode and workload.
+- ``wan_bytes.png``: WAN KV bytes per request, and in total (the metered link bytes when the
+  run metered a lab), per mode and workload.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def _bathtub(path: Path, modes: list[ModeResult]) -> Path | None:
 
 def _wan_bytes(path: Path, modes: list[ModeResult]) -> Path:
     names = _workload_names(modes)
+    metered = any(
+        w.summary.link_bytes_total is not None for m in modes for w in m.workloads.values()
+    )
     fig, (ax_req, ax_total) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
@@ -107,11 +111,13 @@ def _wan_bytes(path: Path, modes: list[ModeResult]) -> Path:
                 continue
             xs.append(j + i * width)
             per_req.append(w.summary.wan_bytes_per_request or 0.0)
-            total.append(w.summary.wan_bytes_total)
+            s = w.summary
+            total.append((s.link_bytes_total or 0) if metered else s.wan_bytes_total)
         for ax, ys in ((ax_req, per_req), (ax_total, total)):
             bars = ax.bar(xs, ys, width=width, label=name)
             ax.bar_label(bars, labels=[_human(y) for y in ys], fontsize=7)
-    for ax, title in ((ax_req, "WAN KV bytes per request"), (ax_total, "WAN KV bytes in total")):
+    total_title = "bytes on the WAN link (metered)" if metered else "WAN KV bytes in total"
+    for ax, title in ((ax_req, "WAN KV bytes per request (P -> MD)"), (ax_total, total_title)):
         ax.set_title(title)
         ax.set_ylim(bottom=0, top=max(1.0, ax.get_ylim()[1]))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], [m.name for m in modes])

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdd.bench.serve.compare import compare
+from pdd.bench.serve.compare import markdown as compare_markdown
 from pdd.bench.serve.config import BenchConfig
 from pdd.bench.serve.metrics import Summary
 from pdd.bench.serve.plots import write_plots
@@ -51,6 +53,7 @@ def write_report(
         "config": cfg.model_dump(mode="json"),
         "workloads": {name: workload_shape(wl) for name, wl in workloads.items()},
         "modes": {m.name: m.to_json() for m in modes},
+        "comparison": compare(modes, cfg.compare),
     }
     files = [out / "results.json", out / "requests.jsonl", out / "report.md"]
     files[0].write_text(json.dumps(results, indent=2) + "\n")
@@ -60,7 +63,7 @@ def write_report(
                 for p in w.phases:
                     for r in p.records:
                         f.write(json.dumps(dict(r.to_json(), mode=m.name, workload=name)) + "\n")
-    files[2].write_text(markdown(cfg, workloads, modes, meta))
+    files[2].write_text(markdown(cfg, workloads, modes, meta, results["comparison"]))
     return files + write_plots(out, modes, cfg)
 
 
@@ -95,7 +98,8 @@ def _counts(d: dict[str, int]) -> str:
 
 MODE_COLUMNS = (
     "mode | ok/sent | errors | TTFT P50 / P90 / P99 ms | TPOT P50 / P99 ms | ITL P99 ms "
-    "| max stall ms | E2E P50 / P99 ms | goodput req/s | SLA met | WAN / req | WAN total "
+    "| max stall ms | E2E P50 / P99 ms | goodput req/s | SLA met | WAN KV / req | WAN KV total "
+    "| link total "
     "| prefix hit | DRC hit | RLD share | pipelines | handoffs | cost/h | BCR"
 )
 
@@ -114,6 +118,7 @@ def mode_row(name: str, s: Summary) -> str:
         _pct(s.sla_attainment),
         _bytes(s.wan_bytes_per_request),
         _bytes(s.wan_bytes_total),
+        _bytes(s.link_bytes_total),
         _pct(s.prefix_hit_rate),
         _pct(s.drc_hit_rate),
         _pct(s.rld_token_share),
@@ -131,7 +136,11 @@ def _table(header: str, rows: list[str]) -> list[str]:
 
 
 def markdown(
-    cfg: BenchConfig, workloads: dict[str, Workload], modes: list[ModeResult], meta: dict[str, Any]
+    cfg: BenchConfig,
+    workloads: dict[str, Workload],
+    modes: list[ModeResult],
+    meta: dict[str, Any],
+    comparison: dict[str, Any] | None = None,
 ) -> str:
     lines = [
         "# pdd bench serve",
@@ -146,6 +155,8 @@ def markdown(
         + "BCR = goodput (req/s) / cost per hour.",
         "",
     ]
+    if comparison is not None:
+        lines += compare_markdown(comparison)
     failed = [m for m in modes if m.error]
     for m in failed:
         lines += [f"**Mode {m.name} did not run:** {m.error.splitlines()[0]}", ""]

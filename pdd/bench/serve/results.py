@@ -19,6 +19,7 @@ class PhaseResult:
     records: list[RequestRecord]
     wall_s: float
     not_sent: int = 0
+    link_bytes: int | None = None  # bytes on the lab's WAN during the phase (metered runs)
 
 
 @dataclass
@@ -41,14 +42,19 @@ class WorkloadResult:
         cost: float,
     ) -> WorkloadResult:
         measured = [p for p in phases if not p.warmup]
-        groups = {p.group: summarize(p.records, p.wall_s, sla, cost, p.not_sent) for p in measured}
+        groups = {
+            p.group: summarize(p.records, p.wall_s, sla, cost, p.not_sent, p.link_bytes)
+            for p in measured
+        }
         every = [r for p in measured for r in p.records]
+        links = [p.link_bytes for p in measured]
         total = summarize(
             every,
             sum(p.wall_s for p in measured),
             sla,
             cost,
             sum(p.not_sent for p in measured),
+            None if None in links else sum(links),  # type: ignore[arg-type]
         )
         return cls(name, phases, hits, groups, total)
 

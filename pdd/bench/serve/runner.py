@@ -21,6 +21,7 @@ import httpx
 
 from pdd.bench.serve.client import RequestRecord, stream_request
 from pdd.bench.serve.config import BenchConfig
+from pdd.bench.serve.link import LinkMeter
 from pdd.bench.serve.results import PhaseResult
 from pdd.bench.serve.workload import BenchRequest, Workload
 from pdd.errors import PddError
@@ -99,11 +100,19 @@ _Send = Callable[[BenchRequest], Awaitable[None]]
 class PhaseRunner:
     """Runs the phases of workloads against one base URL with one HTTP client."""
 
-    def __init__(self, http: httpx.AsyncClient, cfg: BenchConfig, model: str, progress: Progress):
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        cfg: BenchConfig,
+        model: str,
+        progress: Progress,
+        meter: LinkMeter | None = None,
+    ):
         self.http = http
         self.cfg = cfg
         self.model = model
         self.progress = progress
+        self.meter = meter
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         body = dict(req.payload(), model=self.model, temperature=self.cfg.temperature)
@@ -149,6 +158,8 @@ class PhaseRunner:
             finally:
                 done[req.index].set()
 
+        meter = None if warmup else self.meter
+        link_before = await asyncio.to_thread(meter.read) if meter else None
         self.progress.begin(name, len(reqs))
         try:
             offsets = None if warmup else self._offsets(reqs, reqs[0].group)
@@ -159,7 +170,10 @@ class PhaseRunner:
         finally:
             await self.progress.end()
         records.sort(key=lambda r: r.index)
-        return PhaseResult(reqs[0].group, warmup, records, max(ends) - start, not_sent)
+        link = None
+        if meter is not None and link_before is not None:
+            link = await asyncio.to_thread(meter.read) - link_before
+        return PhaseResult(reqs[0].group, warmup, records, max(ends) - start, not_sent, link)
 
     def _offsets(self, reqs: list[BenchRequest], group: str) -> list[float] | None:
         if all(r.arrival_s is not None for r in reqs):
@@ -256,5 +270,6 @@ async def run_mode(
                     f"but the server's max_model_len is {max_len}: shrink the workload "
                     f"(prompt/output token settings) or raise engine.max_model_len"
                 )
-        runner = PhaseRunner(http, cfg, model, Progress(cfg.progress_interval_s))
+        meter = LinkMeter(cfg.lab_prefix) if cfg.lab_prefix else None
+        runner = PhaseRunner(http, cfg, model, Progress(cfg.progress_interval_s), meter)
         return {name: await runner.run(wl, f"{label} {name}") for name, wl in workloads.items()}
