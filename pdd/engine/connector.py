@@ -93,7 +93,7 @@ class PddConnector(KVConnectorBase_V1):
                 settings, block_size, ktc.is_kv_producer, ktc.is_kv_consumer
             )
         else:
-            self._worker = WorkerHalf(settings)
+            self._worker = WorkerHalf(settings, kv_cache_config.num_blocks)
 
     # ==== worker side ========================================================================
 

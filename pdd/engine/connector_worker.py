@@ -7,14 +7,20 @@ Runs in vLLM's worker (the engine-core process with the "uni" executor, a child 
   first it posts the fences the scheduler half sent (requests finished in earlier steps).
 - ``save`` (``wait_for_save``, after the forward): blocks this step computed -> slots.
 
-Owns: ``PagedKv`` (uint8 views of every layer's KV tensor), the attached arena and fence board
-(mapped here, owned by the worker shell), and the per-step copy statistics. Holds no request
-state: the scheduler half decides every copy.
+Owns: the block copier, the attached arena and fence board (mapped here, owned by the worker
+shell), and the per-step copy statistics. Holds no request state: the scheduler half decides
+every copy.
+
+Two copiers, picked at ``register_kv_caches`` from the tensors (layout rule: kv_copy.py):
+- ``SlotCopier`` (numpy views, ``PagedKv``): vLLM's CPU layout, contiguous block-first CPU
+  tensors; the fast path on CPU.
+- ``kv_copy.TorchBlockCopier`` (torch ops): CUDA tensors, K/V-split or strided layouts.
 
 Wire layout of one slot (``KvLayout``; the same on P and D, checked via slot_bytes):
 
     slot = | layer 0 block | layer 1 block | ... | layer L-1 block |
     layer block (CPU) = [num_kv_heads, block_size, 2 * head_dim] of the KV dtype (K, V packed)
+    layer block (other layouts) = see kv_copy.py (block-first: t[b]; K/V-split: K then V)
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from pdd.cache.arena import FenceBoard, SlotArena
 from pdd.engine.connector_meta import CopyJob, CopyStat, PddConnectorMetadata, PddWorkerMetadata
 from pdd.engine.connector_params import ConnectorSettings
+from pdd.engine.kv_copy import PagedLayers, TorchBlockCopier
 from pdd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -107,22 +114,34 @@ class SlotCopier:
 
 
 class WorkerHalf:
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, num_blocks: int | None = None) -> None:
+        """``num_blocks``: vLLM's ``KVCacheConfig.num_blocks``, for layout detection (kv_copy)."""
         self._settings = settings
-        self._copier: SlotCopier | None = None
+        self._num_blocks = num_blocks
+        self._copier: SlotCopier | TorchBlockCopier | None = None
         self._arena: SlotArena | None = None
         self._fences: FenceBoard | None = None
         self._out = PddWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the shell's arenas; raises ConfigError (engine start fails) when they do not fit."""
-        kv = PagedKv(kv_caches)
+        layers = PagedLayers.from_caches(kv_caches, self._num_blocks)
         self._arena = SlotArena.attach_ref(self._settings.arena)
-        self._copier = SlotCopier(kv, self._arena)
+        try:
+            if layers.is_cpu_packed:
+                self._copier = SlotCopier(PagedKv(kv_caches), self._arena)
+            else:
+                self._copier = TorchBlockCopier(layers, self._arena)
+        except ConfigError:
+            self._arena.close()
+            self._arena = None
+            raise
         if self._settings.fences is not None:
             self._fences = FenceBoard.attach(self._settings.fences)
-        log.info("PddConnector: arena %s, %d slots of %d bytes", self._arena.ref.name,
-                 self._arena.num_slots, self._arena.slot_bytes)  # fmt: skip
+        log.info("PddConnector: arena %s, %d slots of %d bytes, %s copier%s",
+                 self._arena.ref.name, self._arena.num_slots, self._arena.slot_bytes,
+                 type(self._copier).__name__, f" ({self._copier.host})"
+                 if isinstance(self._copier, TorchBlockCopier) else "")  # fmt: skip
 
     # --- called by the model runner each step -----------------------------------------------
 
@@ -161,6 +180,6 @@ class WorkerHalf:
         if self._arena is not None:
             self._arena.close()
 
-    def _c(self) -> SlotCopier:
+    def _c(self) -> SlotCopier | TorchBlockCopier:
         assert self._copier is not None, "copy before register_kv_caches"
         return self._copier
