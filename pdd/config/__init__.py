@@ -17,6 +17,7 @@ from pdd.config.cache import CacheConfig
 from pdd.config.lab import LabConfig
 from pdd.config.model import EngineConfig, ModelConfig
 from pdd.config.router import RouterConfig
+from pdd.config.security import SecurityConfig
 from pdd.config.transfer import TransferConfig
 from pdd.config.worker import WorkerConfig
 from pdd.errors import ConfigError
@@ -28,6 +29,7 @@ __all__ = [
     "ModelConfig",
     "PddConfig",
     "RouterConfig",
+    "SecurityConfig",
     "TransferConfig",
     "WorkerConfig",
     "load_config",
@@ -52,6 +54,10 @@ class PddConfig(Section):
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Decode-side cache.")
     lab: LabConfig = Field(default_factory=LabConfig, description="Two-datacenter lab link.")
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="Worker token and TLS between the router and its workers.",
+    )
 
     @model_validator(mode="after")
     def _unique_worker_ids(self) -> PddConfig:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from pdd.config.base import Section
+from pdd.config.fleet import FleetConfig
 from pdd.protocol import RouterMode
 
 
@@ -66,6 +68,31 @@ class PddPolicyConfig(Section):
         description="How long RLD/MD wait inside Generate for inbound KV before recomputing "
         "it (KvIn.wait_s).",
     )
+    md_load_weight: float = Field(
+        0.5,
+        ge=0,
+        description="MD score = prompt hit fraction in its DRC - md_load_weight * its load "
+        "fraction (requests / max_num_seqs); the highest score wins (pdd.router.policy).",
+    )
+    p_load_weight: float = Field(
+        0.25,
+        ge=0,
+        description="P score = prompt hit fraction in the router's view of its prefix cache "
+        "- p_load_weight * its requests in flight; the highest score wins.",
+    )
+    routed_prefix_blocks: int = Field(
+        16384,
+        ge=0,
+        description="Per P and per MD, how many block hashes of the prompts routed there the "
+        "router remembers (LRU): its view of P's prefix cache, and of MD's newest DRC blocks "
+        "until the DRC replica catches up. 0: off (no P prefix affinity).",
+    )
+    test_policy: Literal["pdd", "p_rld_only"] = Field(
+        "pdd",
+        description="TEST ONLY. p_rld_only routes every request P -> RLD, RLD emits every "
+        "token and MD never sees it (the excluded P-RLD pipeline, to demonstrate the drift "
+        "it causes). Never set it in production.",
+    )
 
     @model_validator(mode="after")
     def _poll_within_timeout(self) -> PddPolicyConfig:
@@ -108,10 +135,23 @@ class RouterConfig(Section):
         description="How often the router polls each worker's health (and, in mode pdd, "
         "each MainDecode's DRC events).",
     )
+    health_missed_polls: int = Field(
+        3,
+        ge=1,
+        description="Consecutive Health/Stats timeouts before a healthy worker counts as "
+        "unhealthy (a worker on a saturated host answers late). A refused connection, an "
+        "error or a not-ready answer counts at once.",
+    )
     max_queued_requests: int = Field(
         256, gt=0, description="Requests admitted but not yet finished; 429 above."
     )
     log_requests: bool = Field(False, description="Log one line per finished request.")
+    drain_timeout_s: float = Field(
+        20.0,
+        ge=0,
+        description="On SIGTERM the router answers new requests 503 (Retry-After) and lets "
+        "open requests and streams finish for up to this long, then stops.",
+    )
     sla_ttft_s: float = Field(
         5.0,
         gt=0,
@@ -148,4 +188,8 @@ class RouterConfig(Section):
     pdd: PddPolicyConfig = Field(
         default_factory=PddPolicyConfig,
         description="PDD policy: pipeline choice, handoff, KV-plane timing (modes pdd, pd_*).",
+    )
+    fleet: FleetConfig = Field(
+        default_factory=FleetConfig,
+        description="Workers joining at run time: registration and DNS discovery.",
     )

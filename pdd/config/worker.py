@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from pdd.config.base import Section
+from pdd.config.faults import FaultsConfig
 from pdd.config.model import EngineConfig
 from pdd.protocol import Role
 
@@ -27,6 +28,18 @@ class WorkerConfig(Section):
     datacenter: str = Field("dc-a", description="Datacenter the worker runs in (lab namespace).")
     engine: EngineConfig | None = Field(
         None, description="Engine settings for this worker; null uses the top-level `engine`."
+    )
+    max_queued_requests: int = Field(
+        64,
+        ge=0,
+        description="Generate requests waiting beyond the engine's max_num_seqs; one more is "
+        "refused with RESOURCE_EXHAUSTED (the router answers 429 with Retry-After).",
+    )
+    drain_timeout_s: float = Field(
+        20.0,
+        ge=0,
+        description="On SIGTERM the worker refuses new work (UNAVAILABLE, Health not ready) "
+        "and lets requests in flight finish for up to this long, then aborts the rest.",
     )
     # --- KV plane (prefill, relay_decode, main_decode) --------------------------------------
     kv_port: int = Field(
@@ -78,6 +91,26 @@ class WorkerConfig(Section):
         description="main_decode: after a request finishes, store the whole blocks of its "
         "prompt + output that the DRC lacks (blocks MD computed itself), so the next turn of "
         "the conversation needs none of them over the WAN.",
+    )
+
+    # --- fleet registration (router.fleet.accept_registrations) ------------------------------
+    register_url: str | None = Field(
+        None,
+        description="Router base URL (e.g. http://router:8000) this worker registers with and "
+        "heartbeats to (`--register URL` sets it); null: the router's config lists it.",
+    )
+    register_interval_s: float = Field(
+        2.0, gt=0, description="Heartbeat period of a registered worker."
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="Address the router dials for this worker's gRPC when it registers; "
+        "null: `host` (required when `host` is a wildcard).",
+    )
+
+    faults: FaultsConfig = Field(
+        default_factory=FaultsConfig,
+        description="Fault injection for tests (pdd/config/faults.py); off by default.",
     )
 
     def staging_slots(self, block_bytes: int) -> int:

@@ -1,7 +1,8 @@
 """One vLLM engine (``vllm.v1`` AsyncLLM) behind a small, typed, token-ID-only interface.
 
-Owns: the AsyncLLM, its engine-core child process, the in-flight request set and the counters
-behind ``stats()``. Together with the KV connector this is the only module that imports vLLM.
+Owns: the AsyncLLM, its engine-core child process (which dies with this process, however this
+process dies: ``pdd.engine.lifeline``), the in-flight request set and the counters behind
+``stats()``. Together with the KV connector this is the only module that imports vLLM.
 
 Lifecycle: ``Engine(...)`` (cheap) -> ``await start()`` (prepares the model folder, spawns the
 engine core, ~10-20 s on CPU) -> ``generate`` / ``abort`` / ``stats`` -> ``await stop()`` (aborts
@@ -38,6 +39,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError  # no
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from pdd.config import EngineConfig, ModelConfig  # noqa: E402
+from pdd.engine.lifeline import spawning  # noqa: E402
 from pdd.engine.model import prepare_model  # noqa: E402
 from pdd.engine.types import (  # noqa: E402
     EngineDelta,
@@ -131,7 +133,7 @@ class Engine:
         args = self._engine_args(path)
         sinks = [lambda _cfg, _idx=0: _StatSink(self._counters)]
         try:
-            with self._spawn_env():
+            with self._spawn_env(), spawning():  # the core dies with us (pdd.engine.lifeline)
                 # Construction blocks for seconds (spawn + handshake): keep the loop free.
                 llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=sinks)
         except Exception as exc:  # vLLM raises bare RuntimeError/ValueError on start failure

@@ -1,8 +1,11 @@
 """The child processes of `pdd serve`: what each runs, and one supervised process.
 
 ``child_specs`` is pure (the command line of every worker and of the router, and the
-datacenter each runs in); ``Child`` owns one running process: it pumps the process's output
-(prefixed, to stderr), notices its ready line, and stops it (SIGTERM, then SIGKILL).
+datacenter each runs in; the per-run worker token of ``security.worker_token_file: auto``);
+``Child`` owns one running process: it pumps the process's output (prefixed, to stderr),
+notices its ready line, and stops it (SIGTERM, which drains it, then SIGKILL once its drain
+and exit had their time). `pdd serve` stops the router first (it finishes its open streams),
+then the workers (they finish what is left in flight), see ``pdd.launch.topology``.
 
 Every child gets PR_SET_PDEATHSIG, so it dies with the launcher even when the launcher is
 killed with SIGKILL. The signal is tied to the thread that forked the child: children are
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,41 +28,76 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdd.config import PddConfig
+from pdd.config.security import AUTO
 from pdd.launch.placement import Spawn
 
 WORKER_READY = "pdd worker ready"
+EXIT_MARGIN_S = 10.0  # after its drain a worker still stops vLLM's engine core (up to ~10 s)
+BASE_GRACE_S = 30.0  # what `pdd serve` gives every child anyway (topology.STOP_GRACE_S)
 ROUTER_READY = "pdd router ready"
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """One process of the topology: its name, datacenter, command line and ready line."""
+    """One process of the topology: its name, datacenter, command line and ready line, and
+    how long it may take to stop after SIGTERM (its drain, plus the engine's exit)."""
 
     name: str
     dc: str
     argv: tuple[str, ...]
     ready_prefix: str
+    stop_grace_s: float = field(default=0.0, compare=False)  # timing, not identity
 
 
 def child_specs(
     cfg: PddConfig, config_path: Path, router_dc: str, python: str = sys.executable
 ) -> list[ChildSpec]:
-    """Every worker (in config order), then the router, each reading ``config_path``."""
-    conf = ("--config", str(config_path))
+    """Every worker (in config order), then the router, each reading ``config_path``.
+
+    With ``security.worker_token_file: auto`` a fresh token is written next to the config
+    (see ``auto_token_overrides``) and every child is pointed at it."""
+    conf = ("--config", str(config_path), *auto_token_overrides(cfg, config_path.parent))
     specs = [
         ChildSpec(
             w.id,
             w.datacenter,
             (python, "-m", "pdd.worker.main", *conf, "--worker", w.id),
             WORKER_READY,
+            _grace(w.drain_timeout_s),
         )
         for w in cfg.workers
     ]
     specs.append(
-        ChildSpec("router", router_dc, (python, "-m", "pdd.router.main", *conf), ROUTER_READY)
+        ChildSpec(
+            "router",
+            router_dc,
+            (python, "-m", "pdd.router.main", *conf),
+            ROUTER_READY,
+            _grace(cfg.router.drain_timeout_s),
+        )
     )
     return specs
+
+
+def _grace(drain_timeout_s: float) -> float:
+    """Stop grace a child needs beyond the launcher's own (0: the launcher's is enough)."""
+    need = drain_timeout_s + EXIT_MARGIN_S
+    return need if need > BASE_GRACE_S else 0.0
+
+
+def auto_token_overrides(cfg: PddConfig, run_dir: Path) -> tuple[str, ...]:
+    """``--set`` arguments that resolve ``security.worker_token_file: auto``: a random token
+    (256 bits) in ``run_dir/worker-token`` (mode 0600, written once per run folder). Only the
+    path travels on command lines; () when the config names a real file or none."""
+    if cfg.security.worker_token_file != AUTO:
+        return ()
+    path = run_dir / "worker-token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return ("--set", f"security.worker_token_file={path}")
 
 
 def child_env() -> dict[str, str]:
@@ -89,6 +128,7 @@ class Child:
     signalled: bool = False  # the launcher asked it to stop (its exit status is then expected)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     ready: threading.Event = field(default_factory=threading.Event)
+    _terminated_at: float | None = None
 
     @property
     def name(self) -> str:
@@ -133,15 +173,20 @@ class Child:
         return code is not None and code not in expected
 
     def terminate(self) -> None:
+        """SIGTERM: the child drains (finishes what is in flight), then exits."""
         if self.alive():
             assert self.proc is not None
             self.signalled = True
+            self._terminated_at = time.monotonic()
             self.proc.terminate()
 
     def wait_or_kill(self, deadline_s: float) -> None:
-        """Wait until the process is gone, SIGKILL it at the deadline (a monotonic time)."""
+        """Wait until the process is gone, SIGKILL it at the deadline (a monotonic time), or
+        later when its drain (``spec.stop_grace_s`` after SIGTERM) needs longer."""
         if self.proc is None:
             return
+        if self._terminated_at is not None:
+            deadline_s = max(deadline_s, self._terminated_at + self.spec.stop_grace_s)
         try:
             self.proc.wait(timeout=max(0.0, deadline_s - time.monotonic()))
         except subprocess.TimeoutExpired:

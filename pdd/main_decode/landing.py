@@ -12,7 +12,8 @@ state. Lifecycle of one reservation::
     transfer DONE        drc.land every written block (committed in chain order: visible to
                          match(), exported as BlockStored); FAILED/CANCELLED: drc.discard them
     lease released       consumed by a Generate and the transfer terminal, or nothing was to
-                         be received; or CancelKv; or the lease expired. Then drc.release:
+                         be received; or CancelKv; or the lease expired; or a Generate
+                         consumed it before any transfer arrived. Then drc.release:
                          landed blocks stay cached (LRU), unlanded slots are freed
     record dropped       lease released and no transfer open (``Recent`` keeps the outcome)
 
@@ -128,12 +129,24 @@ class DrcLanding:
         return True
 
     def consume(self, kv_id: str) -> None:
-        """A Generate took the request's KV (it pinned what it loads by itself)."""
+        """A Generate took the request's KV (it pinned what it loads by itself).
+
+        If no transfer of it was ever seen (P's send failed before its first chunk, or is
+        stuck behind a dead link), the Generate recomputes the prompt and nobody will use
+        these slots: the reservation is given up now, and chunks arriving later are refused,
+        rather than holding the landing slots until the lease expires. A transfer already
+        open keeps its slots until it ends (what lands is cached for the next turn)."""
         with self._lock:
             rec = self._recs.get(kv_id)
             if rec is None:
                 return
             rec.consumed = True
+            idle = not rec.inbound.open and not rec.inbound.terminal and rec.expected > 0
+            if idle and rec.inbound.cancelled is None:
+                rec.inbound.cancelled = "consumed before its KV arrived"
+        if idle:
+            log.warning("KV of %s: never arrived; its landing slots are released", kv_id)
+            self.waiters.notify(kv_id)
         self.settle(rec)
 
     def settle(self, rec: Reservation) -> None:

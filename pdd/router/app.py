@@ -7,7 +7,8 @@ on ``app.state.pdd``. The app's lifespan starts the worker pool (channels + heal
 and stops it on shutdown. Loading the tokenizer happens here, before serving, so a missing
 model folder fails at start (ModelError), not on the first request. With API keys configured
 (``pdd.router.auth``) the key check runs before everything else and the lifespan also runs the
-key reloader. ``/openapi.json`` describes the API.
+key reloader. ``/openapi.json`` describes the API. ``app.state.pdd_drain`` is the drain gate
+(``pdd.router.drain``) the server closes on SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from pdd.config import PddConfig
 from pdd.protocol import Role
 from pdd.router.auth import ApiKeyMiddleware, ApiKeys, KeyReloader
 from pdd.router.debug import RequestLog
+from pdd.router.drain import DrainGate, DrainMiddleware
 from pdd.router.http_errors import install_error_handlers
 from pdd.router.limits import BodyLimitMiddleware
 from pdd.router.metrics import RouterMetrics
 from pdd.router.pool import WorkerPool
+from pdd.router.registry import FleetMembership
+from pdd.router.registry import routes as registry_routes
 from pdd.router.routes import router as api_routes
 from pdd.router.service import RouterService
 from pdd.router.tokenizer import TextCodec
@@ -77,10 +81,12 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
     state = build_state(cfg, codec)
     keys = ApiKeys.from_config(cfg.router)  # None: authentication off
     reloader = KeyReloader(keys) if keys is not None else None
+    fleet = FleetMembership(state.pool, cfg.router.fleet)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
+        await fleet.start()  # registration expiry, DNS discovery
         # Announce readiness only once worker health is known, so a client that starts
         # right after the ready line does not get a 503 from an unpolled pool.
         await state.pool.wait_first_poll(timeout=cfg.router.worker_rpc_timeout_s + 1.0)
@@ -91,6 +97,7 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
         finally:
             if reloader is not None:
                 await reloader.stop()
+            await fleet.stop()
             await state.pool.stop()
 
     # /openapi.json is served (as vLLM does) and open; the docs pages need a CDN: off.
@@ -102,9 +109,14 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
         openapi_url="/openapi.json",
     )
     app.state.pdd = state
+    app.state.pdd_drain = DrainGate(lambda: state.service.in_flight, cfg.router.drain_timeout_s)
     install_error_handlers(app)
     app.include_router(api_routes)
+    app.state.pdd_fleet = fleet
+    if cfg.router.fleet.accept_registrations:
+        app.include_router(registry_routes)  # /internal/v1/workers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.router.max_body_bytes)
+    app.add_middleware(DrainMiddleware, gate=app.state.pdd_drain)  # 503 while draining
     if keys is not None:  # added last, so it runs first: no body is read for a 401
         app.add_middleware(
             ApiKeyMiddleware, keys=keys, metrics_require_key=cfg.router.metrics_require_key

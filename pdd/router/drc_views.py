@@ -41,9 +41,20 @@ class DrcViews:
     def view(self, md_id: str) -> PrefixIndexView:
         return self._views[md_id]
 
+    def add(self, md_id: str) -> None:
+        """A MainDecode joined the fleet (registration, discovery): an empty, stale view."""
+        self._views.setdefault(md_id, PrefixIndexView())
+
+    def remove(self, md_id: str) -> None:
+        """A MainDecode left the fleet: forget its view."""
+        self._views.pop(md_id, None)
+        self._failing.discard(md_id)
+
     async def refresh(self, md_id: str, client: WorkerClient) -> None:
         """Bring one view up to date (events, or a snapshot when stale or on a gap)."""
-        view = self._views[md_id]
+        view = self._views.get(md_id)
+        if view is None:  # removed while its poll was in flight
+            return
         try:
             if not view.stale and await self._apply_events(view, client):
                 self._ok(md_id)

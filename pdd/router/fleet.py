@@ -33,6 +33,13 @@ class WorkerView:
     kv_block_bytes: int = 0  # bytes of one block across all layers (0: not reported)
     wan_bandwidth_bps: float = 0.0  # P: live estimate toward MD (0: not measured)
     wan_rtt_s: float = 0.0
+    served: int = 0  # requests this router has given the worker so far (balances ties)
+    source: str = "config"  # config | registered | dns:NAME
+
+    @property
+    def free_slots(self) -> float:
+        """Sequences it can still take (infinite when the capacity is unknown)."""
+        return self.max_num_seqs - self.load if self.max_num_seqs > 0 else float("inf")
 
     @property
     def load(self) -> int:
@@ -64,13 +71,19 @@ class FleetView:
 class RouteRequest:
     """What policy may look at for one request.
 
-    ``md_cached_tokens``: per MainDecode id, prompt tokens its DRC holds (router's view).
+    ``md_cached_tokens``: per MainDecode id, prompt tokens its DRC holds (router's replica).
+    ``md_routed_tokens``: per MainDecode id, prompt tokens of the prefix the router recently
+    routed there (affinity only: the replica lags by up to one health poll).
+    ``p_cached_tokens``: per Prefill id, prompt tokens the router last saw it prefill (its
+    view of P's prefix cache, ``pdd.router.routed_prefixes``).
     ``pipeline`` / ``handoff``: the request's override (None: the policy decides).
     """
 
     prompt_tokens: int
     max_tokens: int
     md_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    p_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    md_routed_tokens: Mapping[str, int] = field(default_factory=dict)
     pipeline: Pipeline | None = None
     handoff: HandoffMode | None = None
 
@@ -109,7 +122,8 @@ class Decision:
 
 
 def least_loaded(candidates: list[WorkerView]) -> WorkerView | None:
-    """Lowest load; ties by KV cache usage, then by id (deterministic)."""
+    """Lowest load; ties by KV cache usage, then the fewest served so far (idle workers take
+    turns), then by id (deterministic)."""
     if not candidates:
         return None
-    return min(candidates, key=lambda w: (w.load, w.kv_cache_usage, w.id))
+    return min(candidates, key=lambda w: (w.load, w.kv_cache_usage, w.served, w.id))

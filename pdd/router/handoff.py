@@ -23,20 +23,28 @@ Everything runs in tasks that feed one queue (RLD events, the KV state, warm-up 
 generator consumes it in order, so the decision point is exact: RLD tokens queued before the
 KV signal are emitted, the ones after it are dropped. An RLD that fails (error, abort) just
 stops; MD takes over when its KV is there. A warm-up that fails falls back to the switch.
+An MD lost before the switch (its AwaitKv or warm-up broke: ``recovery.is_worker_loss``)
+leaves the request to RLD, which decodes to the end; if RLD is gone too, the switch is a
+takeover by another worker (``RequestRun.finish_on``). An MD lost after the switch is the
+same takeover.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pdd.errors import PddError
 from pdd.protocol import HandoffMode
+from pdd.router.recovery import is_worker_loss
 from pdd.router.request_run import REAL_FINISHES, RequestRun
 from pdd.router.types import GenerationRequest, TokenEvent
 from pdd.router.workers import KvState
+
+log = logging.getLogger(__name__)
 
 
 class _Next(enum.Enum):
@@ -59,6 +67,7 @@ class RelayHandoff:
         self._rld_task: asyncio.Task[None] | None = None
         self._kv_ready = False
         self._rld_alive = True
+        self._md_lost = False  # MD's AwaitKv / warm-up saw it lost: never switch to it
         self._warming = False
         self._synced = 0  # emitted tokens MD has computed (its warm-ups)
         self._rounds = 0  # warm-ups started
@@ -84,7 +93,9 @@ class RelayHandoff:
             run.release_kv("handed off to MD", [self._rld])  # RLD may never have loaded it
             run.trace.handoff_rounds = self._rounds + 1
             run.mark_switch()
-            async for event in run.finish_on(self._md, "md", kv_source="drc", await_kv=False):
+            lost = (self._md,) if self._md_lost else ()
+            finish = run.finish_on(self._md, "md", kv_source="drc", await_kv=False, lost=lost)
+            async for event in finish:
                 yield event
         finally:
             await self._cancel_tasks()
@@ -113,16 +124,34 @@ class RelayHandoff:
                 return _Next.SWITCH
             return self._next_round()
         if kind == "kv_error":
-            raise payload
+            if not is_worker_loss(payload):
+                raise payload
+            return self._md_gone(payload)
         if kind == "warm":
             self._warming = False
             self._synced = payload
             return self._next_round() if self._rld_alive else _Next.SWITCH
         assert kind == "warm_failed", kind
+        self._warming = False
+        if isinstance(payload, PddError) and is_worker_loss(payload):
+            return self._md_gone(payload)
         return _Next.SWITCH
+
+    def _md_gone(self, exc: PddError) -> _Next:
+        """MD was lost before the switch: RLD, if it still streams, finishes the request;
+        otherwise the switch goes straight to a takeover (``RequestRun.finish_on``)."""
+        self._md_lost = True
+        self._run.pool.mark_unhealthy(self._md, exc.message)
+        log.warning(
+            "request %s: MD %s lost before the handoff (%s); %s", self._run.kv_id, self._md,
+            exc.message, "RLD finishes the request" if self._rld_alive else "taking over",
+        )  # fmt: skip
+        return _Next.CONTINUE if self._rld_alive else _Next.SWITCH
 
     def _rld_gone(self) -> _Next:
         self._rld_alive = False
+        if self._md_lost:
+            return _Next.SWITCH
         return _Next.SWITCH if self._kv_ready and not self._warming else _Next.CONTINUE
 
     def _next_round(self) -> _Next:

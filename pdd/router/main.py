@@ -6,8 +6,10 @@ one line once listening:
 
     pdd router ready: http://HOST:PORT/v1
 
-SIGTERM and SIGINT stop it gracefully (in-flight requests get ``GRACEFUL_SHUTDOWN_S``, then
-are cancelled, which aborts them on the workers); the exit status is then 0.
+SIGTERM and SIGINT drain it (``pdd.router.drain``): new requests get 503 with Retry-After, open
+requests and streams finish for up to ``router.drain_timeout_s``, then uvicorn stops (what is
+still open gets ``GRACEFUL_SHUTDOWN_S``, then is cancelled, which aborts it on the workers); a
+second signal stops at once. The exit status is then 0.
 Exit status 2: bad config or model folder. ``RouterServer`` is reusable (tests run it in a
 thread).
 """
@@ -20,7 +22,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
@@ -57,16 +59,51 @@ def base_url(sock: socket.socket) -> str:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server with a hook that runs once it is listening."""
+    """uvicorn's server with a hook that runs once it is listening, and a drain on the first
+    SIGTERM/SIGINT (uvicorn's own handlers would stop at once): ``drain`` runs in the serving
+    loop and the server exits when it returns; a second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_ready: Callable[[], None],
+        drain: Callable[[], Awaitable[object]] | None = None,
+    ):
         super().__init__(config)
         self._on_ready = on_ready
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._drain_task: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
             self._on_ready()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        log.info("signal %d: %s", sig, "stopping now" if self._draining else "draining")
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """Any thread: drain, then exit; exit at once when already draining or not serving."""
+        loop = self._loop
+        if self._draining or self._drain is None or loop is None or not self.started:
+            self.should_exit = True
+            return
+        self._draining = True
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            assert self._drain is not None
+            await self._drain()
+        finally:
+            self.should_exit = True
 
 
 class RouterServer:
@@ -82,7 +119,9 @@ class RouterServer:
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        self._server = _Server(config, lambda: on_ready(self.url))
+        gate = getattr(app.state, "pdd_drain", None)  # pdd.router.drain.DrainGate
+        drain = gate.drain if gate is not None else None
+        self._server = _Server(config, lambda: on_ready(self.url), drain)
 
     @property
     def started(self) -> bool:
@@ -92,8 +131,14 @@ class RouterServer:
         await self._server.serve(sockets=[self.sock])
 
     def stop(self) -> None:
+        """Stop now (open requests get GRACEFUL_SHUTDOWN_S). Any thread."""
         # uvicorn's main loop polls this flag every 0.1 s, from its own thread.
         self._server.should_exit = True
+
+    def drain(self) -> None:
+        """What SIGTERM does: 503 for new requests, open ones finish (router.drain_timeout_s),
+        then stop. Any thread."""
+        self._server.begin_drain()
 
 
 def _announce(url: str) -> None:
@@ -139,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     server = RouterServer(app, sock, on_ready=_announce)
 
     def _on_signal(signum: int, _: FrameType | None) -> None:
-        log.info("signal %d: shutting down", signum)
-        server.stop()
+        log.info("signal %d: draining", signum)
+        server.drain()
 
     # uvicorn installs its own handlers while serving and re-raises a caught signal at the end;
     # with ours in place that re-raise lands here (harmless) instead of killing the process.

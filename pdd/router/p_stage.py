@@ -14,18 +14,24 @@ blocks, everyone else from block 0. A target that needs nothing is left out (and
 it is MD, whose DRC Generate uses its lease, released with CancelKv); when nobody needs
 anything P's staged blocks are released with CancelKv too. It returns the ids of the
 targets KV is on its way to, and records MD's cached tokens and the bytes queued for it.
+A lost destination (its PrepareKv failed) gets nothing; a lost P (SendKv failed) sends
+nothing: every reservation is cancelled and the destinations recompute the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
-from pdd.errors import WorkerError
+from pdd.errors import PddError, WorkerError
 from pdd.proto import worker_pb2
+from pdd.router.recovery import is_worker_loss
 from pdd.router.request_run import RequestRun
 from pdd.router.types import TokenEvent
 from pdd.router.workers import Prepared
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +86,14 @@ class PStage:
         receiving: list[Target] = []
         for t in self._targets:
             assert t.prepared is not None, "send() before prefill()"
-            prep = await t.prepared
+            try:
+                prep = await t.prepared
+            except PddError as exc:  # the destination is lost: it gets no KV (module doc)
+                if not is_worker_loss(exc):
+                    raise
+                self._run.pool.mark_unhealthy(t.worker_id, exc.message)
+                self._run.release_kv("PrepareKv failed", [t.worker_id])
+                continue
             first = prep.cached_blocks if t.from_cache else 0
             if t.recorded and t.from_cache and self._block_size > 0:
                 self._run.trace.md_cached_tokens = prep.cached_blocks * self._block_size
@@ -94,7 +107,19 @@ class PStage:
             return set()
         policy = self._run.policy
         client = self._run.pool.client(self._p)
-        sent = await client.send_kv(self._run.kv_id, dests, policy.send_kv_deadline_s)
+        try:
+            sent = await client.send_kv(self._run.kv_id, dests, policy.send_kv_deadline_s)
+        except PddError as exc:
+            if not is_worker_loss(exc):
+                raise
+            self._run.pool.mark_unhealthy(self._p, exc.message)
+            log.warning(
+                "request %s: SendKv on %s failed (%s); the destinations recompute the prompt",
+                self._run.kv_id, self._p, exc.message,
+            )  # fmt: skip
+            self._run.release_kv("SendKv failed", [self._p, *(t.worker_id for t in receiving)])
+            return set()
+        self._run.kv_sent_at = asyncio.get_running_loop().time()
         for t, n_bytes in zip(receiving, sent, strict=False):
             if t.recorded:
                 self._run.trace.wan_kv_bytes = n_bytes

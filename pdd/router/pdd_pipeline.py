@@ -11,6 +11,10 @@ pd_wan / pd_local (the standard PD flow):
     P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
     -> AwaitKv(D) -> D.Generate(prompt, kv_in=TRANSFER): D samples every token itself
 
+A P lost before its token is replaced by another P (``_prefill``); after it, P only sends
+KV, and a failed send makes the destinations recompute (``PStage.send``). A last tier lost
+mid-request is taken over by another worker (``RequestRun.finish_on``, ``pdd.router.recovery``).
+
 P's token ends the request right there when it is EOS / a stop token (or max_tokens is 1):
 then nothing is sent and every reservation is cancelled. Failures and client disconnects
 close the generator; ``RequestRun.close`` then CancelKv's every worker that may hold KV, and
@@ -19,17 +23,22 @@ each Generate stream still open is cancelled and Aborted.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 from pdd.config.router import PddPolicyConfig
+from pdd.errors import PddError
 from pdd.protocol import Pipeline, Role
 from pdd.router.fleet import Decision
 from pdd.router.handoff import RelayHandoff
 from pdd.router.p_stage import PStage, Target
 from pdd.router.pool import WorkerPool
 from pdd.router.record import PddTrace
+from pdd.router.recovery import is_worker_loss, replacement
 from pdd.router.request_run import RequestRun
 from pdd.router.types import GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 class PddPipeline:
@@ -46,12 +55,9 @@ class PddPipeline:
     ) -> AsyncIterator[TokenEvent]:
         run = RequestRun(self._pool, req, trace, self._policy)
         try:
-            p, md = decision.worker(Role.PREFILL), decision.worker(Role.MAIN_DECODE)
+            md = decision.worker(Role.MAIN_DECODE)
             rld = decision.maybe_worker(Role.RELAY_DECODE)
-            targets = [Target(rld)] if rld is not None else []
-            targets.append(Target(md, from_cache=True, recorded=True))
-            stage = PStage(run, p, targets, decision.block_size)
-            first = await stage.prefill()
+            stage, first = await self._prefill(run, decision, rld, md)
             out = run.take(first, "p", final=first.finish_reason == "stop")
             if run.finished:
                 run.release_kv("finished on P")
@@ -68,6 +74,34 @@ class PddPipeline:
                 yield event
         finally:
             run.close()
+
+    async def _prefill(
+        self, run: RequestRun, decision: Decision, rld: str | None, md: str
+    ) -> tuple[PStage, TokenEvent]:
+        """The P stage; a P lost before its token is replaced by another healthy P (the
+        stage starts over under a new KV id), until none is left: then the loss is raised."""
+        p, tried = decision.worker(Role.PREFILL), []
+        while True:
+            targets = [Target(rld)] if rld is not None else []
+            targets.append(Target(md, from_cache=True, recorded=True))
+            stage = PStage(run, p, targets, decision.block_size)
+            try:
+                return stage, await stage.prefill()
+            except PddError as exc:
+                if not is_worker_loss(exc):
+                    raise
+                tried.append(p)
+                self._pool.mark_unhealthy(p, exc.message)  # suspect until a good poll
+                nxt = replacement(self._pool.view(), Role.PREFILL, tried)
+                if nxt is None:
+                    raise
+                log.warning(
+                    "request %s: prefill worker %s lost before the first token (%s); "
+                    "retrying on %s", run.req.request_id, p, exc.message, nxt.id,
+                )  # fmt: skip
+                run.release_kv(f"prefill worker {p} lost")
+                run.restart_kv(len(tried))
+                p = run.trace.p = nxt.id
 
 
 class PdPipeline:

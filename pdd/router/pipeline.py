@@ -71,7 +71,10 @@ def build_drivers(
     """The drivers a router mode needs."""
     if mode is RouterMode.PDD:
         pdd = PddPipeline(pool, policy)
-        return {Pipeline.P_MD: pdd, Pipeline.P_RLD_MD: pdd}
+        drivers: dict[Pipeline, PipelineDriver] = {Pipeline.P_MD: pdd, Pipeline.P_RLD_MD: pdd}
+        if policy.test_policy == "p_rld_only":  # TEST ONLY: RLD as the pd driver's decoder
+            drivers[Pipeline.PD] = PdPipeline(pool, policy)
+        return drivers
     if mode in (RouterMode.PD_WAN, RouterMode.PD_LOCAL):
         return {Pipeline.PD: PdPipeline(pool, policy)}
     return {Pipeline.COLOCATED: ColocatedPipeline(pool)}

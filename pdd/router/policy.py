@@ -1,19 +1,38 @@
 """PDD and baseline routing policy (pure; see ``routing.choose``).
 
-router.mode pdd, per request:
+router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0, 1]):
 
-    P    least loaded prefill worker
-    MD   the main-decode worker whose DRC holds the longest prompt prefix, then least loaded
+    P    score(p)  = p_hit(p)  - p_load_weight  * load(p)            (requests in flight)
+         p_hit: the router's view of P's prefix cache (the block-hash chains it recently
+         sent to that P, an LRU per P: pdd.router.routed_prefixes). Prefill is serial compute,
+         so a queue counts per request: with the default 0.25 a P holding 80% of the prompt
+         still wins against an idle cold P until it has 4 more requests queued.
+    MD   score(md) = md_hit(md) - md_load_weight * load(md) / max_num_seqs(md)
+         md_hit: the router's replica of MD's DRC (pdd.router.drc_views), or the prefix it
+         recently routed to that MD (routed_prefixes), whichever is longer: the replica lags
+         by up to one health poll. The WAN estimate below uses the replica only. Decode batches, so
+         load counts as a fraction of MD's sequence slots; MDs with no free slot are only
+         used when every MD is full. With the default 0.5 a follow-up turn stays on the MD
+         holding its history unless that MD is far busier (a 50% hit difference is worth a
+         full MD's load).
+    ties (both): least loaded, lower KV usage, fewest requests served so far (idle workers
+         take turns), then id: every choice is deterministic for one snapshot.
+    RLD  among RLDs with a free sequence slot, the most free slots (max_num_seqs - load);
+         ties: lower load fraction, fewest served, id.
     WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes
          eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)
-    p_md      when eta <= ttft_budget_s, or no RLD has a free sequence slot
-    p_rld_md  otherwise, with the least loaded RLD that has capacity
-    handoff   catch_up when that RLD's load (requests / max_num_seqs) is above
-              catch_up_load_threshold, else one_shot (p_md: none)
+    p_md      when eta <= ttft_budget_s, or no RLD has a free sequence slot (graceful
+              degradation: a longer TTFT on MD instead of overloading RLD)
+    p_rld_md  otherwise
+    handoff   one_shot when that RLD's load (requests / max_num_seqs) is at or above
+              catch_up_load_threshold (free it soonest), else catch_up (p_md: none)
 
 A request may force ``pipeline`` (p_md | p_rld_md) and ``handoff`` (one_shot | catch_up).
 There is no P-RLD pipeline: RLD finishing first is an outcome the driver handles, never a
-choice. Unknown block geometry (no Stats yet) counts as an infinite ETA: p_rld_md if it can.
+choice. Ending every request on MD keeps MD's DRC as warm as P's prefix cache; the TEST-ONLY
+``router.pdd.test_policy: p_rld_only`` breaks exactly that (P -> RLD, RLD emits every token
+through the pd driver, MD never sees the request) so tests can show the drift it causes.
+Unknown block geometry (no Stats yet) counts as an infinite ETA: p_rld_md if it can.
 
 Baselines (P sends every block to D, D emits every token):
     pd_wan    D = least loaded main_decode in another datacenter than P (else any main_decode)
@@ -55,11 +74,54 @@ def wan_estimate(
     return WanEstimate(cached, blocks - cached, wan_bytes, rtt + wan_bytes * 8 / bandwidth)
 
 
-def pick_md(mds: list[WorkerView], cached: Mapping[str, int]) -> WorkerView | None:
-    """Longest cached prefix first, then least loaded, then KV usage, then id."""
-    if not mds:
+def _hit(cached: Mapping[str, int], worker_id: str, prompt_tokens: int) -> float:
+    return min(cached.get(worker_id, 0), prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+
+
+def _tie(w: WorkerView) -> tuple[int, float, int, str]:
+    return (w.load, w.kv_cache_usage, w.served, w.id)
+
+
+def md_score(md: WorkerView, cached: Mapping[str, int], prompt_tokens: int, weight: float) -> float:
+    """hit fraction in MD's DRC - weight * MD's load fraction (see the module docstring)."""
+    return _hit(cached, md.id, prompt_tokens) - weight * md.load_fraction
+
+
+def p_score(p: WorkerView, cached: Mapping[str, int], prompt_tokens: int, weight: float) -> float:
+    """hit fraction in the view of P's prefix cache - weight * P's requests in flight."""
+    return _hit(cached, p.id, prompt_tokens) - weight * p.load
+
+
+def pick_md(
+    mds: list[WorkerView],
+    cached: Mapping[str, int],
+    prompt_tokens: int = 0,
+    weight: float = 0.5,
+) -> WorkerView | None:
+    """Highest MD score among MDs with a free slot (all MDs when none has one)."""
+    pool = [w for w in mds if w.has_capacity] or mds
+    if not pool:
         return None
-    return min(mds, key=lambda w: (-cached.get(w.id, 0), w.load, w.kv_cache_usage, w.id))
+    if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
+        return min(pool, key=lambda w: (-cached.get(w.id, 0), *_tie(w)))
+    return min(pool, key=lambda w: (-md_score(w, cached, prompt_tokens, weight), *_tie(w)))
+
+
+def pick_p(
+    ps: list[WorkerView], cached: Mapping[str, int], prompt_tokens: int, weight: float
+) -> WorkerView | None:
+    """Highest P score (prefix affinity against queue length)."""
+    if not ps:
+        return None
+    return min(ps, key=lambda w: (-p_score(w, cached, prompt_tokens, weight), *_tie(w)))
+
+
+def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:
+    """The RLD with the most free sequence slots; None when no RLD has one."""
+    free = [w for w in rlds if w.has_capacity]
+    if not free:
+        return None
+    return min(free, key=lambda w: (-w.free_slots, w.load_fraction, w.served, w.id))
 
 
 def handoff_mode(rld: WorkerView, view: FleetView, forced: HandoffMode | None) -> HandoffMode:
@@ -74,17 +136,23 @@ def handoff_mode(rld: WorkerView, view: FleetView, forced: HandoffMode | None) -
 
 def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     """router.mode pdd: P, MD, maybe RLD, the pipeline and the handoff mode."""
-    p = _need(view, Role.PREFILL, least_loaded(view.healthy(Role.PREFILL)))
+    policy, n = view.policy, request.prompt_tokens
+    ps = view.healthy(Role.PREFILL)
+    p = _need(view, Role.PREFILL, pick_p(ps, request.p_cached_tokens, n, policy.p_load_weight))
+    if policy.test_policy == "p_rld_only":
+        return _p_rld_only(view, p)
     mds = view.healthy(Role.MAIN_DECODE)
-    md = _need(view, Role.MAIN_DECODE, pick_md(mds, request.md_cached_tokens))
-    cached = min(request.md_cached_tokens.get(md.id, 0), request.prompt_tokens)
-    est = wan_estimate(p, md, cached, request.prompt_tokens, view)
+    affinity = {i: max(request.md_cached_tokens.get(i, 0), request.md_routed_tokens.get(i, 0))
+                for i in {*request.md_cached_tokens, *request.md_routed_tokens}}  # fmt: skip
+    md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
+    cached = min(request.md_cached_tokens.get(md.id, 0), n)
+    est = wan_estimate(p, md, cached, n, view)
     rlds = view.healthy(Role.RELAY_DECODE)
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
-        rld = _need(view, Role.RELAY_DECODE, least_loaded(rlds))
-    elif request.pipeline is None and est.eta_s > view.policy.ttft_budget_s:
-        rld = least_loaded([w for w in rlds if w.has_capacity])
+        rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
+    elif request.pipeline is None and est.eta_s > policy.ttft_budget_s:
+        rld = pick_rld(rlds)  # None: no RLD capacity left -> degrade to p_md
     roles = [(Role.PREFILL, p.id)]
     if rld is None:
         pipeline, handoff = Pipeline.P_MD, HandoffMode.NONE
@@ -94,6 +162,15 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     roles.append((Role.MAIN_DECODE, md.id))
     block_size = p.block_size or md.block_size
     return Decision(pipeline, tuple(roles), handoff, cached, est.wan_bytes, est.eta_s, block_size)
+
+
+def _p_rld_only(view: FleetView, p: WorkerView) -> Decision:
+    """TEST ONLY (router.pdd.test_policy p_rld_only): P -> RLD through the pd driver; RLD
+    receives every block and emits every token, MD never sees the request."""
+    rlds = view.healthy(Role.RELAY_DECODE)
+    rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
+    assignments = ((Role.PREFILL, p.id), (Role.RELAY_DECODE, rld.id))
+    return Decision(Pipeline.PD, assignments, block_size=p.block_size or rld.block_size)
 
 
 def choose_pd(view: FleetView, request: RouteRequest) -> Decision:

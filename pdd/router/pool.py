@@ -1,12 +1,25 @@
-"""The router's fleet: one ``WorkerClient`` per configured worker, health polling, load.
+"""The router's fleet: one ``WorkerClient`` per worker, health polling, load, membership.
 
 ``WorkerPool`` owns the clients, a background poll task, and the per-worker count of requests
 this router has in flight (``track``). Lifecycle: ``start()`` in the app's lifespan (inside the
 serving event loop), ``stop()`` at shutdown. ``view()`` is the snapshot routing policy reads.
 
+Membership: the workers of ``cfg.workers`` (source ``config``) are there for the pool's life;
+others join and leave at run time through ``add(worker, source)`` / ``remove(id)``
+(``pdd.router.registry``: source ``registered``; ``pdd.router.discovery``: ``dns:NAME``).
+A removed worker's client is closed once this router has no request left on it (requests
+already running there finish or fail on their own); its DRC view and P-prefix view go at once.
+
+Prefix views: per MainDecode the DRC replica (``drc_views``); per Prefill and MainDecode the
+LRU of the prompts the router sent it (``routed_prefixes``, updated by ``note_routed`` after
+each decision). For MD the routed view is only an affinity hint (the replica lags by up to one
+health poll, and a conversation's next turn often comes sooner); WAN estimates use the replica.
+
 Health: every ``router.health_interval_s`` each worker gets Health (and Stats when ready), with
 ``router.worker_rpc_timeout_s`` deadlines. A worker is healthy after a ready Health and
-unhealthy after any failure; transitions are logged. A worker with port 0 has no known
+unhealthy after any failure, except that a healthy worker may miss up to
+``router.health_missed_polls - 1`` polls in a row by timing out (late, not gone); transitions
+are logged. A worker with port 0 has no known
 address (the launcher passes real ports with ``--set``) and stays unhealthy. In router.mode
 pdd the same loop keeps each MainDecode's DRC view fresh (``drc_views.DrcViews``).
 """
@@ -16,18 +29,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from pdd.config import PddConfig, WorkerConfig
-from pdd.errors import PddError, UnavailableError
+from pdd.errors import InvalidRequestError, PddError, UnavailableError
 from pdd.proto import worker_pb2
 from pdd.protocol import Role, RouterMode
 from pdd.router.drc_views import DrcViews
-from pdd.router.fleet import FleetView, WorkerView
+from pdd.router.fleet import Decision, FleetView, WorkerView
+from pdd.router.routed_prefixes import RoutedPrefixes
+from pdd.router.worker_auth import WorkerCredentials
 from pdd.router.workers import WorkerClient
 
 log = logging.getLogger(__name__)
+
+CONFIG = "config"  # the source of the workers listed in cfg.workers
 
 
 @dataclass
@@ -39,6 +56,10 @@ class _WorkerState:
     in_flight: int = 0
     stats: worker_pb2.StatsResponse | None = None
     last_error: str = "not polled yet"
+    source: str = CONFIG
+    served: int = 0
+    retired: bool = False  # removed from the fleet; the client closes at in_flight 0
+    missed_polls: int = 0  # consecutive Health/Stats timeouts
 
 
 class WorkerPool:
@@ -46,6 +67,7 @@ class WorkerPool:
 
     def __init__(self, cfg: PddConfig):
         self._cfg = cfg
+        self._credentials = WorkerCredentials.from_config(cfg.security)  # token, TLS
         self._states = {
             w.id: _WorkerState(w, cfg.engine_for(w.id).max_num_seqs) for w in cfg.workers
         }
@@ -53,18 +75,80 @@ class WorkerPool:
         self.drc: DrcViews | None = None
         if cfg.router.mode is RouterMode.PDD:
             self.drc = DrcViews(mds, cfg.model)
+        self.routed = RoutedPrefixes(cfg.model, cfg.router.pdd.routed_prefix_blocks)
         self._poller: asyncio.Task[None] | None = None
         self._first_poll = asyncio.Event()
+        self._started = False
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Open channels and start polling. Must run inside the serving event loop."""
+        self._started = True
         for st in self._states.values():
-            if st.config.port == 0:
-                st.last_error = "port 0: address unknown (pass the real port with --set)"
-                log.warning("worker %s: %s", st.config.id, st.last_error)
-                continue
-            st.client = WorkerClient(st.config, self._cfg.router)
+            self._connect(st)
         self._poller = asyncio.create_task(self._poll_forever(), name="pdd-router-health")
+
+    def _connect(self, st: _WorkerState) -> None:
+        if st.config.port == 0:
+            st.last_error = "port 0: address unknown (pass the real port with --set)"
+            log.warning("worker %s: %s", st.config.id, st.last_error)
+            return
+        st.client = WorkerClient(st.config, self._cfg.router, self._credentials)
+
+    # --- membership -------------------------------------------------------------------------
+
+    def add(self, worker: WorkerConfig, source: str, max_num_seqs: int = 0) -> str:
+        """Admit (or re-address) a worker that joined at run time; returns added | updated |
+        unchanged. Raises InvalidRequestError when the id belongs to another source."""
+        st = self._states.get(worker.id)
+        if st is not None and st.source != source:
+            raise InvalidRequestError(
+                f"worker id {worker.id!r} is already in the fleet (source {st.source})",
+                param="id",
+            )
+        if st is not None and st.config == worker:
+            return "unchanged"
+        if st is not None:
+            self._retire(st)
+        new = _WorkerState(worker, max_num_seqs, source=source)
+        self._states[worker.id] = new
+        if self.drc is not None and worker.role is Role.MAIN_DECODE:
+            self.drc.add(worker.id)
+        if self._started:
+            self._connect(new)
+        log.info("worker %s (%s, %s:%d) joined the fleet via %s", worker.id, worker.role.value,
+                 worker.host, worker.port, source)  # fmt: skip
+        return "updated" if st is not None else "added"
+
+    def remove(self, worker_id: str, reason: str) -> bool:
+        """Take a run-time worker out of the fleet (config workers stay). Returns whether it
+        was there."""
+        st = self._states.get(worker_id)
+        if st is None or st.source == CONFIG:
+            return False
+        del self._states[worker_id]
+        if self.drc is not None and st.config.role is Role.MAIN_DECODE:
+            self.drc.remove(worker_id)
+        self.routed.forget(worker_id)
+        self._retire(st)
+        log.warning("worker %s left the fleet: %s", worker_id, reason)
+        return True
+
+    def members(self, source: str) -> dict[str, WorkerConfig]:
+        return {i: st.config for i, st in self._states.items() if st.source == source}
+
+    def _retire(self, st: _WorkerState) -> None:
+        st.retired, st.healthy = True, False
+        if st.in_flight == 0:
+            self._close_later(st)
+
+    def _close_later(self, st: _WorkerState) -> None:
+        client, st.client = st.client, None
+        if client is None:
+            return
+        task = asyncio.get_running_loop().create_task(client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def stop(self) -> None:
         if self._poller is not None:
@@ -73,6 +157,8 @@ class WorkerPool:
                 await self._poller
             self._poller = None
         await asyncio.gather(*(st.client.close() for st in self._states.values() if st.client))
+        if self._closing:
+            await asyncio.wait(set(self._closing))
 
     async def wait_first_poll(self, timeout: float) -> None:
         """Wait until every worker was polled once (or the timeout passes)."""
@@ -83,9 +169,35 @@ class WorkerPool:
         workers = tuple(_worker_view(st) for st in self._states.values())
         return FleetView(self._cfg.router.mode, workers, self._cfg.router.pdd)
 
-    def md_cached_tokens(self, prompt_token_ids: tuple[int, ...]) -> dict[str, int]:
-        """Per MainDecode, prompt tokens its DRC holds (router's view; empty outside pdd)."""
+    def md_cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+        """Per MainDecode, prompt tokens its DRC holds (router's replica; empty outside pdd)."""
         return {} if self.drc is None else self.drc.cached_tokens(prompt_token_ids)
+
+    def md_routed_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+        """Per MainDecode, prompt tokens of the prefix the router recently routed there (the
+        affinity hint for turns that come before the DRC replica caught up)."""
+        if self.drc is None:
+            return {}
+        return self.routed.cached_tokens(prompt_token_ids, self._block_sizes(Role.MAIN_DECODE))
+
+    def p_cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+        """Per Prefill, prompt tokens of the prefix the router recently sent it."""
+        return self.routed.cached_tokens(prompt_token_ids, self._block_sizes(Role.PREFILL))
+
+    def _block_sizes(self, role: Role) -> dict[str, int]:
+        return {i: st.stats.block_size if st.stats else 0 for i, st in self._states.items()
+                if st.config.role is role}  # fmt: skip
+
+    def note_routed(self, decision: Decision, prompt_token_ids: Sequence[int]) -> None:
+        """After a decision: count it per worker; remember the prompt on its P and MD."""
+        for role, worker_id in decision.assignments:
+            st = self._states.get(worker_id)
+            if st is None:
+                continue
+            st.served += 1
+            remembered = role is Role.PREFILL or (role is Role.MAIN_DECODE and self.drc)
+            if remembered and st.stats is not None:
+                self.routed.record(worker_id, prompt_token_ids, st.stats.block_size)
 
     def client(self, worker_id: str) -> WorkerClient:
         st = self._states.get(worker_id)
@@ -106,6 +218,8 @@ class WorkerPool:
             {
                 "id": st.config.id,
                 "role": st.config.role.value,
+                "source": st.source,
+                "served": st.served,
                 "target": st.client.target if st.client else None,
                 "healthy": st.healthy,
                 "in_flight": st.in_flight,
@@ -124,12 +238,16 @@ class WorkerPool:
     @contextlib.contextmanager
     def track(self, worker_id: str) -> Iterator[None]:
         """Count one request in flight on a worker for as long as the block runs."""
-        st = self._states[worker_id]
+        st = self._states.get(worker_id)
+        if st is None:
+            raise UnavailableError(f"worker {worker_id} left the fleet; retry")
         st.in_flight += 1
         try:
             yield
         finally:
             st.in_flight -= 1
+            if st.retired and st.in_flight == 0:
+                self._close_later(st)
 
     def mark_unhealthy(self, worker_id: str, reason: str) -> None:
         """A request saw the worker fail; stop routing to it until the next good poll."""
@@ -140,12 +258,12 @@ class WorkerPool:
     async def _poll_forever(self) -> None:
         interval = self._cfg.router.health_interval_s
         while True:
-            await asyncio.gather(*(self._poll(st) for st in self._states.values()))
+            await asyncio.gather(*(self._poll(st) for st in list(self._states.values())))
             self._first_poll.set()
             await asyncio.sleep(interval)
 
     async def _poll(self, st: _WorkerState) -> None:
-        if st.client is None:
+        if st.client is None or st.retired:
             return
         try:
             health = await st.client.health()
@@ -154,7 +272,16 @@ class WorkerPool:
                 return
             st.stats = await st.client.stats()
         except PddError as exc:
+            st.missed_polls = st.missed_polls + 1 if exc.code == "timeout" else 0
+            late = 0 < st.missed_polls < self._cfg.router.health_missed_polls
+            if late and st.healthy:
+                log.info("worker %s missed a health poll (%d in a row): %s",
+                         st.config.id, st.missed_polls, exc.message)  # fmt: skip
+                return
             self._set_health(st, False, exc.message)
+            return
+        st.missed_polls = 0
+        if st.retired:  # removed while polled
             return
         self._set_health(st, True, "")
         if self.drc is not None and st.config.role is Role.MAIN_DECODE:
@@ -187,4 +314,6 @@ def _worker_view(st: _WorkerState) -> WorkerView:
         kv_block_bytes=stats.kv_block_bytes,
         wan_bandwidth_bps=stats.wan_bandwidth_bps,
         wan_rtt_s=stats.wan_rtt_s,
+        served=st.served,
+        source=st.source,
     )

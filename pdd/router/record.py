@@ -20,6 +20,8 @@ whole non-streamed body carry it.
     rld_tokens        tokens the client got from RLD
     handoff           none | one_shot | catch_up | rld_finished
     handoff_rounds    MD Generate calls made for the handoff (warm-ups + the switch)
+    p, rld, md        the instances that served it (worker ids, as `pdd status` lists them);
+                      null for a tier the request did not use (pd baselines: md is D)
 """
 
 from __future__ import annotations
@@ -59,11 +61,19 @@ class PddTrace:
     tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens given to the client
     handoff_stall_s: float | None = None  # last RLD token -> first MD token at the switch
     kv_state: str = ""  # AwaitKv's final state on MD (or D), "" when not awaited
+    d_is_rld: bool = False  # D is a relay_decode worker: its tokens count as RLD's
 
     @classmethod
     def for_decision(cls, decision: Decision, prompt_tokens: int) -> PddTrace:
         if decision.pipeline is Pipeline.COLOCATED:
             return cls(decision.pipeline, prompt_tokens)
+        if decision.maybe_worker(Role.MAIN_DECODE) is None and decision.maybe_worker(
+            Role.RELAY_DECODE
+        ):  # pd with an RLD as D (the test-only p_rld_only policy): RLD emits every token
+            trace = cls(decision.pipeline, prompt_tokens, p=decision.maybe_worker(Role.PREFILL),
+                        rld=decision.worker(Role.RELAY_DECODE))  # fmt: skip
+            trace.d_is_rld = True
+            return trace
         return cls(
             decision.pipeline,
             prompt_tokens,
@@ -75,6 +85,8 @@ class PddTrace:
         )
 
     def count(self, tier: str, n: int) -> None:
+        if tier == "d" and self.d_is_rld:
+            tier = "rld"
         self.tokens[tier] = self.tokens.get(tier, 0) + n
 
     def summary(self) -> PddSummary:

@@ -16,6 +16,10 @@
 
 Generate streams go through ``generate`` (load tracking, unhealthy marking); closing one
 cancels the gRPC stream and Aborts the request on the worker (``WorkerClient.generate``).
+
+Takeover (``finish_on``): when the last tier's worker is lost mid-request (its stream broke,
+or it ended the request with error/abort), ``recovery.takeover`` picks who continues
+``prompt + emitted`` (another MD, else RLD, else P); the emitted list makes that seamless.
 """
 
 from __future__ import annotations
@@ -23,20 +27,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
 from dataclasses import replace
 
 from pdd.config.router import PddPolicyConfig
-from pdd.errors import UnavailableError
+from pdd.errors import PddError, UnavailableError
+from pdd.protocol import Role
 from pdd.router.pool import WorkerPool
 from pdd.router.record import PddTrace
+from pdd.router.recovery import LOST_FINISHES, TIER_OF_ROLE, WorkerLost, is_worker_loss, takeover
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent
 from pdd.router.workers import KvState, Prepared
 
 log = logging.getLogger(__name__)
 
 REAL_FINISHES = ("stop", "length")  # a tier ended the request, as opposed to abort / error
+# What a takeover loads: MD whatever prefix its DRC holds, RLD a landing it may still hold for
+# the request (else it computes the prompt), P nothing (its prefix cache only).
+TAKEOVER_KV = {"md": "drc", "rld": "transfer", "p": None}
+SEND_DEADLINE_GRACE_S = 2.0  # AwaitKv gives up this long after P's send deadline passed
 
 
 class RequestRun:
@@ -51,10 +61,12 @@ class RequestRun:
         self.emitted: list[int] = []
         self.finish_reason: str | None = None
         self.p_cached_tokens = 0  # P's prefix-cache hit: the request's usage.cached_tokens
+        self.kv_sent_at: float | None = None  # loop time SendKv returned (PStage.send)
         self._cached_reported = False
         self._last_emit_at: float | None = None
         self._switch_from: float | None = None
         self._parties: dict[str, asyncio.Task[Prepared] | None] = {}
+        self.takeovers: list[tuple[str, str]] = []  # (lost worker, the one that took over)
 
     # --- the emitted stream ---------------------------------------------------------------
 
@@ -133,13 +145,38 @@ class RequestRun:
                 raise
 
     async def finish_on(
-        self, worker_id: str, tier: str, *, kv_source: str | None, await_kv: bool
-    ) -> AsyncIterator[TokenEvent]:
+        self, worker_id: str, tier: str, *, kv_source: str | None, await_kv: bool,
+        lost: Collection[str] = (),
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """The last tier: (AwaitKv, then) Generate ``prompt + emitted`` to the end.
 
-        Settles the KV parties when it ends the request with stop/length; any other end
-        leaves them to ``close()``.
+        If that worker is lost before the request finished (``recovery.is_worker_loss``), or
+        is in ``lost`` already, another takes over (``recovery.takeover``: MD, else RLD, else
+        P) and continues ``prompt + emitted``, recomputing its KV; with nobody left the
+        failure is raised. Settles the KV parties when it ends the request with stop/length;
+        any other end leaves them to ``close()``.
         """
+        excluded = set(lost)
+        attempt = 0
+        while True:
+            try:
+                if worker_id in excluded:
+                    raise UnavailableError(f"worker {worker_id} was lost earlier")
+                stream = self._finish_once(worker_id, tier, kv_source, await_kv, attempt)
+                async with aclosing(stream) as events:
+                    async for event in events:
+                        yield event
+                return
+            except PddError as exc:
+                if self.finished or not is_worker_loss(exc):
+                    raise
+                excluded.add(worker_id)
+                worker_id, tier = self._take_over(worker_id, excluded, exc)
+                kv_source, await_kv, attempt = TAKEOVER_KV[tier], False, attempt + 1
+
+    async def _finish_once(
+        self, worker_id: str, tier: str, kv_source: str | None, await_kv: bool, attempt: int
+    ) -> AsyncIterator[TokenEvent]:
         if await_kv:
             state = await self.await_kv(worker_id)
             if state.state != "done":
@@ -148,33 +185,89 @@ class RequestRun:
                     self.kv_id, worker_id, state.state, state.reason,
                 )  # fmt: skip
         kv_in = None if kv_source is None else self.kv_in(kv_source)
-        req = self.continuation(self.kv_id)
-        async for event in self.generate(worker_id, req, kv_in=kv_in):
-            out = self.take(event, tier, final=True)
+        rid = self.kv_id if attempt == 0 else f"{self.kv_id}.takeover{attempt}"
+        async for event in self.generate(worker_id, self.continuation(rid), kv_in=kv_in):
+            lost = event.finish_reason in LOST_FINISHES
+            out = self.take(event, tier, final=not lost)
             if self.finish_reason in REAL_FINISHES:
                 self.settle()  # before the yield: the consumer may close us right there
-            yield out
+            if out.token_ids or self.finished or not lost:
+                yield out
             if self.finished:
                 break
+            if lost:
+                raise WorkerLost(
+                    f"worker {worker_id} ended request {rid} with {event.finish_reason!r}"
+                )
+
+    def _take_over(self, worker_id: str, excluded: set[str], exc: PddError) -> tuple[str, str]:
+        """The worker that continues after ``worker_id`` was lost; raises ``exc`` if none."""
+        self.pool.mark_unhealthy(worker_id, exc.message)  # suspect until a good health poll
+        self.release_kv(f"worker {worker_id} lost", [worker_id])
+        cached = self.pool.md_cached_tokens(self.req.prompt_token_ids)
+        nxt = takeover(self.pool.view(), excluded, cached)
+        if nxt is None:
+            log.error(
+                "request %s: %s lost after %d tokens and no worker can take over: %s",
+                self.kv_id, worker_id, len(self.emitted), exc.message,
+            )  # fmt: skip
+            raise exc
+        log.warning(
+            "request %s: %s lost after %d tokens (%s); %s takes over from prompt + emitted",
+            self.kv_id, worker_id, len(self.emitted), exc.message, nxt.id,
+        )  # fmt: skip
+        self.takeovers.append((worker_id, nxt.id))
+        if nxt.role is Role.MAIN_DECODE:
+            self.trace.md = nxt.id
+        return nxt.id, TIER_OF_ROLE[nxt.role]
 
     def kv_in(self, source: str) -> KvIn:
         return KvIn(source, self.kv_id, self.policy.kv_in_wait_s)
 
     async def await_kv(self, worker_id: str) -> KvState:
-        """Poll AwaitKv until the KV landed, failed, or ``await_kv_timeout_s`` passed."""
+        """Poll AwaitKv until the KV landed, failed, or the wait's deadline passed.
+
+        The deadline is ``await_kv_timeout_s``, and never later than P's send deadline plus
+        ``SEND_DEADLINE_GRACE_S`` after SendKv: by then P's transfer ended one way or the
+        other, so KV still missing is not coming (e.g. P's connection was cut before the
+        first chunk, which the receiver never saw). A wait that times out gives the
+        reservation up (CancelKv, awaited), so the worker's Generate does not wait for it
+        and its landing slots are free at once.
+        """
         client = self.pool.client(worker_id)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.policy.await_kv_timeout_s
+        deadline, why = loop.time() + self.policy.await_kv_timeout_s, "await_kv_timeout_s"
+        if self.kv_sent_at is not None:
+            send_end = self.kv_sent_at + self.policy.send_kv_deadline_s + SEND_DEADLINE_GRACE_S
+            if send_end < deadline:
+                deadline, why = send_end, "P's send deadline"
         while True:
             left = deadline - loop.time()
             if left <= 0:
-                state = KvState("timeout", reason="router await_kv_timeout_s passed")
+                state = KvState("timeout", reason=f"router: {why} passed")
                 break
             state = await client.await_kv(self.kv_id, min(self.policy.await_kv_poll_s, left))
             if state.state != "timeout":
                 break
         self.trace.kv_state = state.state
+        if state.state == "timeout":
+            await self.give_up_kv(worker_id, state.reason)
         return state
+
+    async def give_up_kv(self, worker_id: str, reason: str) -> None:
+        """CancelKv on one party now (awaited: its next Generate must not wait for the KV)."""
+        if worker_id not in self._parties:
+            return
+        prepared = self._parties.pop(worker_id)
+        if prepared is not None:
+            await asyncio.gather(prepared, return_exceptions=True)
+        try:
+            await self.pool.client(worker_id).cancel_kv(self.kv_id, reason)
+        except PddError as exc:
+            if is_worker_loss(exc):
+                raise  # the caller's takeover handles it
+            log.warning("request %s: CancelKv on %s failed: %s (its lease ends it)",
+                        self.kv_id, worker_id, exc.message)  # fmt: skip
 
     # --- KV ownership ---------------------------------------------------------------------
 
@@ -189,6 +282,12 @@ class RequestRun:
     def hold(self, worker_id: str) -> None:
         """``worker_id`` may hold KV for the request (P staging)."""
         self._parties.setdefault(worker_id, None)
+
+    def restart_kv(self, attempt: int) -> None:
+        """A fresh KV id for the P stage's retry ``attempt`` (release the old parties first:
+        their CancelKv carries the old id; a dead P's leftovers never meet the new one)."""
+        assert not self._parties, "restart_kv with KV parties still held"
+        self.kv_id = f"{self.req.request_id}.retry{attempt}"
 
     def release_kv(self, reason: str, worker_ids: list[str] | None = None) -> None:
         """CancelKv on the given parties (default: all), in the background."""

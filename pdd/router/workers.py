@@ -5,8 +5,11 @@ Lifecycle: created inside the router's event loop (``WorkerPool.start``), used b
 requests at once, ``close()`` once at shutdown (waits for pending Aborts, closes the channel).
 
 Every control RPC (Health, Stats, Abort, PrepareKv, SendKv, CancelKv, DrcEvents) carries
-``router.worker_rpc_timeout_s``; AwaitKv its own timeout plus that; Generate carries
-``router.request_timeout_s``. gRPC errors become pdd errors here, at the adapter.
+``router.worker_rpc_timeout_s``; AwaitKv its own timeout plus that; Generate carries what is
+left of the request's ``router.request_timeout_s``. gRPC errors become pdd errors here, at the
+adapter (UNAVAILABLE: a draining or dead worker, 503; RESOURCE_EXHAUSTED: its queue is full,
+429; UNAUTHENTICATED: the fleet's credentials disagree, 502). With ``security`` configured the
+channel carries the worker token and TLS (``pdd.router.worker_auth``).
 Fire-and-forget calls (Abort of an abandoned stream, CancelKv on a failure path) run as
 background tasks the client owns and ``close()`` waits for.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +35,7 @@ from pdd.errors import (
 from pdd.observability.context import request_context_interceptors
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
+from pdd.router.worker_auth import WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+MIN_DEADLINE_S = 0.01  # a Generate started at the deadline still gets a (tiny) positive one
 _KV_SOURCES = {"transfer": worker_pb2.KvIn.TRANSFER, "drc": worker_pb2.KvIn.DRC}
 
 
@@ -69,13 +75,18 @@ def grpc_target(host: str, port: int) -> str:
 class WorkerClient:
     """Typed async calls to one worker. Safe to share between concurrent requests."""
 
-    def __init__(self, worker: WorkerConfig, router: RouterConfig):
+    def __init__(
+        self,
+        worker: WorkerConfig,
+        router: RouterConfig,
+        credentials: WorkerCredentials | None = None,
+    ):
         self.id = worker.id
         self.role = worker.role
         self.target = grpc_target(worker.host, worker.port)
         self._rpc_timeout = router.worker_rpc_timeout_s
         self._request_timeout = router.request_timeout_s
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = (credentials or WorkerCredentials()).channel(
             self.target,
             options=_CHANNEL_OPTIONS,
             interceptors=request_context_interceptors(self.id),  # x-request-id, timeline
@@ -114,7 +125,7 @@ class WorkerClient:
         request even if the cancellation is lost. Raises PddError subclasses on RPC failure.
         """
         msg = request_to_proto(req, kv_stage=kv_stage, kv_in=kv_in)
-        call = self._stub.Generate(msg, timeout=self._request_timeout)
+        call = self._stub.Generate(msg, timeout=self._deadline_left(req))
         finished = False
         try:
             while True:
@@ -132,6 +143,15 @@ class WorkerClient:
             if not finished:
                 call.cancel()
                 self._abort_in_background(req.request_id)
+
+    def _deadline_left(self, req: GenerationRequest) -> float:
+        """The gRPC deadline of a Generate: what is left of the request's end-to-end deadline
+        (``arrival + router.request_timeout_s``), so the worker aborts the engine request by
+        itself when the router's deadline passes, even if the router's cancel is lost."""
+        if req.arrival <= 0:  # not stamped (direct use): the whole budget
+            return self._request_timeout
+        left = req.arrival + self._request_timeout - time.monotonic()
+        return min(self._request_timeout, max(MIN_DEADLINE_S, left))
 
     async def prepare_kv(
         self, kv_request_id: str, prompt_token_ids: Sequence[int], lease_s: float
@@ -228,6 +248,12 @@ def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddErro
         return InvalidRequestError(details or text)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return WorkerError(f"worker {worker_id} {method}: deadline exceeded", code="timeout")
+    if code is grpc.StatusCode.UNAUTHENTICATED:  # a misconfigured fleet, not the client's fault
+        return WorkerError(
+            f"worker {worker_id} refused the router's credential ({details}); check that "
+            "router and workers share security.worker_token_file and security.grpc_tls",
+            code="worker_auth",
+        )
     return WorkerError(text)
 
 

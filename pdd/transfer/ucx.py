@@ -13,10 +13,10 @@ Messages are tagged (top 2 bits = kind):
     DATA  sender -> receiver  one chunk payload; tag mixes (transfer id, chunk index)
     ACK   receiver -> sender  an ACK frame, on the control endpoint
 
-Connect: the sender stream-sends its id on the control endpoint and waits for the
-receiver's stream reply before sending headers, so the receiver always knows which control
-endpoint belongs to a header's sender (acks go back on it; its failure fails that sender's
-transfers).
+Connect: the sender stream-sends its id (and, with a worker token, its proof: ucx_auth) on
+the control endpoint and waits for the receiver's stream reply before sending headers, so the
+receiver always knows which control endpoint belongs to a header's sender (acks go back on it;
+its failure fails that sender's transfers) and refuses a sender without the credential.
 All UCX calls run on the `UcxLoop` thread.
 """
 
@@ -35,6 +35,7 @@ import numpy as np
 from pdd.transfer.api import PeerAddress, TransferState
 from pdd.transfer.base import BaseTransport
 from pdd.transfer.ledger import OutRecord
+from pdd.transfer.ucx_auth import hello_proof, kv_token
 from pdd.transfer.ucx_loop import (
     ACK_TAG,
     HDR_TAG,
@@ -96,6 +97,7 @@ class UcxTransport(BaseTransport):
         self.loop.on_error = self._loop_error
         self.loop.on_tick = self._check_alive
         self.host_id = host_id()
+        self.token = kv_token()  # fleet credential: senders prove it, receivers require it
         self._peers: dict[str, UcxPeer] = {}
         # transfer id -> (peer, unacknowledged chunks): acks of transfers that already
         # ended (cancelled, failed) must still reopen the peer's window
@@ -199,7 +201,8 @@ class UcxTransport(BaseTransport):
         # sender id, then pid and pid namespace: with shared memory the receiver checks that
         # we are alive before it matches our rendezvous (see process_alive)
         ident = process_identity(p.data is not p.ctrl)
-        hello = np.array([self.sender_id, *ident], np.uint64)
+        proof = hello_proof(self.token, self.sender_id)  # the receiver may require it
+        hello = np.array([self.sender_id, *ident, *proof], np.uint64)
         self.loop.track(p.ctrl.stream_send(Array(hello)), lambda e: None, hello)
         welcome = np.zeros(1, np.uint64)
 

@@ -1,7 +1,8 @@
 """Receiving half of the UCX transport (runs on the transport's `UcxLoop` thread).
 
 A listener accepts control endpoints; each sender introduces itself with its id (stream
-message) and gets a reply, after which its headers are accepted. For every DATA header the
+message; with a worker token also its proof, checked here: ucx_auth) and gets a reply, after
+which its headers are accepted; frames naming any other sender are dropped. For every DATA header the
 allocator lends a buffer and a tag receive is posted for its payload; when it completes the payload is verified and an ACK goes back. Payloads of transfers we no
 longer hold are received into a scratch buffer and dropped (UCX would keep them queued
 otherwise). When a sender's control endpoint fails, its transfers fail and its posted
@@ -20,6 +21,7 @@ import numpy as np
 
 from pdd.transfer.api import TransferState
 from pdd.transfer.ledger import cancel_outcome
+from pdd.transfer.ucx_auth import PROOF_WORDS, proof_ok
 from pdd.transfer.ucx_loop import (
     ACK_TAG,
     HDR_TAG,
@@ -68,6 +70,7 @@ class UcxReceiver:
         self._senders: dict[int, int] = {}  # sender id -> connection number
         self._pids: dict[int, tuple[int, int]] = {}  # sender id -> (pid, pid namespace)
         self._closed = False
+        self.refused = 0  # senders refused for a missing or wrong credential
 
     def listen(self) -> None:
         cfg = self.t.config
@@ -104,7 +107,7 @@ class UcxReceiver:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
         conn = next(self._ids)
         self._conns[conn] = ep
-        hello = np.zeros(3, np.uint64)  # sender id, pid, pid namespace inode
+        hello = np.zeros(3 + PROOF_WORDS, np.uint64)  # sender id, pid, pid ns inode, proof
         # UCX calls this from inside progress, where closing the endpoint would deadlock.
         ep.set_close_callback(lambda: self.loop.call(lambda: self._lost(conn)))
         self.loop.track(
@@ -117,6 +120,11 @@ class UcxReceiver:
             self._lost(conn)
             return
         sender = int(hello[0])
+        if not proof_ok(self.t.token, sender, hello[3:]):
+            self.refused += 1
+            log.warning("refused a UCX KV sender: it did not prove the worker token")
+            self._lost(conn)  # no welcome: its headers are never accepted
+            return
         self._sender_of[conn], self._senders[sender] = sender, conn
         self._pids[sender] = (int(hello[1]), int(hello[2]))
         reply = np.ones(1, np.uint64)
@@ -148,6 +156,9 @@ class UcxReceiver:
             self._post_header_recv()
             raw = buf.tobytes()
             sender = _ID.unpack_from(raw)[0]
+            if sender not in self._senders:  # never passed the handshake (or already gone)
+                log.debug("frame from unknown sender %x dropped", sender)
+                return
             kind = unpack_prefix(raw[8 : 8 + PREFIX.size])
             body = raw[8 + PREFIX.size :]
             if kind is FrameKind.CANCEL:

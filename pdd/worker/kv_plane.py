@@ -42,6 +42,7 @@ from pdd.transfer import (
     Transport,
     create_transport,
 )
+from pdd.worker.faults import WorkerFaults
 from pdd.worker.slots import Fences
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class KvPlane:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._send_started: dict[int, float] = {}
+        self._faults = WorkerFaults.of(worker)  # tests only: None unless worker.faults is set
         log.info(
             "KV arena %s: %d slots of %d bytes (%s)",
             self.arena.ref.name, spec.num_slots, slot_bytes, spec.kv_role,
@@ -161,10 +163,14 @@ class KvPlane:
             raise
 
     def _make(self, kind: str, hooks: ReceiverHooks | None) -> Transport:
+        injected = self._faults.transport_faults(kind, self._transfer.deadline_s) if (
+            self._faults is not None
+        ) else None  # fmt: skip
         try:
             transport = create_transport(
-                kind, self._transfer, hooks=hooks, on_finished=lambda st: self._sent(kind, st)
-            )
+                kind, self._transfer, hooks=hooks, on_finished=lambda st: self._sent(kind, st),
+                faults=injected.hooks() if injected is not None else None,
+            )  # fmt: skip
         except ImportError as exc:  # e.g. ucxx not installed on this machine
             raise ConfigError(f"the {kind} KV transport is not available here: {exc}") from exc
         transport.start()
@@ -183,6 +189,8 @@ class KvPlane:
         if self.receiver is not None:
             transports.append(self.receiver)
         self._senders, self.receiver = {}, None
+        if self._faults is not None:
+            self._faults.release()  # senders a drop fault holds must not delay close
         for t in transports:
             t.close()
 

@@ -8,9 +8,14 @@ connector mapping that arena, and the gRPC service. Lifecycle:
     load config -> KV arena -> /metrics + /health up (503) -> gRPC server up (Health: not
     ready) -> role start (transports) -> engine start
     -> print "pdd worker ready: id=ID grpc=HOST:PORT metrics=HOST:PORT" (the only stdout line)
-    -> serve until SIGTERM/SIGINT -> refuse new work, abort in-flight requests, let their
-    final responses go out, stop the gRPC server, stop the engine (no child left), release
-    every slot the role holds, close the transports, unlink the arenas -> exit 0.
+    -> serve until SIGTERM/SIGINT -> drain: refuse new work (UNAVAILABLE, Health not ready),
+    let in-flight requests and KV transfers finish for up to ``workers[].drain_timeout_s``,
+    abort what is left and let the final responses go out -> stop the gRPC server, stop the
+    engine (no child left), release every slot the role holds, close the transports, unlink
+    the arenas -> exit 0.
+
+With ``security.worker_token_file`` every gRPC call must carry the token (pdd.worker.auth);
+with ``security.grpc_tls`` the server speaks TLS (mutual by default).
 
 vLLM's CPU engine starts its engine core with `spawn`, which re-imports ``__main__``: keep the
 ``__main__`` guard and keep work out of module level.
@@ -24,6 +29,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 
 from pdd.config import PddConfig, WorkerConfig, load_config
 from pdd.engine.env import configure_process_env
@@ -34,6 +40,7 @@ from pdd.protocol import Role
 
 log = logging.getLogger("pdd.worker")
 SHUTDOWN_GRACE_S = 5.0  # final responses of aborted streams get this long to go out
+DRAIN_POLL_S = 0.1
 
 
 def _parse(argv: list[str], prog: str, need_worker: bool) -> argparse.Namespace:
@@ -43,6 +50,12 @@ def _parse(argv: list[str], prog: str, need_worker: bool) -> argparse.Namespace:
         "--worker", required=need_worker, help="worker id in the config (default: the only one)"
     )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--register",
+        metavar="URL",
+        help="router URL to register with and heartbeat to "
+        "(sets the worker's register_url; the router needs router.fleet.accept_registrations)",
+    )
     return ap.parse_args(argv)
 
 
@@ -124,10 +137,6 @@ async def _teardown(parts: dict) -> None:
 
 
 async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
-    import grpc
-
-    from pdd.proto import worker_pb2_grpc as pb_grpc
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,14 +145,11 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
     parts: dict = {}
     server = None
     try:
+        _install_kv_credential(cfg, worker)
         service = await _build(cfg, worker, parts)
         engine, metrics = parts["engine"], parts["metrics"]
         metrics_port = metrics.serve(worker.host, worker.metrics_port)  # /health: 503 for now
-        server = grpc.aio.server(interceptors=[RequestIdServerInterceptor()])
-        pb_grpc.add_WorkerServicer_to_server(service, server)
-        grpc_port = server.add_insecure_port(f"{worker.host}:{worker.port}")
-        if grpc_port == 0:
-            raise PddError(f"cannot bind gRPC on {worker.host}:{worker.port}")
+        server, grpc_port = _grpc_server(cfg, worker, service)
         await server.start()
         await parts["role"].start()
         if not await _until_ready_or_stopped(engine, stop):
@@ -153,18 +159,99 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
             f"metrics={worker.host}:{metrics_port}",
             flush=True,
         )
+        registration = await _register(cfg, worker, grpc_port, metrics_port)
         await stop.wait()
-        log.info("stopping: refusing new requests, aborting in-flight ones")
-        service.draining = True
-        stats = engine.stats()
-        if stats.running + stats.waiting:
-            await engine.abort_all()
+        if registration is not None:  # leave the fleet first: no new work routed here
+            await registration.stop()
+        await _drain(service, engine, parts["role"], worker.drain_timeout_s)
         return 0
     finally:
         if server is not None:
             await server.stop(SHUTDOWN_GRACE_S)
         await _teardown(parts)
         log.info("worker %s stopped", worker.id)
+
+
+async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metrics_port: int):  # type: ignore[no-untyped-def]
+    """With ``register_url``: join that router's fleet and heartbeat (pdd.worker.register)."""
+    if worker.register_url is None:
+        return None
+    from pdd.worker.register import RegistrationClient, registration_for
+
+    msg = registration_for(worker, grpc_port, metrics_port, cfg.engine_for(worker.id).max_num_seqs)
+    client = RegistrationClient(worker.register_url, msg, worker.register_interval_s)
+    await client.start()
+    return client
+
+
+def _install_kv_credential(cfg: PddConfig, worker: WorkerConfig) -> None:
+    """The worker token guards this worker's UCX KV plane too (pdd.transfer.ucx_auth); the
+    TCP (WAN) plane is guarded by mutual TLS (``transfer.tls``). Raises ConfigError."""
+    from pdd.transfer.ucx_auth import set_kv_token
+
+    token = cfg.security.worker_token()
+    set_kv_token(token)
+    if token is not None and worker.role is Role.MAIN_DECODE and not cfg.transfer.tls:
+        log.warning(
+            "security.worker_token_file is set but transfer.tls is off: this main_decode's "
+            "TCP KV receiver accepts any sender; turn on transfer.tls for WAN links"
+        )
+
+
+def _grpc_server(cfg: PddConfig, worker: WorkerConfig, service):  # type: ignore[no-untyped-def]
+    """The gRPC server (not started) with the worker token check and TLS of ``security``;
+    returns (server, bound port). Raises ConfigError (bad security files), PddError (bind)."""
+    import grpc
+
+    from pdd.proto import worker_pb2_grpc as pb_grpc
+    from pdd.worker.auth import TokenAuthInterceptor, server_credentials
+
+    token = cfg.security.worker_token()
+    interceptors: list = [RequestIdServerInterceptor()]
+    if token is not None:  # first: nothing runs for a caller without the token
+        interceptors.insert(0, TokenAuthInterceptor(token))
+    server = grpc.aio.server(interceptors=interceptors)
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    address = f"{worker.host}:{worker.port}"
+    creds = server_credentials(cfg.security.grpc_tls)
+    port = (
+        server.add_insecure_port(address)
+        if creds is None
+        else server.add_secure_port(address, creds)
+    )
+    if port == 0:
+        raise PddError(f"cannot bind gRPC on {address}")
+    log.info(
+        "gRPC on %s: worker token %s, TLS %s",
+        address,
+        "required" if token is not None else "off",
+        "mutual" if creds and cfg.security.grpc_tls.mutual else ("on" if creds else "off"),
+    )
+    return server, port
+
+
+async def _drain(service, engine, role, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM: refuse new work, let what is in flight finish (Generate streams, engine
+    requests, KV transfers) for up to ``timeout_s``, then abort what is left."""
+    service.start_drain()
+    log.info("draining: refusing new requests; waiting up to %.0f s for in-flight ones", timeout_s)
+
+    def busy() -> tuple[int, int, int]:
+        stats = engine.stats()
+        return service.active, stats.running + stats.waiting, role.kv_stats().open_transfers
+
+    deadline = time.monotonic() + timeout_s
+    while any(busy()) and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    streams, requests, transfers = busy()
+    if streams or requests:
+        log.warning(
+            "drain timeout: aborting %d requests (%d streams, %d open transfers)",
+            requests, streams, transfers,
+        )  # fmt: skip
+        await engine.abort_all()
+    else:
+        log.info("drained: nothing in flight")
 
 
 async def _until_ready_or_stopped(engine, stop: asyncio.Event) -> bool:
@@ -189,6 +276,8 @@ def _run(argv: list[str] | None, prog: str, role: Role | None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         worker = _pick_worker(cfg, args.worker, role)
+        if args.register:
+            worker = worker.model_copy(update={"register_url": args.register})
     except ConfigError as err:
         print(f"{prog}: {err.message}", file=sys.stderr)
         return 2

@@ -1,10 +1,19 @@
 """The router-facing gRPC servicer of one worker (pdd.worker.v1.Worker over grpc.aio).
 
-Owns: request admission (validation, draining, what the role supports), mapping pdd errors to
-gRPC status codes, and the link between a Generate stream and its engine request: when the
-stream ends for any reason (finished, client cancelled, deadline, server stopping) the role's
-generator is closed, which aborts the engine request if it was still running and releases
-whatever KV the role held for it.
+Owns: request admission (validation, draining, the bounded queue, what the role supports),
+mapping pdd errors to gRPC status codes, and the link between a Generate stream and its engine
+request: when the stream ends for any reason (finished, client cancelled, the router's gRPC
+deadline, server stopping) the role's generator is closed, which aborts the engine request if
+it was still running and releases whatever KV the role held for it.
+
+Bounded queue: Generate streams beyond the engine's ``max_num_seqs`` wait in its queue; once
+``workers[].max_queued_requests`` wait, one more is RESOURCE_EXHAUSTED (429 at the router).
+
+Drain (``start_drain``, on SIGTERM): new Generate and PrepareKv calls get UNAVAILABLE, Health
+reports not ready (so the router stops picking this worker), and work already accepted goes
+on: SendKv, AwaitKv, CancelKv, DrcEvents, and a Generate that consumes KV this worker
+reserved with PrepareKv before the drain (an MD finishing a request it took). ``active``
+falls to zero as the requests in flight finish.
 
 KV RPCs (SendKv, PrepareKv, AwaitKv, CancelKv, DrcEvents) go to the role policy when it
 supports them, else UNIMPLEMENTED; a Generate asking for ``kv_stage`` / ``kv_in`` a role cannot
@@ -16,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +47,7 @@ from pdd.worker.convert import (
     sampling_from_proto,
     stats_to_proto,
 )
+from pdd.worker.faults import WorkerFaults
 from pdd.worker.metrics import WorkerMetrics
 from pdd.worker.roles import KV_IN, KV_STAGE, GenerateCall, RolePolicy
 
@@ -80,6 +91,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._metrics = metrics
         self._role = role
         self.draining = False
+        self._faults = WorkerFaults.of(worker)  # tests only: None unless worker.faults is set
+        self.active = 0  # Generate streams admitted and not yet ended
+        # KV requests this worker accepted (PrepareKv): their Generate is finishing accepted
+        # work, so a draining worker still admits it. Bounded: old ids fall out.
+        self._accepted_kv: OrderedDict[str, None] = OrderedDict()
+
+    def start_drain(self) -> None:
+        """Refuse new work from now on; what is in flight goes on (see the module doc)."""
+        self.draining = True
 
     @property
     def role(self) -> str:
@@ -106,10 +126,14 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(ref.code, ref.message)
             return
         outcome = "error"
+        self.active += 1
         try:
             async with contextlib.aclosing(self._role.generate(call)) as stream:
                 first = True
+                kill = self._faults.stream_kill(rid) if self._faults is not None else None
                 async for out in stream:
+                    if kill is not None:  # fault injection (tests): may exit the process
+                        kill.before_send(len(out.delta.token_ids))
                     yield kv_delta_to_proto(out, first)
                     first = False
                     if out.delta.finish_reason is not None:
@@ -124,11 +148,14 @@ class WorkerService(pb_grpc.WorkerServicer):
             outcome = "cancelled"
             raise
         finally:
+            self.active -= 1
             self._metrics.request_done(self.role, outcome)
 
     def _admit(self, request: pb.GenerateRequest) -> GenerateCall:
         """Validate the request. Raises PddError or _Refused (nothing started then)."""
-        self._require_ready()
+        kv_id = request.kv_in.kv_request_id if request.HasField("kv_in") else ""
+        if not (self.draining and kv_id and kv_id in self._accepted_kv):
+            self._require_ready()
         if not request.request_id:
             raise InvalidRequestError("request_id must not be empty", param="request_id")
         if not request.HasField("sampling"):
@@ -142,11 +169,26 @@ class WorkerService(pb_grpc.WorkerServicer):
                     f"worker {self._worker.id} (role {self.role}) cannot serve {feature}",
                 )
         self._engine.validate(call.prompt, spec)
+        self._check_queue()
         return call
+
+    def _check_queue(self) -> None:
+        """OverloadedError when admitting one more would queue more than the bound."""
+        limit = self._worker.max_queued_requests
+        stats = self._engine.stats()
+        queued = max(stats.waiting, self.active - stats.max_num_seqs)
+        if queued >= limit:
+            raise OverloadedError(
+                f"worker {self._worker.id} is full: {queued} requests queued beyond its "
+                f"{stats.max_num_seqs} running (max_queued_requests {limit}); retry later"
+            )
 
     def _require_ready(self) -> None:
         if self.draining:
-            raise UnavailableError("worker is shutting down")
+            raise UnavailableError(
+                f"worker {self._worker.id} is draining (shutting down) and accepts no new "
+                "requests; retry on another worker"
+            )
         if not self._engine.ready:
             raise UnavailableError("engine is not ready")
 
@@ -159,11 +201,20 @@ class WorkerService(pb_grpc.WorkerServicer):
                 f"worker {self._worker.id} (role {self.role}) does not serve {name}",
             )
         try:
-            self._require_ready()
-            return await getattr(self._role, _snake(name))(request)
+            if name in _NEW_WORK or not self._engine.ready:
+                self._require_ready()  # a draining worker still settles what it accepted
+            response = await getattr(self._role, _snake(name))(request)
+            if name in _NEW_WORK:
+                self._remember_kv(request.kv_request_id)
+            return response
         except PddError as err:
             log.info("%s failed: %s", name, err.message)
             await context.abort(status_for(err), err.message)
+
+    def _remember_kv(self, kv_request_id: str) -> None:
+        self._accepted_kv[kv_request_id] = None
+        if len(self._accepted_kv) > _ACCEPTED_KV_KEPT:
+            self._accepted_kv.popitem(last=False)
 
     async def SendKv(self, request: pb.SendKvRequest, context) -> pb.SendKvResponse:  # noqa: N802
         return await self._kv("SendKv", request, context)
@@ -201,6 +252,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         return stats_to_proto(
             self._worker.id, self.role, self._engine.stats(), self._role.kv_stats()
         )
+
+
+_NEW_WORK = frozenset({"PrepareKv"})  # KV calls that start work (refused while draining)
+_ACCEPTED_KV_KEPT = 4096
 
 
 class _Refused(Exception):

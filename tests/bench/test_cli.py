@@ -33,10 +33,10 @@ def test_example_config_loads_and_fits_its_context():
 
 def test_short_profile_then_user_overrides():
     cfg = _cfg("--short", "--set", "agentic.requests=5", "--set", "sla.ttft_s=0.5")
-    assert (cfg.agentic.requests, cfg.agentic.conversations) == (5, 4)
-    assert cfg.sweep.buckets == [0.0, 0.5, 0.9, 1.0]
+    assert (cfg.agentic.requests, cfg.agentic.conversations) == (5, 3)
+    assert cfg.sweep.buckets == [0.0, 0.9, 1.0]
     assert cfg.sla.ttft_s == 0.5
-    assert "agentic.requests=24" in SHORT_PROFILE
+    assert "agentic.requests=12" in SHORT_PROFILE
 
 
 def test_mode_endpoints_and_selection():

@@ -1,10 +1,13 @@
-"""`pdd bench serve --short` as `make test` runs it: the benchmark starts
-`pdd serve --config configs/colocated.yaml` itself (router + one vLLM worker, the default
-model), runs every workload, stops it. Checks: every mode completes with zero errors, the
-report files exist, the sweep's prefix hits reach the engine's cache as built, nothing is left
-running.
+"""`pdd bench serve --config configs/bench/local.yaml --short` as `make test` runs it: the
+benchmark starts each mode's topology itself (colocated, pd_local, pd_wan, pdd: `pdd serve` of
+the shipped configs, real vLLM workers, the default model), runs every workload, stops it.
 
-(It starts the system through the benchmark's own mode runner rather than tests/helpers.py
+Checks: every mode completes with zero errors, the report files exist with the pdd-vs-pd_wan
+comparison, each mode ran the pipelines it stands for, pdd sent fewer KV bytes to MD than
+pd_wan did (its DRC), the sweep's prefix hits reach the engine's cache as built, nothing is
+left running. The targets themselves are judged by the full run (configs/bench/wan.yaml).
+
+(It starts the systems through the benchmark's own mode runner rather than tests/helpers.py
 ``serve()``: that helper matches ``pdd ready:`` only at the start of a line, and `pdd serve`
 can print a child's line into the middle of its ready line.)
 """
@@ -23,41 +26,65 @@ from tests.helpers import children_of
 
 pytestmark = pytest.mark.slow
 
-CONFIG = "configs/colocated.yaml"
+CONFIG = "configs/bench/local.yaml"
+MODES = ["colocated", "pd_local", "pd_wan", "pdd"]
 FILES = ["results.json", "requests.jsonl", "report.md", "ttft_cdf.png", "bathtub.png",
-         "wan_bytes.png", "serve-colocated.log"]  # fmt: skip
+         "wan_bytes.png", *(f"serve-{m}.log" for m in MODES)]  # fmt: skip
+PIPELINES = {"colocated": {"none", "colocated"}, "pd_local": {"pd"}, "pd_wan": {"pd"},
+             "pdd": {"p_md", "p_rld_md"}}  # fmt: skip
 
 
-def test_short_profile_against_colocated(tmp_path):
-    out = tmp_path / "bench"
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
     t0 = time.monotonic()
-    code = main(["--short", "--out", str(out)])
-    print(f"bench --short took {time.monotonic() - t0:.1f}s")
-    log = (
-        (out / "serve-colocated.log").read_text() if (out / "serve-colocated.log").exists() else ""
-    )
-    assert code == 0, log[-3000:]
+    code = main(["--config", CONFIG, "--short", "--out", str(out)])
+    print(f"bench --short over {len(MODES)} modes took {time.monotonic() - t0:.1f}s")
     assert children_of(os.getpid()) == []
+    return code, out, json.loads((out / "results.json").read_text())
+
+
+def test_every_mode_completes_with_zero_errors(run):
+    code, out, data = run
+    logs = {m: (out / f"serve-{m}.log") for m in MODES}
+    tails = {m: p.read_text()[-2000:] for m, p in logs.items() if p.exists()}
+    assert code == 0, tails
+    assert list(data["modes"]) == MODES
     for name in FILES:
         assert (out / name).stat().st_size > 0, name
+    for mode_name, mode in data["modes"].items():
+        assert mode["error"] is None, mode_name
+        assert set(mode["workloads"]) == {"agentic", "sweep"}
+        for wl_name, wl in mode["workloads"].items():
+            s = wl["summary"]
+            where = (mode_name, wl_name, s["first_errors"])
+            assert (s["errors"], wl["warmup_errors"], s["not_sent"]) == (0, 0, 0), where
+            assert s["ok"] == s["requests"] == data["workloads"][wl_name]["measured"], where
+            assert s["ttft_p50_s"] > 0 and s["goodput_rps"] > 0, where
+            assert set(s["pipelines"]) <= PIPELINES[mode_name], where
 
-    data = json.loads((out / "results.json").read_text())
-    assert list(data["modes"]) == ["colocated"]
-    mode = data["modes"]["colocated"]
-    assert mode["error"] is None
-    assert mode["workers"] == {"gpu_a": 1}
-    assert set(mode["workloads"]) == {"agentic", "sweep"}
-    for name, wl in mode["workloads"].items():
-        s = wl["summary"]
-        assert (s["errors"], wl["warmup_errors"], s["not_sent"]) == (0, 0, 0), s["first_errors"]
-        assert s["ok"] == s["requests"] == data["workloads"][name]["measured"]
-        assert s["ttft_p50_s"] > 0 and s["goodput_rps"] > 0
 
+def test_report_compares_pdd_with_pd_wan(run):
+    _, out, data = run
+    comparison = data["comparison"]
+    assert (comparison["baseline"], comparison["candidate"]) == ("pd_wan", "pdd")
+    metrics = [c["metric"] for c in comparison["checks"]]
+    assert metrics[:2] == ["P90 TTFT reduction", "P99 TTFT reduction"]
+    assert comparison["checks"][-1]["value"] == 0  # failed requests, every mode
+    assert "## pdd vs pd_wan (`agentic`)" in (out / "report.md").read_text()
+    # pd_wan ships every prompt block to its decoder; pdd only the blocks MD's DRC lacks.
+    agentic = {m: data["modes"][m]["workloads"]["agentic"]["summary"] for m in MODES}
+    assert agentic["pd_wan"]["wan_bytes_total"] > agentic["pdd"]["wan_bytes_total"] > 0
+    assert agentic["colocated"]["wan_bytes_total"] == 0
+
+
+def test_sweep_hits_reach_the_engine_cache(run):
     # The sweep's shared prefixes land in vLLM's prefix cache, in whole blocks; a fully
     # cached prompt still computes its last token.
-    block = load_config(CONFIG).engine.block_size
+    _, _, data = run
+    block = load_config("configs/colocated.yaml").engine.block_size
     length = data["config"]["sweep"]["prompt_tokens"]
-    groups = mode["workloads"]["sweep"]["groups"]
+    groups = data["modes"]["colocated"]["workloads"]["sweep"]["groups"]
     for hit in data["config"]["sweep"]["buckets"]:
         shared = min(round(hit * length), length - 1)
         expected = (shared // block) * block / length

@@ -62,6 +62,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.wan_bandwidth_bps = 0.0
         self.script = Script()
         self.ready = True
+        self.health_delay_s = 0.0  # Health answers this late (a worker on a saturated host)
+        self.slow_health_calls = 0
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.running: set[str] = set()
         self.aborts: list[str] = []
@@ -72,6 +74,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def reset(self) -> None:
         self.script = Script()
         self.ready = True
+        self.health_delay_s = 0.0
+        self.slow_health_calls = 0
         self.stats_running = 0
         self.requests.clear()
         self.aborts.clear()
@@ -186,6 +190,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=request.request_id in self.running)
 
     async def Health(self, request, context):  # noqa: N802
+        if self.health_delay_s > 0:
+            self.slow_health_calls += 1
+            await asyncio.sleep(self.health_delay_s)
         return worker_pb2.HealthResponse(
             ready=self.ready, worker_id=self.worker_id, role=self.role, model="fake"
         )

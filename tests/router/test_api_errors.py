@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from tests.router.conftest import wait_until
 from tests.router.harness import MAX_BODY_BYTES, MAX_MODEL_LEN
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -140,6 +141,19 @@ def test_no_healthy_worker_is_503_with_retry_after(router):
     assert r.headers["retry-after"] == "1"
     assert router.fake.requests == []
     router.fake.ready = True
+    router.wait_health(200)
+    assert_still_serving(router)
+
+
+def test_a_late_health_answer_is_not_an_outage_but_a_silent_worker_is(router):
+    # Polls time out after worker_rpc_timeout_s (1 s here); health_missed_polls (3) in a row
+    # make the worker unhealthy, fewer do not.
+    router.fake.health_delay_s = 1.5
+    wait_until(lambda: router.fake.slow_health_calls >= 2, "no second slow Health", timeout=10)
+    assert httpx.get(router.url.removesuffix("/v1") + "/health").status_code == 200
+    assert_still_serving(router)
+    router.wait_health(503)
+    router.fake.health_delay_s = 0.0
     router.wait_health(200)
     assert_still_serving(router)
 

@@ -119,20 +119,50 @@ def test_p_failing_before_the_first_token(pdd, code, status):
     assert pdd.by_id("rld0").requests == [] and pdd.by_id("md0").requests == []
 
 
-def test_md_failing_after_the_first_token_is_an_error_event(pdd):
+@pytest.mark.parametrize("how", ["rpc_failure", "error_finish"])
+def test_md_failing_after_the_first_token_is_taken_over(pdd, how):
+    """The only MD fails after P's token (at once, or after 2 tokens of its own): RLD takes
+    over from prompt + emitted and the client gets the whole answer, no repeat, no gap."""
+    import grpc
+
+    ids = script(pdd, 6)
+    md = pdd.by_id("md0")
+    if how == "rpc_failure":
+        md.script.fail_code = grpc.StatusCode.INTERNAL
+    else:
+        md.script.error_after = 2
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "pdd": {"pipeline": "p_md"}}
+    with httpx.stream("POST", pdd.url + "/completions", json=body, timeout=10) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [httpx.Response(200, content=x[6:]).json() for x in lines[:-1]]
+    assert all("error" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == pdd.codec.decode(ids[:-1])
+    assert lines[-1] == "data: [DONE]"
+    k = 0 if how == "rpc_failure" else 2
+    takeover = pdd.by_id("rld0").requests[-1]
+    assert list(takeover.prompt_token_ids) == prompt_ids(pdd) + ids[: 1 + k]
+    assert chunks[-1]["pdd"]["rld_tokens"] == len(ids) - 1 - k  # the rest, with the EOS
+    wait_until(lambda: (the_request_id(pdd), "worker md0 lost") in md.kv.cancels,
+               "no CancelKv on the lost MD")  # fmt: skip
+
+
+def test_md_lost_with_nobody_to_take_over_is_an_error_event(pdd):
     import grpc
 
     ids = script(pdd, 5)
-    pdd.by_id("md0").script.fail_code = grpc.StatusCode.INTERNAL
+    for wid in ("md0", "rld0"):
+        pdd.by_id(wid).script.fail_code = grpc.StatusCode.UNAVAILABLE
+    pdd.by_id("p0").script.error_after = 1  # P's own takeover fails too
     body = {"model": MODEL, "prompt": PROMPT, "stream": True, "pdd": {"pipeline": "p_md"}}
     with httpx.stream("POST", pdd.url + "/completions", json=body, timeout=10) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     first = httpx.Response(200, content=lines[0][6:]).json()
     assert first["choices"][0]["text"] == pdd.codec.decode(ids[:1])
     error = httpx.Response(200, content=lines[-2][6:]).json()
-    assert "worker md0 Generate: INTERNAL" in error["error"]["message"]
+    assert "worker p0 ended request" in error["error"]["message"]
     assert lines[-1] == "data: [DONE]"
-    assert_cancelled_kv(pdd, the_request_id(pdd), ("p0", "md0"))
+    rid, p0 = the_request_id(pdd), pdd.by_id("p0")
+    wait_until(lambda: (rid, "worker p0 lost") in p0.kv.cancels, "no CancelKv on p0")
 
 
 @pytest.mark.parametrize("how", ["error_finish", "rpc_failure"])

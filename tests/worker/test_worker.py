@@ -46,6 +46,7 @@ def start_worker(log_path: Path, timeout_s: float = 300) -> Worker:
         f"engine.max_model_len={MAX_MODEL_LEN}",
         "workers.0.port=0",
         "workers.0.metrics_port=0",
+        "workers.0.drain_timeout_s=1",  # SIGTERM: in-flight requests get 1 s, then abort
     ):
         args += ["--set", kv]
     log = log_path.open("w")

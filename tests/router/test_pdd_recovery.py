@@ -1,0 +1,95 @@
+"""router.mode pdd recovery with spares (fakes: p0, p1, rld0, md0, md1 on one KV plane).
+
+A prefill worker lost before the first token is replaced by the other one; a main_decode
+lost mid-request is taken over by the other one from prompt + emitted. Every request ends
+with the whole answer and nothing held anywhere (``assert_released``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from tests.router.conftest import PDD_POLICY, assert_released, fresh
+from tests.router.fake_kv import FakeKvPlane
+from tests.router.fake_worker import FakeWorker
+from tests.router.harness import MAX_MODEL_LEN, RouterHarness
+from tests.router.test_pdd_flow import MODEL, complete, prompt_ids, script
+
+ROLES = {"p0": "prefill", "p1": "prefill", "rld0": "relay_decode", "md0": "main_decode",
+         "md1": "main_decode"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def spares_harness(codec) -> Iterator[RouterHarness]:
+    plane = FakeKvPlane()
+    fakes = [FakeWorker(wid, MAX_MODEL_LEN, role, plane) for wid, role in ROLES.items()]
+    policy = {**PDD_POLICY, "send_kv_deadline_s": 1.0}  # AwaitKv gives up 3 s after SendKv
+    h = RouterHarness(codec, fakes, plane, mode="pdd", pdd=policy)
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def spares(spares_harness) -> Iterator[RouterHarness]:
+    fresh(spares_harness)
+    yield spares_harness
+    assert_released(spares_harness)
+
+
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "INTERNAL"])
+def test_p_lost_before_the_first_token_is_retried_on_the_other_p(spares, code):
+    ids = script(spares, 5)
+    spares.by_id("p0").script.fail_code = getattr(grpc.StatusCode, code)
+    for _ in range(2):
+        body = complete(spares, "p_md").json()
+        assert body["choices"][0]["text"] == spares.codec.decode(ids[:-1])
+        assert body["pdd"]["p"] == "p1"
+    assert spares.by_id("p0").requests  # it was tried, and lost
+
+
+def test_both_p_lost_is_a_clear_error(spares):
+    script(spares, 5)
+    for wid in ("p0", "p1"):
+        spares.by_id(wid).script.fail_code = grpc.StatusCode.UNAVAILABLE
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "pdd": {"pipeline": "p_md"}}
+    r = httpx.post(spares.url + "/completions", json=body, timeout=10)
+    assert r.status_code == 503
+    assert "Generate: UNAVAILABLE" in r.json()["error"]["message"]
+    assert all(spares.by_id(w).requests for w in ("p0", "p1"))
+
+
+def test_md_lost_mid_request_is_taken_over_by_the_other_md(spares):
+    ids = script(spares, 6)  # + EOS: P emits 1, the first MD 3 (then fails), the other 3
+    for md in ("md0", "md1"):
+        spares.by_id(md).script.error_after = 3
+    body = complete(spares, "p_md").json()
+    assert body["choices"][0]["text"] == spares.codec.decode(ids[:-1])
+    asked = {m: spares.by_id(m).requests[-1] for m in ("md0", "md1")}
+    second = body["pdd"]["md"]
+    first = "md1" if second == "md0" else "md0"
+    assert list(asked[first].prompt_token_ids) == prompt_ids(spares) + ids[:1]
+    assert list(asked[second].prompt_token_ids) == prompt_ids(spares) + ids[:4]
+    assert body["pdd"]["rld_tokens"] == 0
+
+
+def test_kv_that_never_reaches_md_is_given_up_at_the_send_deadline(spares):
+    """P's connection cut before MD saw a chunk: MD's AwaitKv would stay pending. The router
+    stops waiting when P's send deadline (+2 s) passed, not at await_kv_timeout_s (10 s),
+    CancelKv's MD's reservation before its Generate, and MD recomputes the prompt."""
+    ids = script(spares, 5)
+    for md in ("md0", "md1"):
+        spares.by_id(md).kv.land_delay_s = 60.0  # the KV never arrives
+    t0 = time.monotonic()
+    body = complete(spares, "p_md").json()
+    elapsed = time.monotonic() - t0
+    assert body["choices"][0]["text"] == spares.codec.decode(ids[:-1])
+    assert 3.0 <= elapsed < 6.0, elapsed
+    md = spares.by_id(body["pdd"]["md"])
+    rid = md.requests[-1].request_id
+    assert md.kv.cancels == [(rid, "router: P's send deadline passed")]
