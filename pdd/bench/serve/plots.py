@@ -117,7 +117,8 @@ def _wan_bytes(path: Path, modes: list[ModeResult]) -> Path:
             bars = ax.bar(xs, ys, width=width, label=name)
             ax.bar_label(bars, labels=[_human(y) for y in ys], fontsize=7)
     total_title = "bytes on the WAN link (metered)" if metered else "WAN KV bytes in total"
-    for ax, title in ((ax_req, "WAN KV bytes per request (P -> MD)"), (ax_total, total_title)):
+    req_title = "KV bytes P queued per request (for MD or D)"
+    for ax, title in ((ax_req, req_title), (ax_total, total_title)):
         ax.set_title(title)
         ax.set_ylim(bottom=0, top=max(1.0, ax.get_ylim()[1]))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], [m.name for m in modes])
