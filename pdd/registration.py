@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdd.protocol import Role
 
 REGISTRATION_PATH = "/internal/v1/workers"
+# With security.worker_token_file set, registering workers prove the fleet's token here.
+WORKER_TOKEN_HEADER = "X-Pdd-Worker-Token"
 
 
 class WorkerRegistration(BaseModel):

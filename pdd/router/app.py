@@ -81,7 +81,7 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
     state = build_state(cfg, codec)
     keys = ApiKeys.from_config(cfg.router)  # None: authentication off
     reloader = KeyReloader(keys) if keys is not None else None
-    fleet = FleetMembership(state.pool, cfg.router.fleet)
+    fleet = FleetMembership(state.pool, cfg.router.fleet, worker_token=cfg.security.worker_token())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -56,7 +56,10 @@ class _Next(enum.Enum):
 class RelayHandoff:
     """One request's RLD stream and its handoff to MD. Use ``events()`` once."""
 
-    def __init__(self, run: RequestRun, rld: str, md: str, *, rld_kv: bool, md_kv: bool):
+    def __init__(
+        self, run: RequestRun, rld: str, md: str, *, rld_kv: bool, md_kv: bool,
+        md_lost: bool = False,
+    ):  # fmt: skip
         self._run = run
         self._rld = rld
         self._md = md
@@ -67,7 +70,7 @@ class RelayHandoff:
         self._rld_task: asyncio.Task[None] | None = None
         self._kv_ready = False
         self._rld_alive = True
-        self._md_lost = False  # MD's AwaitKv / warm-up saw it lost: never switch to it
+        self._md_lost = md_lost  # MD lost (PrepareKv, AwaitKv, a warm-up): never switch to it
         self._warming = False
         self._synced = 0  # emitted tokens MD has computed (its warm-ups)
         self._rounds = 0  # warm-ups started
@@ -119,6 +122,8 @@ class RelayHandoff:
         if kind == "rld_failed":
             return self._rld_gone()
         if kind == "kv":
+            if self._md_lost:  # no KV went to a lost MD: RLD goes on (or a takeover)
+                return _Next.CONTINUE if self._rld_alive else _Next.SWITCH
             self._kv_ready = True
             if self._run.trace.handoff is HandoffMode.ONE_SHOT or not self._rld_alive:
                 return _Next.SWITCH

@@ -14,7 +14,8 @@ blocks, everyone else from block 0. A target that needs nothing is left out (and
 it is MD, whose DRC Generate uses its lease, released with CancelKv); when nobody needs
 anything P's staged blocks are released with CancelKv too. It returns the ids of the
 targets KV is on its way to, and records MD's cached tokens and the bytes queued for it.
-A lost destination (its PrepareKv failed) gets nothing; a lost P (SendKv failed) sends
+A lost destination (its PrepareKv failed, or timed out: unreachable) gets nothing and is in
+``lost``, so the caller does not send it the request either; a lost P (SendKv failed) sends
 nothing: every reservation is cancelled and the destinations recompute the prompt.
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pdd.errors import PddError, WorkerError
 from pdd.proto import worker_pb2
-from pdd.router.recovery import is_worker_loss
+from pdd.router.recovery import is_unreachable, is_worker_loss
 from pdd.router.request_run import RequestRun
 from pdd.router.types import TokenEvent
 from pdd.router.workers import Prepared
@@ -52,6 +53,7 @@ class PStage:
         self._targets = targets
         self._block_size = block_size
         self.staged_blocks = 0
+        self.lost: set[str] = set()  # destinations whose PrepareKv failed or timed out
 
     async def prefill(self) -> TokenEvent:
         """P's first token, one merged event. Raises WorkerError if P fails the request."""
@@ -89,8 +91,9 @@ class PStage:
             try:
                 prep = await t.prepared
             except PddError as exc:  # the destination is lost: it gets no KV (module doc)
-                if not is_worker_loss(exc):
+                if not is_unreachable(exc):
                     raise
+                self.lost.add(t.worker_id)
                 self._run.pool.mark_unhealthy(t.worker_id, exc.message)
                 self._run.release_kv("PrepareKv failed", [t.worker_id])
                 continue

@@ -66,9 +66,13 @@ class PddPipeline:
                 return
             sent = await stage.send()
             if rld is None:
-                events = run.finish_on(md, "md", kv_source="drc", await_kv=md in sent)
+                events = run.finish_on(
+                    md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost
+                )
             else:
-                handoff = RelayHandoff(run, rld, md, rld_kv=rld in sent, md_kv=md in sent)
+                handoff = RelayHandoff(
+                    run, rld, md, rld_kv=rld in sent, md_kv=md in sent, md_lost=md in stage.lost
+                )
                 events = handoff.events()
             async for event in events:
                 yield event

@@ -46,6 +46,13 @@ def is_worker_loss(exc: BaseException) -> bool:
     return isinstance(exc, WorkerError) and exc.code != "timeout"
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """For a KV control RPC (PrepareKv, AwaitKv), which a live worker answers at once: a loss,
+    or the RPC's deadline passing (the worker is cut off, e.g. by a WAN partition, or stuck).
+    Not for Generate, whose deadline is the request's own."""
+    return is_worker_loss(exc) or (isinstance(exc, WorkerError) and exc.code == "timeout")
+
+
 def without(view: FleetView, excluded: Collection[str]) -> FleetView:
     """``view`` with every worker in ``excluded`` marked unhealthy."""
     workers = tuple(replace(w, healthy=False) if w.id in excluded else w for w in view.workers)

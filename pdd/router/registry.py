@@ -12,13 +12,17 @@ than ``router.fleet.heartbeat_timeout_s`` is removed from the pool; its next hea
 it again. Lifecycle: ``start()`` / ``stop()`` in the app's lifespan, on the serving loop.
 
 The endpoints (``routes``) exist only with ``router.fleet.accept_registrations``; with API
-keys configured they need a key like every non-open path (``pdd.router.auth``).
+keys configured they need a key like every non-open path (``pdd.router.auth``), and with a
+worker token (``security.worker_token_file``) they also need that token in the
+``X-Pdd-Worker-Token`` header (constant-time check): only a holder of the fleet's secret can
+add a worker that will be sent prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +33,13 @@ from fastapi.responses import JSONResponse
 
 from pdd.config import WorkerConfig
 from pdd.config.fleet import FleetConfig
-from pdd.registration import REGISTRATION_PATH, RegistrationReply, WorkerRegistration
+from pdd.errors import AuthenticationError
+from pdd.registration import (
+    REGISTRATION_PATH,
+    WORKER_TOKEN_HEADER,
+    RegistrationReply,
+    WorkerRegistration,
+)
 from pdd.router.discovery import DnsDiscovery, Resolver, resolve_dns
 from pdd.router.pool import WorkerPool
 
@@ -102,8 +112,15 @@ class FleetMembership:
     """What changes the fleet at run time: the registry and DNS discovery (``app.state.
     pdd_fleet``). ``start()`` after the pool started, ``stop()`` before it stops."""
 
-    def __init__(self, pool: WorkerPool, cfg: FleetConfig, resolver: Resolver = resolve_dns):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        cfg: FleetConfig,
+        resolver: Resolver = resolve_dns,
+        worker_token: bytes | None = None,
+    ):
         self.registry = FleetRegistry(pool, cfg)
+        self.worker_token = worker_token  # required of registering workers when set
         self.discovery = DnsDiscovery(pool, cfg.dns, resolver)
         self._registrations = cfg.accept_registrations
 
@@ -121,7 +138,16 @@ routes = APIRouter()
 
 
 def _registry(request: Request) -> FleetRegistry:
-    return request.app.state.pdd_fleet.registry
+    """The registry, once the caller proved the fleet's worker token (when one is set)."""
+    fleet: FleetMembership = request.app.state.pdd_fleet
+    if fleet.worker_token is not None:
+        given = request.headers.get(WORKER_TOKEN_HEADER, "").encode()
+        if not hmac.compare_digest(given, fleet.worker_token):
+            raise AuthenticationError(
+                f"registration needs the fleet's worker token in {WORKER_TOKEN_HEADER}",
+                code="invalid_worker_token",
+            )
+    return fleet.registry
 
 
 @routes.post(REGISTRATION_PATH)

@@ -36,7 +36,14 @@ from pdd.errors import PddError, UnavailableError
 from pdd.protocol import Role
 from pdd.router.pool import WorkerPool
 from pdd.router.record import PddTrace
-from pdd.router.recovery import LOST_FINISHES, TIER_OF_ROLE, WorkerLost, is_worker_loss, takeover
+from pdd.router.recovery import (
+    LOST_FINISHES,
+    TIER_OF_ROLE,
+    WorkerLost,
+    is_unreachable,
+    is_worker_loss,
+    takeover,
+)
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent
 from pdd.router.workers import KvState, Prepared
 
@@ -246,7 +253,12 @@ class RequestRun:
             if left <= 0:
                 state = KvState("timeout", reason=f"router: {why} passed")
                 break
-            state = await client.await_kv(self.kv_id, min(self.policy.await_kv_poll_s, left))
+            try:
+                state = await client.await_kv(self.kv_id, min(self.policy.await_kv_poll_s, left))
+            except PddError as exc:  # the RPC itself timed out: cut off, a loss (takeover)
+                if is_unreachable(exc) and not is_worker_loss(exc):
+                    raise UnavailableError(f"{exc.message} (unreachable)") from exc
+                raise
             if state.state != "timeout":
                 break
         self.trace.kv_state = state.state

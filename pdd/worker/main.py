@@ -179,7 +179,9 @@ async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metric
     from pdd.worker.register import RegistrationClient, registration_for
 
     msg = registration_for(worker, grpc_port, metrics_port, cfg.engine_for(worker.id).max_num_seqs)
-    client = RegistrationClient(worker.register_url, msg, worker.register_interval_s)
+    client = RegistrationClient(
+        worker.register_url, msg, worker.register_interval_s, cfg.security.worker_token()
+    )
     await client.start()
     return client
 

@@ -24,7 +24,7 @@ import os
 import httpx
 
 from pdd.config import WorkerConfig
-from pdd.registration import REGISTRATION_PATH, WorkerRegistration
+from pdd.registration import REGISTRATION_PATH, WORKER_TOKEN_HEADER, WorkerRegistration
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,20 @@ def registration_for(
 class RegistrationClient:
     """Heartbeats one registration to one router."""
 
-    def __init__(self, url: str, registration: WorkerRegistration, interval_s: float):
+    def __init__(
+        self,
+        url: str,
+        registration: WorkerRegistration,
+        interval_s: float,
+        worker_token: bytes | None = None,
+    ):
         self._base = url.rstrip("/").removesuffix("/v1")
         self._msg = registration
         self._interval = interval_s
         key = os.environ.get(ENV_KEY)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if worker_token is not None:
+            headers[WORKER_TOKEN_HEADER] = worker_token.decode()
         self._http = httpx.AsyncClient(headers=headers, timeout=max(1.0, interval_s))
         self._task: asyncio.Task[None] | None = None
         self._failing = False

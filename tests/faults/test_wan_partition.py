@@ -2,9 +2,9 @@
 router, P and RLD in dc-a, MD in dc-b; its own prefix and subnet, never a user's lab).
 
 While the link is cut (a blackhole route each way: new connections fail, established ones
-stall, as when a WAN router drops everything), a p_md request either completes with the text a
-healthy run gives, recomputed by a worker the router can still reach, or gets a clear
-OpenAI-style error, within its deadline; nothing stays pinned, open or running anywhere once
+stall, as when a WAN router drops everything), a p_md request completes within its deadline
+with the text a healthy run gives: MD's PrepareKv times out, MD counts as lost before the
+first token, and a worker the router can still reach (RLD, else P) decodes the request; nothing stays pinned, open or running anywhere once
 the link is back; and new requests take MD again and succeed.
 """
 
@@ -29,6 +29,9 @@ SETS = [
     f"lab.prefix={PREFIX}", f"lab.subnet={SUBNET}", "router.health_interval_s=0.5",
     "router.worker_rpc_timeout_s=3", "router.pdd.send_kv_deadline_s=8",
     "router.pdd.await_kv_timeout_s=20", "router.pdd.kv_in_wait_s=5", "transfer.deadline_s=8",
+    "cache.host_capacity_gib=0.25",  # small arenas and KV caches: the machine is shared
+    *(f"workers.{i}.{key}" for i in range(3)
+      for key in ("kv_staging_gib=0.1", "engine.kv_cache_space_gib=0.25")),
 ]  # fmt: skip
 DEADLINE_S = 90  # the partitioned request's answer, error or not, comes within this
 READY_S = 900
@@ -84,7 +87,7 @@ def nothing_held(url: str) -> bool:
     )
 
 
-def test_partitioned_wan_request_recovers_or_fails_clearly_and_service_comes_back(lab_serve):
+def test_partitioned_wan_request_is_decoded_in_dc_a_and_service_comes_back(lab_serve):
     s, lab = lab_serve
     assert post(s.url, "The capital of France is").status_code == 200  # MD works
     prompt = " ".join(f"island{i}" for i in range(200))  # cold: P sends MD every block
@@ -94,12 +97,12 @@ def test_partitioned_wan_request_recovers_or_fails_clearly_and_service_comes_bac
         r = post(s.url, prompt)
         elapsed = time.monotonic() - t0
         assert elapsed < DEADLINE_S
-        if r.status_code == 200:
-            during = r.json()
-            assert during["usage"]["completion_tokens"] == 12
-        else:
-            assert r.status_code in (502, 503, 504), r.text
-            assert r.json()["error"]["message"]
+        # MD's PrepareKv times out (router.worker_rpc_timeout_s): MD is lost before the first
+        # token, gets neither KV nor the request, and RLD (else P) decodes it in dc-a
+        assert r.status_code == 200, r.text
+        during = r.json()
+        assert during["usage"]["completion_tokens"] == 12
+        assert (during["pdd"]["wan_kv_bytes"], during["pdd"]["rld_tokens"]) == (0, 11)
         wait_until(lambda: "md" not in healthy(s.url), 30, "md seen unreachable")
     finally:
         heal(lab)
@@ -107,8 +110,7 @@ def test_partitioned_wan_request_recovers_or_fails_clearly_and_service_comes_bac
     wait_until(lambda: nothing_held(s.url), 60, "nothing pinned, open or running")
     after = post(s.url, prompt)
     assert after.status_code == 200, after.text
-    if r.status_code == 200:
-        assert during["choices"][0]["text"] == after.json()["choices"][0]["text"]
+    assert during["choices"][0]["text"] == after.json()["choices"][0]["text"]
     fresh = post(s.url, "The capital of Italy is")
     assert fresh.status_code == 200 and fresh.json()["pdd"]["md"] == "md"
     wait_until(lambda: nothing_held(s.url), 60, "nothing pinned, open or running")

@@ -50,8 +50,9 @@ class Topology:
 
     def start(self, timeout_s: float = 400) -> None:
         procs = {w: self._spawn(w) for w in self.ports}  # every engine starts at once
-        for w, served in procs.items():
-            self.workers[w] = _await_ready(served, "pdd worker ready: ", timeout_s)
+        self.workers.update(procs)  # stop() reaches each one, even if another never gets ready
+        for served in procs.values():
+            _await_ready(served, "pdd worker ready: ", timeout_s)
         self.router = start_router(self.config, self.overrides)
         wait_until(lambda: self.healthy() == set(self.ports), 60, "every worker healthy")
 

@@ -1,7 +1,8 @@
 """Workers joining by registration: the real router (API keys on) and the real registration
 client of pdd.worker.register, against fake gRPC workers. A registered worker is admitted,
 polled and routed to; it is removed when its heartbeats stop and re-admitted by the next
-one; a worker that stops deregisters at once; ids of configured workers cannot be taken."""
+one; a worker that stops deregisters at once; ids of configured workers cannot be taken; a
+registration without the fleet's worker token is refused even with an API key."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from pdd.config import WorkerConfig
-from pdd.registration import REGISTRATION_PATH
+from pdd.registration import REGISTRATION_PATH, WORKER_TOKEN_HEADER
 from pdd.worker.register import RegistrationClient, registration_for
 from tests.helpers import wait_until
 from tests.router.fake_worker import FakeWorker, start_fake_worker
@@ -21,6 +22,8 @@ from tests.router.harness import RouterHarness
 
 KEY = "fleet-secret-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+WORKER_TOKEN = b"worker-token-0123456789abcdef"
+FLEET = {**AUTH, WORKER_TOKEN_HEADER: WORKER_TOKEN.decode()}  # what a registering worker sends
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -43,9 +46,11 @@ class Loop:
 
 @pytest.fixture(scope="module")
 def fleet(codec, tmp_path_factory) -> Iterator[tuple[RouterHarness, FakeWorker, int, Loop]]:
-    keys = tmp_path_factory.mktemp("keys") / "keys"
+    secrets = tmp_path_factory.mktemp("keys")
+    keys, token = secrets / "keys", secrets / "worker-token"
     keys.write_text(KEY + "\n")
-    h = RouterHarness(codec, api_keys_file=str(keys),
+    token.write_bytes(WORKER_TOKEN + b"\n")
+    h = RouterHarness(codec, api_keys_file=str(keys), security={"worker_token_file": str(token)},
                       fleet={"accept_registrations": True, "heartbeat_timeout_s": 0.5})  # fmt: skip
     loop = Loop()
     joiner = FakeWorker("w1", 512)
@@ -68,7 +73,7 @@ def workers(h: RouterHarness) -> dict[str, dict]:
 
 def client_for(port: int, h: RouterHarness, interval_s: float = 0.1) -> RegistrationClient:
     cfg = WorkerConfig(id="w1", role="colocated", host="127.0.0.1", datacenter="dc-a")
-    return RegistrationClient(h.url, registration_for(cfg, port, 0, 8), interval_s)
+    return RegistrationClient(h.url, registration_for(cfg, port, 0, 8), interval_s, WORKER_TOKEN)
 
 
 def test_registration_needs_an_api_key(fleet, monkeypatch):
@@ -80,6 +85,21 @@ def test_registration_needs_an_api_key(fleet, monkeypatch):
     client = client_for(port, h)
     assert loop.run(client.beat()) is False and "w1" not in workers(h)
     loop.run(client._http.aclose())
+
+
+def test_registration_needs_the_worker_token(fleet, monkeypatch):
+    h, _, port, loop = fleet
+    body = {"id": "w1", "role": "colocated", "host": "127.0.0.1", "port": port}
+    for token in (None, "worker-token-WRONG-0123456789"):
+        headers = dict(AUTH, **({WORKER_TOKEN_HEADER: token} if token else {}))
+        r = httpx.post(h.root + REGISTRATION_PATH, json=body, headers=headers, timeout=2)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_worker_token"
+    monkeypatch.setenv("PDD_API_KEY", KEY)
+    cfg = WorkerConfig(id="w1", role="colocated", host="127.0.0.1", datacenter="dc-a")
+    tokenless = RegistrationClient(h.url, registration_for(cfg, port, 0, 8), 0.1)
+    assert loop.run(tokenless.beat()) is False and "w1" not in workers(h)
+    loop.run(tokenless._http.aclose())
 
 
 def test_a_registered_worker_serves_leaves_without_heartbeats_and_comes_back(fleet, monkeypatch):
@@ -117,7 +137,7 @@ def test_a_heartbeating_worker_stays_and_deregisters_when_it_stops(fleet, monkey
     loop.run(client.start())
     wait_until(lambda: client.beats >= 10, 10, "ten heartbeats")  # 1 s > 0.5 s timeout
     assert workers(h)["w1"]["healthy"] is True
-    listed = httpx.get(h.root + REGISTRATION_PATH, headers=AUTH, timeout=2).json()
+    listed = httpx.get(h.root + REGISTRATION_PATH, headers=FLEET, timeout=2).json()
     assert [r["id"] for r in listed["registered"]] == ["w1"]
     loop.run(client.stop())
     assert "w1" not in workers(h)  # DELETE took it out at once
@@ -126,8 +146,8 @@ def test_a_heartbeating_worker_stays_and_deregisters_when_it_stops(fleet, monkey
 def test_a_configured_id_cannot_be_registered(fleet, monkeypatch):
     h, _, port, _ = fleet
     body = {"id": "w0", "role": "colocated", "host": "127.0.0.1", "port": port}
-    r = httpx.post(h.root + REGISTRATION_PATH, json=body, headers=AUTH, timeout=2)
+    r = httpx.post(h.root + REGISTRATION_PATH, json=body, headers=FLEET, timeout=2)
     assert r.status_code == 400 and "already in the fleet" in r.json()["error"]["message"]
     bad = {**body, "id": "x", "port": 0}
-    assert httpx.post(h.root + REGISTRATION_PATH, json=bad, headers=AUTH, timeout=2).status_code \
+    assert httpx.post(h.root + REGISTRATION_PATH, json=bad, headers=FLEET, timeout=2).status_code \
         in (400, 422)  # fmt: skip

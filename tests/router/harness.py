@@ -30,9 +30,12 @@ MAX_QUEUED = 4
 DATACENTER = {"prefill": "dc-a", "relay_decode": "dc-a", "main_decode": "dc-b"}
 
 
-def test_config(workers: list[dict[str, Any]], **router: Any) -> PddConfig:
+def test_config(
+    workers: list[dict[str, Any]], security: dict[str, Any] | None = None, **router: Any
+) -> PddConfig:
     return PddConfig.model_validate(
         {
+            "security": security or {},
             "engine": {"max_model_len": MAX_MODEL_LEN},
             "router": {
                 "host": "127.0.0.1",
@@ -55,6 +58,7 @@ class RouterHarness:
         codec: TextCodec,
         fakes: list[FakeWorker] | None = None,
         plane: FakeKvPlane | None = None,
+        security: dict[str, Any] | None = None,
         **router: Any,
     ):
         self.codec = codec
@@ -63,6 +67,7 @@ class RouterHarness:
         self.plane = plane
         self.datacenters: dict[str, str] = {}
         self.router_overrides = router
+        self.security = security
         self.cfg: PddConfig | None = None
         self.url = ""  # http://127.0.0.1:PORT/v1
         self.fake_target = ""  # the first fake worker's gRPC address
@@ -171,7 +176,7 @@ class RouterHarness:
                     {"id": fake.worker_id, "role": fake.role, "port": port, "datacenter": dc}
                 )
             self.fake_target = f"127.0.0.1:{workers[0]['port']}"
-            self.cfg = test_config(workers, **self.router_overrides)
+            self.cfg = test_config(workers, self.security, **self.router_overrides)
             app = build_app(self.cfg, codec=self.codec)
             self._server = RouterServer(app, bind_socket("127.0.0.1", 0), on_ready=self._on_ready)
             await self._server.serve()
