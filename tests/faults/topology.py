@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 
+from pdd.cache.arena import unlink_stale
 from pdd.config import load_config
 from pdd.launch import free_port
 from pdd.proto import worker_pb2, worker_pb2_grpc
+from pdd.worker.kv_plane import ARENA_PREFIX, FENCE_PREFIX
 from tests.helpers import Served, _await_ready, _popen, children_of, start_router, stop, wait_until
 
 ENV = {
@@ -124,6 +126,10 @@ class Topology:
             except Exception:  # noqa: BLE001 (a stuck worker must still go)
                 served.proc.kill()
                 served.proc.wait()
+        # The shared-memory KV arenas of the workers the tests killed (a SIGKILLed worker
+        # cannot unlink them; the next worker start would): only dead owners' are removed.
+        for prefix in (ARENA_PREFIX, FENCE_PREFIX):
+            unlink_stale(prefix)
 
 
 def pid_alive(pid: int) -> bool:
