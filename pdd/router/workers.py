@@ -34,15 +34,11 @@ from pdd.errors import (
 )
 from pdd.observability.context import request_context_interceptors
 from pdd.proto import worker_pb2, worker_pb2_grpc
+from pdd.proto.options import CHANNEL_OPTIONS
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
 from pdd.router.worker_auth import WorkerCredentials
 
 log = logging.getLogger(__name__)
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
 
 
 MIN_DEADLINE_S = 0.01  # a Generate started at the deadline still gets a (tiny) positive one
@@ -88,7 +84,7 @@ class WorkerClient:
         self._request_timeout = router.request_timeout_s
         self._channel = (credentials or WorkerCredentials()).channel(
             self.target,
-            options=_CHANNEL_OPTIONS,
+            options=CHANNEL_OPTIONS,  # message limits, keepalive
             interceptors=request_context_interceptors(self.id),  # x-request-id, timeline
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)

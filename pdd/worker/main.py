@@ -206,13 +206,14 @@ def _grpc_server(cfg: PddConfig, worker: WorkerConfig, service):  # type: ignore
     import grpc
 
     from pdd.proto import worker_pb2_grpc as pb_grpc
+    from pdd.proto.options import SERVER_OPTIONS
     from pdd.worker.auth import TokenAuthInterceptor, server_credentials
 
     token = cfg.security.worker_token()
     interceptors: list = [RequestIdServerInterceptor()]
     if token is not None:  # first: nothing runs for a caller without the token
         interceptors.insert(0, TokenAuthInterceptor(token))
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{worker.host}:{worker.port}"
     creds = server_credentials(cfg.security.grpc_tls)

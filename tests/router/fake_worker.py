@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdd.proto import worker_pb2, worker_pb2_grpc
+from pdd.proto.options import SERVER_OPTIONS
 from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE, FakeKvNode, FakeKvPlane
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -241,7 +242,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
 async def start_fake_worker(fake: FakeWorker) -> tuple[grpc.aio.Server, int]:
     """Serve ``fake`` on 127.0.0.1 with a free port. Caller stops the server."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)  # as a real worker
     worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
