@@ -17,10 +17,12 @@ logs a warning naming what is on, once per process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import signal
 import threading
+
+import psutil
 
 from pdd.config import WorkerConfig
 from pdd.config.faults import FaultsConfig
@@ -40,31 +42,10 @@ def hard_exit(reason: str) -> None:
     log.error("fault injection: exiting hard (%s)", reason)
     for handler in logging.getLogger().handlers:
         handler.flush()
-    for pid in _descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # already gone
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     os._exit(FAULT_EXIT_CODE)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Live descendants of ``pid`` (from /proc), children first."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parents.items() if p == frontier[0]]
-        frontier = frontier[1:] + kids
-        out += kids
-    return out
 
 
 class TokenKill:
