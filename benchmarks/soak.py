@@ -8,12 +8,14 @@ streaming, long prompts streaming, short streams, streams the client drops after
 (a client disconnect), and bad requests (which must get a 4xx). Meanwhile a fault thread
 pauses a random worker (SIGSTOP, then SIGCONT after ``--pause-s``: a hung peer or a stalled
 WAN link, as seen from everything that talks to it) every ``--fault-interval-s``, and a
-sampler reads every worker's RSS (its process and the vLLM engine core under it, from /proc).
+sampler reads every worker's resident memory (its process and the vLLM engine core under it,
+from /proc: private and shared, the shared part being the KV arenas as their pages are touched).
 
 At the end: traffic stops, every worker must come back to idle (running and waiting requests,
 pinned KV slots and open transfers all 0, from each worker's /metrics) within
-``--settle-s``; what is left is a leak. The RSS slope per worker (least squares over the
-samples after the first quarter of the run, MiB per minute) says whether memory stays flat.
+``--settle-s``; what is left is a leak. The private-memory slope per worker (least squares
+over the samples after the first quarter of the run, MiB per minute) says whether memory stays
+flat.
 Writes ``OUT/soak.json``, ``OUT/soak.png`` and ``OUT/serve.log`` (the topology's output);
 exit status 1 when something leaked.
 """
@@ -63,8 +65,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--seeded",
         action="store_true",
-        help="give sampled requests a per-request seed (crashes vLLM 0.32's CPU engine when "
-        "such a request is in a chunked prefill: 'CPU Generator does not use offset')",
+        help="give sampled requests a per-request seed (seeded chunked prefill: it crashed vLLM "
+        "0.32's CPU engine core until pdd.engine.vllm_plugin)",
     )
     ap.add_argument("--out", default="results/soak")
     return ap.parse_args(argv)
@@ -158,15 +160,22 @@ def _worker_pid(serve_pid: int, worker_id: str) -> int:
     raise RuntimeError(f"no process for worker {worker_id}")
 
 
-def rss_mib(pid: int) -> float:
-    """RSS of a process and everything under it (the worker and its engine core)."""
-    total = 0
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(private, shared) resident MiB of a process and everything under it (the worker and its
+    engine core), from /proc/PID/status RssAnon and RssShmem. Private memory is what a leak
+    grows; shared memory is the KV arenas (staging, DRC host tier, landing slots), resident
+    as their pages are first touched, and counted once per process that maps them."""
+    anon = shmem = 0
     for p in _tree(pid):
         try:
-            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE
-        except (OSError, ValueError, IndexError):
+            fields = dict(
+                line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines()
+            )
+            anon += int(fields["RssAnon"].split()[0])
+            shmem += int(fields["RssShmem"].split()[0])
+        except (OSError, KeyError, ValueError, IndexError):
             continue
-    return total / (1 << 20)
+    return anon / 1024, shmem / 1024
 
 
 # --- traffic -----------------------------------------------------------------------------
@@ -239,7 +248,9 @@ def sample_loop(topo: Topology, period: float, samples: list, stop: threading.Ev
     t0 = time.monotonic()
     while True:
         row = {"t_s": round(time.monotonic() - t0, 2)}
-        row.update({w: round(rss_mib(pid), 1) for w, pid in topo.pids.items()})
+        for w, pid in topo.pids.items():
+            anon, shmem = rss_mib(pid)
+            row[w], row[f"{w}.shmem"] = round(anon, 1), round(shmem, 1)
         samples.append(row)
         if stop.wait(period):
             return
@@ -249,7 +260,7 @@ def sample_loop(topo: Topology, period: float, samples: list, stop: threading.Ev
 
 
 def slope_mib_per_min(samples: list[dict], worker: str) -> float:
-    """Least-squares slope of RSS over time, after the first quarter (warm-up)."""
+    """Least-squares slope of private RSS over time, after the first quarter (warm-up)."""
     rows = samples[len(samples) // 4 :]
     if len(rows) < 3:
         return 0.0
@@ -278,11 +289,14 @@ def plot(samples: list[dict], workers: list[str], events: list[dict], path: Path
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for w in workers:
-        ax.plot([r["t_s"] for r in samples], [r[w] for r in samples], label=f"{w} RSS")
+        ts = [r["t_s"] for r in samples]
+        (line,) = ax.plot(ts, [r[w] for r in samples], label=f"{w} private")
+        ax.plot(ts, [r[f"{w}.shmem"] for r in samples], ls="--", color=line.get_color(),
+                label=f"{w} shared (KV arenas touched)")  # fmt: skip
     for e in events:
         ax.axvline(e["t_s"], color="grey", alpha=0.3, lw=1)
     ax.set_xlabel("time (s); grey lines: a worker paused")
-    ax.set_ylabel("RSS, worker + engine core (MiB)")
+    ax.set_ylabel("resident MiB, worker + engine core")
     ax.set_title("pdd soak: memory per worker")
     ax.legend()
     fig.tight_layout()
@@ -355,6 +369,8 @@ def report(args, topo, outcomes: Counter, samples, events, final, serve_exit: in
                 "last": samples[-1][w],
                 "max": max(r[w] for r in samples),
                 "slope_mib_per_min": round(slope_mib_per_min(samples, w), 2),
+                "shared_first": samples[0][f"{w}.shmem"],
+                "shared_last": samples[-1][f"{w}.shmem"],
             }
             for w in topo.worker_ids
         }
