@@ -23,6 +23,9 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),  # a silent stream is still pinged
     ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    # each channel owns its connections: a worker's new channel (re-registered, re-addressed)
+    # never inherits the state of a closed one's shared subchannel
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 SERVER_OPTIONS: list[tuple[str, int]] = [

@@ -102,6 +102,7 @@ class Decision:
     wan_bytes: int = 0
     eta_s: float = 0.0
     block_size: int = 0  # tokens per KV block as P reported it (0: unknown)
+    relay_only: bool = False  # TEST ONLY (p_rld_only): the pd driver's D is an RLD doing MD's job
 
     def worker(self, role: Role) -> str:
         for r, worker_id in self.assignments:

@@ -170,7 +170,8 @@ def _p_rld_only(view: FleetView, p: WorkerView) -> Decision:
     rlds = view.healthy(Role.RELAY_DECODE)
     rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
     assignments = ((Role.PREFILL, p.id), (Role.RELAY_DECODE, rld.id))
-    return Decision(Pipeline.PD, assignments, block_size=p.block_size or rld.block_size)
+    return Decision(Pipeline.PD, assignments, block_size=p.block_size or rld.block_size,
+                    relay_only=True)  # fmt: skip
 
 
 def choose_pd(view: FleetView, request: RouteRequest) -> Decision:

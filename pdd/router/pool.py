@@ -60,6 +60,7 @@ class _WorkerState:
     served: int = 0
     retired: bool = False  # removed from the fleet; the client closes at in_flight 0
     missed_polls: int = 0  # consecutive Health/Stats timeouts
+    polling: bool = False  # a health poll of this worker is in flight
 
 
 class WorkerPool:
@@ -80,6 +81,7 @@ class WorkerPool:
         self._first_poll = asyncio.Event()
         self._started = False
         self._closing: set[asyncio.Task[None]] = set()
+        self._polls: set[asyncio.Task[None]] = set()  # health polls in flight
 
     async def start(self) -> None:
         """Open channels and start polling. Must run inside the serving event loop."""
@@ -156,6 +158,9 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
+        for task in list(self._polls):
+            task.cancel()
+        await asyncio.gather(*self._polls, return_exceptions=True)
         await asyncio.gather(*(st.client.close() for st in self._states.values() if st.client))
         if self._closing:
             await asyncio.wait(set(self._closing))
@@ -256,36 +261,71 @@ class WorkerPool:
             self._set_health(st, False, reason)
 
     async def _poll_forever(self) -> None:
+        """Each round polls every worker not still being polled, waits for the round at most
+        ~2 RPC deadlines, then sleeps ``health_interval_s``. A poll that outlives its round (a
+        channel closed under its call) finishes, or is abandoned at ``bound``, on its own:
+        it never holds up the polls of the other workers."""
         interval = self._cfg.router.health_interval_s
+        rpc = self._cfg.router.worker_rpc_timeout_s
+        bound = 3 * rpc + 1.0  # Health + Stats (+ DrcEvents), each with the RPC deadline
         while True:
-            await asyncio.gather(*(self._poll(st) for st in list(self._states.values())))
+            fresh = [st for st in list(self._states.values()) if not st.polling]
+            tasks = {asyncio.create_task(self._bounded_poll(st, bound)) for st in fresh}
+            self._polls |= tasks
+            for t in tasks:
+                t.add_done_callback(self._polls.discard)
+            if tasks:
+                await asyncio.wait(tasks, timeout=2 * rpc + 0.5)
             self._first_poll.set()
             await asyncio.sleep(interval)
 
+    async def _bounded_poll(self, st: _WorkerState, bound_s: float) -> None:
+        st.polling = True
+        try:
+            await asyncio.wait_for(self._poll(st), bound_s)
+        except TimeoutError:
+            if not st.retired:
+                self._set_health(st, False, f"health poll stuck for {bound_s:g} s")
+        finally:
+            st.polling = False
+
     async def _poll(self, st: _WorkerState) -> None:
-        if st.client is None or st.retired:
+        """One worker's poll. Never raises: one worker (even one retired and closed while its
+        poll was in flight) must not stop the loop that polls every other."""
+        client = st.client  # _close_later may take st.client away while we await
+        if client is None or st.retired:
             return
         try:
-            health = await st.client.health()
+            health = await client.health()
             if not health.ready:
                 self._set_health(st, False, "worker reports not ready")
                 return
-            st.stats = await st.client.stats()
+            st.stats = await client.stats()
         except PddError as exc:
-            st.missed_polls = st.missed_polls + 1 if exc.code == "timeout" else 0
-            late = 0 < st.missed_polls < self._cfg.router.health_missed_polls
-            if late and st.healthy:
-                log.info("worker %s missed a health poll (%d in a row): %s",
-                         st.config.id, st.missed_polls, exc.message)  # fmt: skip
-                return
-            self._set_health(st, False, exc.message)
+            self._missed(st, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. the channel closed under the call
+            if not st.retired:
+                log.warning("health poll of %s failed: %r", st.config.id, exc)
+                self._set_health(st, False, f"health poll failed: {exc!r}")
             return
         st.missed_polls = 0
         if st.retired:  # removed while polled
             return
         self._set_health(st, True, "")
         if self.drc is not None and st.config.role is Role.MAIN_DECODE:
-            await self.drc.refresh(st.config.id, st.client)
+            await self.drc.refresh(st.config.id, client)
+
+    def _missed(self, st: _WorkerState, exc: PddError) -> None:
+        """A failed poll: unhealthy now, unless a healthy worker is only late (a timeout) for
+        fewer than ``health_missed_polls`` polls in a row."""
+        st.missed_polls = st.missed_polls + 1 if exc.code == "timeout" else 0
+        late = 0 < st.missed_polls < self._cfg.router.health_missed_polls
+        if late and st.healthy:
+            log.info("worker %s missed a health poll (%d in a row): %s",
+                     st.config.id, st.missed_polls, exc.message)  # fmt: skip
+            return
+        self._set_health(st, False, exc.message)
 
     def _set_health(self, st: _WorkerState, healthy: bool, reason: str) -> None:
         if healthy != st.healthy:

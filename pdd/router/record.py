@@ -67,9 +67,7 @@ class PddTrace:
     def for_decision(cls, decision: Decision, prompt_tokens: int) -> PddTrace:
         if decision.pipeline is Pipeline.COLOCATED:
             return cls(decision.pipeline, prompt_tokens)
-        if decision.maybe_worker(Role.MAIN_DECODE) is None and decision.maybe_worker(
-            Role.RELAY_DECODE
-        ):  # pd with an RLD as D (the test-only p_rld_only policy): RLD emits every token
+        if decision.relay_only:  # the test-only p_rld_only policy: RLD emits every token
             trace = cls(decision.pipeline, prompt_tokens, p=decision.maybe_worker(Role.PREFILL),
                         rld=decision.worker(Role.RELAY_DECODE))  # fmt: skip
             trace.d_is_rld = True

@@ -135,8 +135,10 @@ def test_a_heartbeating_worker_stays_and_deregisters_when_it_stops(fleet, monkey
     monkeypatch.setenv("PDD_API_KEY", KEY)
     client = client_for(port, h, interval_s=0.1)
     loop.run(client.start())
-    wait_until(lambda: client.beats >= 10, 10, "ten heartbeats")  # 1 s > 0.5 s timeout
-    assert workers(h)["w1"]["healthy"] is True
+    wait_until(lambda: workers(h).get("w1", {}).get("healthy"), 5, "w1 admitted and healthy")
+    beats = client.beats
+    wait_until(lambda: client.beats >= beats + 10, 10, "ten more heartbeats")  # > 0.5 s timeout
+    assert workers(h)["w1"]["healthy"] is True  # still there: heartbeats keep it
     listed = httpx.get(h.root + REGISTRATION_PATH, headers=FLEET, timeout=2).json()
     assert [r["id"] for r in listed["registered"]] == ["w1"]
     loop.run(client.stop())

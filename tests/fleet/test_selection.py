@@ -93,7 +93,7 @@ def test_p_rld_only_test_policy_never_touches_md():
     policy = PddPolicyConfig(test_policy="p_rld_only")
     view = fleet(w("p0", P), w("r0", RLD, running=1), w("r1", RLD), w("m0", MD), policy=policy)
     d = choose(view, req(100, md={"m0": 100}))
-    assert d == Decision(Pipeline.PD, ((P, "p0"), (RLD, "r1")), block_size=4)
+    assert d == Decision(Pipeline.PD, ((P, "p0"), (RLD, "r1")), block_size=4, relay_only=True)
     trace = PddTrace.for_decision(d, 100)
     trace.count("d", 5)  # the pd driver's decoder tier
     s = trace.summary()
