@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 
 from pdd.config import load_config
 from pdd.launch import free_port
@@ -128,25 +129,12 @@ class Topology:
         return out
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
 def _tree(pid: int) -> list[int]:
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
+    """``pid`` and every live process under it."""
+    try:
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _worker_pid(serve_pid: int, worker_id: str) -> int:

@@ -10,7 +10,6 @@ import threading
 import httpx
 import pytest
 
-from pdd.config import ModelConfig
 from pdd.router.tokenizer import TextCodec
 from tests.helpers import wait_until
 from tests.router.harness import RouterHarness
@@ -18,14 +17,6 @@ from tests.router.harness import RouterHarness
 pytestmark = pytest.mark.timeout(60)
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def codec() -> TextCodec:
-    path = ModelConfig().resolved_path()
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"default model folder {path} is missing: run `make model`")
-    return TextCodec.from_folder(path)
 
 
 def slow_stream(codec: TextCodec, drain_timeout_s: float) -> RouterHarness:

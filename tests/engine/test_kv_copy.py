@@ -35,7 +35,11 @@ LAYOUTS = {
     "kv-split": ((2, N, B, H, D), None),  # [2, N, B, H, D], FlashAttention before 0.32
 }
 DTYPES = [torch.float32, torch.bfloat16]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (this machine has none; these ran on an H200: "
+    "docs/results/gpu-kv-copy/pytest-h200.log)",
+)
 
 
 def make_caches(layout: str, dtype, seed: int, device="cpu") -> dict[str, torch.Tensor]:
@@ -261,7 +265,9 @@ def test_out_of_range_ids_raise_and_copy_nothing(arena_of, copier_of):
 
 
 def test_numpy_path_and_torch_path_agree_on_the_cpu_layout(arena_of, copier_of):
-    pytest.importorskip("vllm")  # connector_worker's messages are vLLM classes
+    pytest.importorskip(  # vLLM is always installed by `make test`; the GPU machine lacks it
+        "vllm", reason="pdd.engine.connector_worker imports vLLM's connector message classes"
+    )
     from pdd.engine.connector_worker import PagedKv, SlotCopier
 
     caches = make_caches("cpu-packed", torch.bfloat16, 3)
