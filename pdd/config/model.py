@@ -66,3 +66,9 @@ class EngineConfig(Section):
         "auto", description="VLLM_CPU_OMP_THREADS_BIND for this engine (CPU only)."
     )
     seed: int = Field(0, description="Engine seed.")
+    malloc_trim_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="CPU only: how often the engine core returns free heap pages to the kernel "
+        "(glibc malloc_trim; keeps a prefill engine's memory flat). 0: never.",
+    )

@@ -39,6 +39,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError  # no
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from pdd.config import EngineConfig, ModelConfig  # noqa: E402
+from pdd.engine import heap  # noqa: E402
 from pdd.engine.lifeline import spawning  # noqa: E402
 from pdd.engine.model import prepare_model  # noqa: E402
 from pdd.engine.types import (  # noqa: E402
@@ -194,6 +195,7 @@ class Engine:
             "VLLM_CPU_KVCACHE_SPACE": None,
             "VLLM_ENABLE_V1_MULTIPROCESSING": multiproc,
             **omp_env(self.engine_config.omp_threads_bind, multiproc == "1"),
+            heap.INTERVAL_ENV: str(self.engine_config.malloc_trim_interval_s),
         }
         saved = {key: os.environ.get(key) for key in env}
         update_env(env)

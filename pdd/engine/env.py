@@ -21,6 +21,9 @@ PROCESS_DEFAULTS = {
     # stdout carries one machine-read line per process ("pdd worker ready: ..."); logs go to
     # stderr.
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    # oneDNN's process-wide cache of compiled kernels keeps one per prefill length it saw:
+    # ~1 GiB on a prefill engine. vLLM caches its matmuls itself (pdd.engine.heap).
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
 }
 
 

@@ -1,4 +1,7 @@
-"""pdd's vLLM general plugin: a workaround vLLM itself loads into every engine process.
+"""pdd's vLLM general plugin: what pdd must run inside every engine process vLLM starts.
+
+Two things, CPU platforms only: the seeded-chunked-prefill workaround below, and the engine
+core's heap trimmer (``pdd.engine.heap``: started when the environment asks for it).
 
 Registered as the entry point ``vllm.general_plugins: pdd_cpu_generators`` (pyproject.toml);
 vLLM calls ``register()`` in each process it starts (engine core, workers), possibly more than
@@ -23,6 +26,8 @@ import logging
 
 import torch
 
+from pdd.engine import heap
+
 log = logging.getLogger(__name__)
 
 
@@ -41,12 +46,14 @@ class _CpuOffsetSafeGenerator(torch.Generator):
 
 
 def register() -> None:
-    """vLLM's plugin hook: install the CPU generator workaround on CPU platforms."""
+    """vLLM's plugin hook: on CPU platforms, install the generator workaround and start the
+    heap trimmer (``pdd.engine.heap``; only where ``Engine`` asked for it in the environment)."""
     if torch.Generator is _CpuOffsetSafeGenerator:
         return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
+    heap.start_from_env()
     torch.Generator = _CpuOffsetSafeGenerator  # type: ignore[misc]
     log.debug("pdd: CPU generators ignore offset rewinds (seeded chunked prefill)")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from pdd.config import EngineConfig, ModelConfig
+from pdd.engine import heap
 from pdd.engine.model import prepare_model
 from pdd.engine.types import EngineDelta, SamplingSpec
 from pdd.errors import ContextLengthError, InvalidRequestError
@@ -238,6 +241,16 @@ def test_seeded_sampling_of_a_chunked_prompt_survives(h: Harness) -> None:
     assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
     greedy = h.run(h.collect("after-seeded", PARIS_PROMPT, GREEDY))
     assert greedy[0].token_ids[0] == PARIS  # the engine still serves
+
+
+def test_engine_core_bounds_its_heap(h: Harness) -> None:
+    """What keeps a prefill engine's memory flat (pdd.engine.heap) reaches the engine core: the
+    oneDNN cache bound in the environment it inherits, and its heap-trimming thread."""
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    (core,) = vllm_children()
+    names = {t.name for t in Path(f"/proc/{core.pid}/task").iterdir()}
+    threads = {(Path(f"/proc/{core.pid}/task") / n / "comm").read_text().strip() for n in names}
+    assert heap.THREAD_NAME in threads
 
 
 def test_stop_leaves_no_engine_process(h: Harness) -> None:
