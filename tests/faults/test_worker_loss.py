@@ -4,11 +4,14 @@ dropped, and every request still ends with the exact text of a healthy run of th
 pinned slots, open transfers and running requests on each, after every test).
 
 One topology for the whole module (tests/faults/configs/spares.yaml: 2 P, RLD, 2 MD, faults
-per worker), no restarts: the tests run in this order and each leaves what the next needs.
+per worker), one restart (the drained MD): the tests run in this order and each leaves what
+the next needs.
 
     p0 dies before its first token          -> the request is retried on p1
     corrupt / truncated / dropped chunk     -> MD never uses it and recomputes, within P's
                                                send deadline (not the 30 s AwaitKv timeout)
+    SIGTERM on the MD of a running stream   -> it finishes that stream and exits 0; a
+                                               request during the drain goes to the other MD
     MD killed while RLD streams             -> RLD decodes to the end
     RLD dies after 20 tokens                -> the other MD takes over
     the last MD killed mid-stream           -> P takes over (nobody else is left)
@@ -47,7 +50,7 @@ STORY = (
 )
 # prompt sizes in whole blocks; p1's kv_send rules pick their fault by these sizes
 SIZES = {"p_retry": 3, "corrupt": 4, "truncate": 5, "drop": 6, "md_killed_rld": 8,
-         "rld_dies": 7, "md_killed": 2}  # fmt: skip
+         "rld_dies": 7, "md_killed": 2, "drain": 3, "during_drain": 2}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +162,31 @@ def test_broken_kv_chunk_is_never_used_md_recomputes(topo, prompts, fault):
     assert f"KV to {record['md']} ended {ended}" in router_log(topo)
     assert elapsed < 30, f"{fault}: {elapsed:.1f} s"
     assert got["choices"][0]["text"] == reference(topo, prompts[fault])
+
+
+def test_md_drained_mid_stream_finishes_it_while_new_requests_go_to_the_other_md(topo, prompts):
+    """SIGTERM on the MD of a running stream: that stream ends whole on it, a request sent
+    during the drain is served (by the other MD), the drained MD exits 0 with its engine core,
+    and a restart brings it back (the next tests need both MDs)."""
+    expected = reference(topo, prompts["drain"], 40)
+    seen: dict[str, object] = {}
+
+    def on_chunk(i, chunk):
+        if i == 3:
+            seen["md"] = md = md_of(topo, chunk["id"])
+            seen["engines"] = topo.engine_pids(md)
+            topo.workers[md].proc.send_signal(signal.SIGTERM)
+            seen["during"] = complete(topo, prompts["during_drain"], max_tokens=8)
+
+    text, record = stream(topo, prompts["drain"], "p_md", on_chunk, 40)
+    md = seen["md"]
+    assert text == expected and record["md"] == md  # finished on the draining MD, whole
+    assert seen["during"]["pdd"]["md"] not in (md, None)
+    wait_until(lambda: not topo.alive(md), 30, f"{md} exited after its drain")
+    assert topo.workers[md].proc.returncode == 0
+    gone(seen["engines"], f"{md}'s engine core exited")
+    assert all(topo.alive(w) for w in ("p1", "rld", {"md0": "md1", "md1": "md0"}[md]))
+    topo.restart(md)
 
 
 def test_md_killed_while_rld_streams_lets_rld_finish(topo, prompts):

@@ -65,6 +65,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.ready = True
         self.health_delay_s = 0.0  # Health answers this late (a worker on a saturated host)
         self.slow_health_calls = 0
+        self.prepare_delay_s = 0.0  # PrepareKv reserves, then answers this late (cut off)
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.running: set[str] = set()
         self.aborts: list[str] = []
@@ -77,6 +78,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.ready = True
         self.health_delay_s = 0.0
         self.slow_health_calls = 0
+        self.prepare_delay_s = 0.0
         self.stats_running = 0
         self.requests.clear()
         self.aborts.clear()
@@ -218,7 +220,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return self.kv
 
     async def PrepareKv(self, request, context):  # noqa: N802
-        return self._node().prepare(request.kv_request_id, list(request.prompt_token_ids))
+        response = self._node().prepare(request.kv_request_id, list(request.prompt_token_ids))
+        if self.prepare_delay_s:
+            await asyncio.sleep(self.prepare_delay_s)
+        return response
 
     async def SendKv(self, request, context):  # noqa: N802
         sent = self._node().send(request.kv_request_id, list(request.destinations))

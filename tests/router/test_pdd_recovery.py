@@ -93,3 +93,22 @@ def test_kv_that_never_reaches_md_is_given_up_at_the_send_deadline(spares):
     md = spares.by_id(body["pdd"]["md"])
     rid = md.requests[-1].request_id
     assert md.kv.cancels == [(rid, "router: P's send deadline passed")]
+
+
+def test_md_cut_off_after_reserving_is_left_out_and_its_reservation_released(spares):
+    """MD reserves KV for the request but its PrepareKv answer never comes back in time (a
+    partition right after it reserved): past worker_rpc_timeout_s (1 s) the router treats it
+    as lost, sends it nothing, the other MD serves the request from the prompt, and the
+    orphaned reservation is cancelled (``spares`` checks that nothing stays held)."""
+    ids = script(spares, 5)
+    for md in ("md0", "md1"):
+        spares.by_id(md).prepare_delay_s = 3.0
+    t0 = time.monotonic()
+    body = complete(spares, "p_md").json()
+    elapsed = time.monotonic() - t0
+    assert body["choices"][0]["text"] == spares.codec.decode(ids[:-1])
+    cut_off = [m for m in ("md0", "md1") if spares.by_id(m).kv.prepares]
+    assert len(cut_off) == 1 and body["pdd"]["md"] != cut_off[0]
+    assert not spares.by_id(cut_off[0]).requests  # no Generate to the lost MD
+    assert body["pdd"]["wan_kv_bytes"] == 0
+    assert elapsed < 3.0, elapsed  # did not wait for the late answer
