@@ -4,8 +4,9 @@
 
 Starts `pdd serve` (its own ports), then for ``--duration-s`` runs ``--clients`` client
 threads, each sending one request after another, drawn from a mix: short prompts without
-streaming, long prompts streaming, short streams, streams the client drops after a few chunks
-(a client disconnect), and bad requests (which must get a 4xx). Meanwhile a fault thread
+streaming, long prompts streaming, long prompts streaming through RelayDecode (``p_rld_md``:
+RLD streams first, then hands off to MD), short streams, streams the client drops after a
+few chunks (a client disconnect), and bad requests (which must get a 4xx). Meanwhile a fault thread
 pauses a random worker (SIGSTOP, then SIGCONT after ``--pause-s``: a hung peer or a stalled
 WAN link, as seen from everything that talks to it) every ``--fault-interval-s``, and a
 sampler reads every worker's resident memory (its process and the vLLM engine core under it,
@@ -49,8 +50,8 @@ LEAK_METRICS = (
     "pdd_worker_kv_open_transfers",
 )
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
-MIX = (("short", 0.35), ("long_stream", 0.2), ("short_stream", 0.2), ("disconnect", 0.15),
-       ("bad", 0.1))  # fmt: skip
+MIX = (("short", 0.3), ("long_stream", 0.15), ("relay_stream", 0.15), ("short_stream", 0.15),
+       ("disconnect", 0.15), ("bad", 0.1))  # fmt: skip
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -179,9 +180,11 @@ def one_request(http, url: str, model: str, kind: str, rng: random.Random, seede
         body = {"model": model, "prompt": "x", "max_tokens": -5}
         r = http.post(f"{url}/completions", json=body)
         return "bad_rejected" if 400 <= r.status_code < 500 else f"bad_got_{r.status_code}"
-    long = kind == "long_stream"
+    long = kind in ("long_stream", "relay_stream")
     body = {"model": model, "prompt": _prompt(rng, 600 if long else 12),
             "max_tokens": rng.randint(16, 64), "temperature": 0.7}  # fmt: skip
+    if kind == "relay_stream":  # on one host the router's policy never needs RLD: ask for it
+        body["pdd"] = {"pipeline": "p_rld_md"}
     if seeded:  # vLLM 0.32 CPU: a seeded request in a chunked prefill kills the engine
         body["seed"] = rng.randint(0, 9999)
     if kind == "short":
@@ -204,9 +207,10 @@ def one_request(http, url: str, model: str, kind: str, rng: random.Random, seede
     return "stream_cut"
 
 
-def client_loop(url, model, seed: int, end: float, outcomes: Counter, lock, seeded: bool) -> None:
+def client_loop(url, model, seed: int, end: float, outcomes: Counter, lock, seeded: bool,
+                mix: tuple[tuple[str, float], ...]) -> None:  # fmt: skip
     rng = random.Random(seed)
-    kinds, weights = zip(*MIX, strict=True)
+    kinds, weights = zip(*mix, strict=True)
     with httpx.Client(timeout=120) as http:
         while time.monotonic() < end:
             kind = rng.choices(kinds, weights)[0]
@@ -295,7 +299,10 @@ def plot(samples: list[dict], workers: list[str], events: list[dict], path: Path
 def run(args: argparse.Namespace) -> dict:
     topo = Topology(args.config, Path(args.out) / "serve.log")
     topo.wait_ready()
-    model = load_config(args.config).model.name
+    cfg = load_config(args.config)
+    model = cfg.model.name
+    # RelayDecode takes part only in router.mode pdd: elsewhere the override is a 400
+    mix = MIX if cfg.router.mode.value == "pdd" else tuple(k for k in MIX if k[0] != "relay_stream")
     outcomes: Counter = Counter()
     samples: list[dict] = []
     events: list[dict] = []
@@ -305,7 +312,7 @@ def run(args: argparse.Namespace) -> dict:
         sampler = threading.Thread(target=sample_loop, args=(topo, args.sample_s, samples, stop))
         faults = threading.Thread(target=fault_loop, args=(topo, args, end, events, stop))
         clients = [threading.Thread(target=client_loop, args=(topo.url, model, args.seed * 100 + i,
-                                                               end, outcomes, lock, args.seeded))
+                                                               end, outcomes, lock, args.seeded, mix))
                    for i in range(args.clients)]  # fmt: skip
         for t in (sampler, faults, *clients):
             t.start()

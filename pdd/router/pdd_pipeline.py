@@ -11,7 +11,7 @@ pd_wan / pd_local (the standard PD flow):
     P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
     -> AwaitKv(D) -> D.Generate(prompt, kv_in=TRANSFER): D samples every token itself
 
-A P lost before its token is replaced by another P (``_prefill``); after it, P only sends
+A P lost before its token is replaced by another P (``prefill``, every pipeline); after it, P only sends
 KV, and a failed send makes the destinations recompute (``PStage.send``). A last tier lost
 mid-request is taken over by another worker (``RequestRun.finish_on``, ``pdd.router.recovery``).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import PddError
@@ -57,7 +58,9 @@ class PddPipeline:
         try:
             md = decision.worker(Role.MAIN_DECODE)
             rld = decision.maybe_worker(Role.RELAY_DECODE)
-            stage, first = await self._prefill(run, decision, rld, md)
+            targets = [Target(rld)] if rld is not None else []
+            targets.append(Target(md, from_cache=True, recorded=True))
+            stage, first = await prefill(self._pool, run, decision, targets)
             out = run.take(first, "p", final=first.finish_reason == "stop")
             if run.finished:
                 run.release_kv("finished on P")
@@ -79,33 +82,33 @@ class PddPipeline:
         finally:
             run.close()
 
-    async def _prefill(
-        self, run: RequestRun, decision: Decision, rld: str | None, md: str
-    ) -> tuple[PStage, TokenEvent]:
-        """The P stage; a P lost before its token is replaced by another healthy P (the
-        stage starts over under a new KV id), until none is left: then the loss is raised."""
-        p, tried = decision.worker(Role.PREFILL), []
-        while True:
-            targets = [Target(rld)] if rld is not None else []
-            targets.append(Target(md, from_cache=True, recorded=True))
-            stage = PStage(run, p, targets, decision.block_size)
-            try:
-                return stage, await stage.prefill()
-            except PddError as exc:
-                if not is_worker_loss(exc):
-                    raise
-                tried.append(p)
-                self._pool.mark_unhealthy(p, exc.message)  # suspect until a good poll
-                nxt = replacement(self._pool.view(), Role.PREFILL, tried)
-                if nxt is None:
-                    raise
-                log.warning(
-                    "request %s: prefill worker %s lost before the first token (%s); "
-                    "retrying on %s", run.req.request_id, p, exc.message, nxt.id,
-                )  # fmt: skip
-                run.release_kv(f"prefill worker {p} lost")
-                run.restart_kv(len(tried))
-                p = run.trace.p = nxt.id
+
+async def prefill(
+    pool: WorkerPool, run: RequestRun, decision: Decision, targets: list[Target]
+) -> tuple[PStage, TokenEvent]:
+    """The P stage; a P lost before its token is replaced by another healthy P (the stage
+    starts over under a new KV id, to fresh copies of ``targets``), until none is left: then
+    the loss is raised."""
+    p, tried = decision.worker(Role.PREFILL), []
+    while True:
+        stage = PStage(run, p, [replace(t) for t in targets], decision.block_size)
+        try:
+            return stage, await stage.prefill()
+        except PddError as exc:
+            if not is_worker_loss(exc):
+                raise
+            tried.append(p)
+            pool.mark_unhealthy(p, exc.message)  # suspect until a good poll
+            nxt = replacement(pool.view(), Role.PREFILL, tried)
+            if nxt is None:
+                raise
+            log.warning(
+                "request %s: prefill worker %s lost before the first token (%s); "
+                "retrying on %s", run.req.request_id, p, exc.message, nxt.id,
+            )  # fmt: skip
+            run.release_kv(f"prefill worker {p} lost")
+            run.restart_kv(len(tried))
+            p = run.trace.p = nxt.id
 
 
 class PdPipeline:
@@ -122,9 +125,9 @@ class PdPipeline:
     ) -> AsyncIterator[TokenEvent]:
         run = RequestRun(self._pool, req, trace, self._policy)
         try:
-            p, d = decision.worker(Role.PREFILL), decision.decoder
-            stage = PStage(run, p, [Target(d, recorded=True)], decision.block_size)
-            await stage.prefill()  # t1 is not emitted: D samples it again from the prompt
+            d = decision.decoder
+            # t1 is not emitted: D samples it again from the prompt
+            stage, _ = await prefill(self._pool, run, decision, [Target(d, recorded=True)])
             sent = await stage.send()
             source = "transfer" if d in sent else None
             async for event in run.finish_on(d, "d", kv_source=source, await_kv=d in sent):

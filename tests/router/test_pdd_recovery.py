@@ -1,6 +1,7 @@
 """router.mode pdd recovery with spares (fakes: p0, p1, rld0, md0, md1 on one KV plane).
 
-A prefill worker lost before the first token is replaced by the other one; a main_decode
+A prefill worker lost before the first token is replaced by the other one (in the pd_wan
+baseline too); a main_decode
 lost mid-request is taken over by the other one from prompt + emitted. Every request ends
 with the whole answer and nothing held anywhere (``assert_released``).
 """
@@ -112,3 +113,28 @@ def test_md_cut_off_after_reserving_is_left_out_and_its_reservation_released(spa
     assert not spares.by_id(cut_off[0]).requests  # no Generate to the lost MD
     assert body["pdd"]["wan_kv_bytes"] == 0
     assert elapsed < 3.0, elapsed  # did not wait for the late answer
+
+
+@pytest.fixture(scope="module")
+def pd_spares(codec) -> Iterator[RouterHarness]:
+    """The same fleet serving the pd_wan baseline (D: a main_decode)."""
+    plane = FakeKvPlane()
+    fakes = [FakeWorker(wid, MAX_MODEL_LEN, role, plane) for wid, role in ROLES.items()]
+    h = RouterHarness(codec, fakes, plane, mode="pd_wan", pdd=PDD_POLICY)
+    h.start()
+    fresh(h)
+    yield h
+    h.stop()
+
+
+def test_the_pd_baseline_retries_a_lost_p_on_the_other_p_too(pd_spares):
+    ids = script(pd_spares, 5)
+    pd_spares.by_id("p0").script.fail_code = grpc.StatusCode.UNAVAILABLE
+    for _ in range(2):
+        r = httpx.post(pd_spares.url + "/completions", json={"model": MODEL, "prompt": "x y z"},
+                       timeout=20)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == pd_spares.codec.decode(ids[:-1])
+        assert r.json()["pdd"]["p"] == "p1"
+    assert pd_spares.by_id("p0").requests  # it was tried, and lost
+    assert_released(pd_spares)
