@@ -11,9 +11,10 @@ pd_wan / pd_local (the standard PD flow):
     P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
     -> AwaitKv(D) -> D.Generate(prompt, kv_in=TRANSFER): D samples every token itself
 
-A P lost before its token is replaced by another P (``prefill``, every pipeline); after it, P only sends
-KV, and a failed send makes the destinations recompute (``PStage.send``). A last tier lost
-mid-request is taken over by another worker (``RequestRun.finish_on``, ``pdd.router.recovery``).
+A P lost before its token is replaced by another P (``prefill``, every pipeline); after it,
+P only sends KV, and a failed send makes the destinations recompute (``PStage.send``). A last
+tier lost mid-request is taken over by another worker (``RequestRun.finish_on``,
+``pdd.router.recovery``).
 
 P's token ends the request right there when it is EOS / a stop token (or max_tokens is 1):
 then nothing is sent and every reservation is cancelled. Failures and client disconnects
