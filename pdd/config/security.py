@@ -14,6 +14,8 @@ child; a process started on its own needs a real file.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -23,6 +25,18 @@ from pdd.errors import ConfigError
 
 AUTO = "auto"
 MIN_TOKEN_CHARS = 16
+
+
+class SecretCheck:
+    """Checks presented bytes against one secret in constant time, length included (it
+    compares SHA-256 digests). Used wherever the worker token is presented: gRPC calls
+    (``pdd.worker.auth``) and fleet registration (``pdd.router.registry``)."""
+
+    def __init__(self, secret: bytes):
+        self._digest = hashlib.sha256(secret).digest()
+
+    def matches(self, presented: bytes) -> bool:
+        return hmac.compare_digest(hashlib.sha256(presented).digest(), self._digest)
 
 
 class GrpcTlsConfig(Section):

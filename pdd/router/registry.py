@@ -14,7 +14,7 @@ it again. Lifecycle: ``start()`` / ``stop()`` in the app's lifespan, on the serv
 The endpoints (``routes``) exist only with ``router.fleet.accept_registrations``; with API
 keys configured they need a key like every non-open path (``pdd.router.auth``), and with a
 worker token (``security.worker_token_file``) they also need that token in the
-``X-Pdd-Worker-Token`` header (constant-time check): only a holder of the fleet's secret can
+``X-Pdd-Worker-Token`` header (constant-time check, ``SecretCheck``): only a holder of the fleet's secret can
 add a worker that will be sent prompts.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from fastapi.responses import JSONResponse
 
 from pdd.config import WorkerConfig
 from pdd.config.fleet import FleetConfig
+from pdd.config.security import SecretCheck
 from pdd.errors import AuthenticationError
 from pdd.registration import (
     REGISTRATION_PATH,
@@ -120,7 +120,8 @@ class FleetMembership:
         worker_token: bytes | None = None,
     ):
         self.registry = FleetRegistry(pool, cfg)
-        self.worker_token = worker_token  # required of registering workers when set
+        # required of registering workers when set
+        self.worker_token = SecretCheck(worker_token) if worker_token is not None else None
         self.discovery = DnsDiscovery(pool, cfg.dns, resolver)
         self._registrations = cfg.accept_registrations
 
@@ -142,7 +143,7 @@ def _registry(request: Request) -> FleetRegistry:
     fleet: FleetMembership = request.app.state.pdd_fleet
     if fleet.worker_token is not None:
         given = request.headers.get(WORKER_TOKEN_HEADER, "").encode()
-        if not hmac.compare_digest(given, fleet.worker_token):
+        if not fleet.worker_token.matches(given):
             raise AuthenticationError(
                 f"registration needs the fleet's worker token in {WORKER_TOKEN_HEADER}",
                 code="invalid_worker_token",

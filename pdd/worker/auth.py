@@ -6,20 +6,17 @@
 The token comes from ``security.worker_token_file`` (``SecurityConfig.worker_token``). A call
 without it, or with another one, is answered UNAUTHENTICATED before any handler runs, and is
 logged with the method name and the reason, never with what was sent. The comparison is
-constant-time (``hmac.compare_digest`` over SHA-256 digests, so the length leaks nothing
-either).
+constant-time, length included (``SecretCheck``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import time
 
 import grpc
 
-from pdd.config.security import GrpcTlsConfig
+from pdd.config.security import GrpcTlsConfig, SecretCheck
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +28,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call that does not present the worker token. Counts refusals."""
 
     def __init__(self, token: bytes):
-        self._expected = hashlib.sha256(b"Bearer " + token).digest()
+        self._check = SecretCheck(b"Bearer " + token)
         self.refused = 0
         self._last_log = 0.0
         self._unlogged = 0
@@ -42,9 +39,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             if key == AUTH_METADATA:
                 presented = value.encode() if isinstance(value, str) else value
                 break
-        if presented is not None and hmac.compare_digest(
-            hashlib.sha256(presented).digest(), self._expected
-        ):
+        if presented is not None and self._check.matches(presented):
             return await continuation(handler_call_details)
         reason = "no worker credential" if presented is None else "wrong worker credential"
         self._note_refusal(handler_call_details.method, reason)

@@ -4,8 +4,9 @@ router, P and RLD in dc-a, MD in dc-b; its own prefix and subnet, never a user's
 While the link is cut (a blackhole route each way: new connections fail, established ones
 stall, as when a WAN router drops everything), a p_md request completes within its deadline
 with the text a healthy run gives: MD's PrepareKv times out, MD counts as lost before the
-first token, and a worker the router can still reach (RLD, else P) decodes the request; nothing stays pinned, open or running anywhere once
-the link is back; and new requests take MD again and succeed.
+first token, and a worker the router can still reach (RLD, else P) decodes the request;
+nothing stays pinned, open or running anywhere once the link is back; and new requests take
+MD again and succeed.
 """
 
 from __future__ import annotations
