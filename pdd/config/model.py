@@ -28,7 +28,10 @@ class ModelConfig(Section):
         DEFAULT_MODEL_NAME, description="Model id served on /v1/models and accepted in requests."
     )
     dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Weights and KV cache dtype. float32 for bit-exact comparisons."
+        "float32",
+        description="Weights and KV cache dtype. float32 (the default on CPU): the same greedy "
+        "text on every CPU. bfloat16 halves KV bytes and is what GPUs run, but on CPU its greedy "
+        "text depends on the CPU's kernels (docs/notes/engine.md 'bfloat16 on CPU').",
     )
     cache_dir: Path = Field(
         default_factory=default_cache_dir,

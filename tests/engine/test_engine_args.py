@@ -32,7 +32,7 @@ def test_connector_spec_becomes_kv_transfer_config(engine_cls, tmp_path) -> None
     assert kv.kv_connector_extra_config == {"peer": "127.0.0.1:9"}
     assert args.kv_cache_memory_bytes == 512 * 1024 * 1024
     assert args.skip_tokenizer_init is True
-    assert (args.block_size, args.max_model_len, args.dtype) == (32, 4096, "bfloat16")
+    assert (args.block_size, args.max_model_len, args.dtype) == (32, 4096, "float32")
 
 
 def test_no_connector_by_default(engine_cls, tmp_path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.cache.host_tier import kv_block_bytes
 from pdd.config import LabConfig, PddConfig, load_config
 from pdd.launch.cli import DEFAULT_CONFIG, wants_lab
 from pdd.launch.lab_sites import planned_sites
@@ -101,7 +102,8 @@ def test_lab_topology_places_router_and_p_in_dc_a_and_md_in_dc_b():
 def test_pdd_pipeline_choice_on_the_lab_link():
     """With P's block geometry known, a warm prompt goes p_md, a cold one p_rld_md."""
     cfg = load_config(REPO / "configs/lab.yaml")
-    geometry = dict(block_size=32, kv_block_bytes=32 * 23040)
+    itemsize = {"float32": 4, "bfloat16": 2}[cfg.model.dtype]
+    geometry = dict(block_size=32, kv_block_bytes=kv_block_bytes(30, 3, 64, 32, itemsize))
     view = FleetView(
         RouterMode.PDD,
         tuple(

@@ -138,7 +138,7 @@ def test_stats_describe_the_engine(worker: Worker) -> None:
         0,
     )
     assert (s.max_model_len, s.block_size, s.max_num_seqs) == (MAX_MODEL_LEN, 32, 32)
-    assert s.kv_block_bytes == 23_040 * 32  # SmolLM2 bf16: 23,040 bytes of KV per token
+    assert s.kv_block_bytes == 46_080 * 32  # SmolLM2 float32: 46,080 bytes of KV per token
 
 
 def test_generate_greedy_paris(worker: Worker) -> None:
