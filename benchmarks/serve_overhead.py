@@ -1,11 +1,13 @@
 """What pdd's router + worker add on top of vLLM: the same prompts through pdd (colocated) and
 through vLLM's own OpenAI server, one after the other in one run, on the same model.
 
-    .venv/bin/python -m benchmarks.serve_overhead [--requests 16] [--out results/serve_overhead]
+    .venv/bin/python -m benchmarks.serve_overhead [--requests 16] [--dtypes float32 bfloat16]
+        [--out results/serve_overhead]
 
-Writes results.json (per server, per concurrency: TTFT median, throughput, errors) with the
-ratios pdd/vLLM, and a PNG bar chart. Target: pdd adds < 10% to median TTFT and loses < 10% of
-throughput at 1 and 8 concurrent streams.
+Writes results.json (per dtype, per server, per concurrency: TTFT median, throughput, errors)
+with the ratios pdd/vLLM, and, with two dtypes, what the first costs against the second (both
+servers, measured in the same run), and a PNG bar chart per dtype. Target: pdd adds < 10% to
+median TTFT and loses < 10% of throughput at 1 and 8 concurrent streams.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 
 from benchmarks.loadgen import closed_loop, summarize
 from pdd.config import load_config
+from pdd.engine.model import prepare_model
 from pdd.launch import child_env, free_port
 
 CONFIG = "configs/colocated.yaml"
@@ -86,22 +89,22 @@ def start_vllm(model_dir: str, name: str, dtype: str, port: int, log) -> subproc
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def start_pdd(port: int, log) -> subprocess.Popen:
+def start_pdd(port: int, dtype: str, log) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pdd.cli", "serve", "--config", CONFIG]
-    argv += ["--set", f"router.port={port}"]
+    argv += ["--set", f"router.port={port}", "--set", f"model.dtype={dtype}"]
     return subprocess.Popen(argv, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_server(kind: str, args, model: str, out: Path) -> dict:
-    cfg = load_config(CONFIG)
+def run_server(kind: str, dtype: str, args, model: str, out: Path) -> dict:
+    cfg = load_config(CONFIG, [f"model.dtype={dtype}"])
+    prepare_model(cfg.model)
     port = free_port()
     with open(out / f"{kind}.log", "w") as log:
         if kind == "vllm":
-            proc = start_vllm(str(cfg.model.resolved_path()), model, cfg.model.dtype, port, log)
-            health = f"http://127.0.0.1:{port}/health"
+            proc = start_vllm(str(cfg.model.resolved_path()), model, dtype, port, log)
         else:
-            proc = start_pdd(port, log)
-            health = f"http://127.0.0.1:{port}/health"
+            proc = start_pdd(port, dtype, log)
+        health = f"http://127.0.0.1:{port}/health"
         try:
             wait_healthy(health, proc)
             base = f"http://127.0.0.1:{port}/v1"
@@ -112,7 +115,7 @@ def run_server(kind: str, args, model: str, out: Path) -> dict:
                 bodies = make_bodies(model, args.requests, args.prompt_words, args.max_tokens, conc)
                 results, wall = asyncio.run(closed_loop(base, bodies, conc))
                 res[str(conc)] = summarize(results, wall)
-                print(f"{kind} c={conc}: {json.dumps(res[str(conc)])}", flush=True)
+                print(f"{dtype} {kind} c={conc}: {json.dumps(res[str(conc)])}", flush=True)
             return res
         finally:
             stop(proc)
@@ -150,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-words", type=int, default=120)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+        help="model dtypes to measure, in this order (the first is compared with the others)",
+    )  # fmt: skip
     ap.add_argument("--out", default="results/serve_overhead")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -157,20 +164,33 @@ def main(argv: list[str] | None = None) -> int:
     model = load_config(CONFIG).model.name
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = {"args": vars(args), "load_before": os.getloadavg()}
-    for kind in ("vllm", "pdd"):
-        report[kind] = run_server(kind, args, model, out)
-    ratios = {}
-    for c in report["vllm"]:
-        v, p = report["vllm"][c], report["pdd"][c]
-        ratios[c] = {
-            "ttft_median_ratio": p["ttft_median_s"] / v["ttft_median_s"],
-            "throughput_ratio": p["throughput_tok_s"] / v["throughput_tok_s"],
+    for dtype in args.dtypes:
+        (out / dtype).mkdir(exist_ok=True)
+        runs = {kind: run_server(kind, dtype, args, model, out / dtype) for kind in ("vllm", "pdd")}
+        runs["pdd_over_vllm"] = {c: ratios(runs["pdd"][c], runs["vllm"][c]) for c in runs["vllm"]}
+        report[dtype] = runs
+        plot(runs, out / dtype / "serve_overhead.png")
+    first = args.dtypes[0]
+    report["dtype_cost"] = {
+        f"{first}_over_{other}": {
+            kind: {c: ratios(report[first][kind][c], report[other][kind][c]) for c in report[first][kind]}
+            for kind in ("vllm", "pdd")
         }
-    report["pdd_over_vllm"] = ratios
+        for other in args.dtypes[1:]
+    }  # fmt: skip
+    report["load_after"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "serve_overhead.png")
-    print(json.dumps(ratios, indent=2))
+    print(json.dumps({d: report[d]["pdd_over_vllm"] for d in args.dtypes}, indent=2))
+    print(json.dumps(report["dtype_cost"], indent=2))
     return 0
+
+
+def ratios(a: dict, b: dict) -> dict:
+    """a over b: median TTFT and throughput."""
+    return {
+        "ttft_median_ratio": a["ttft_median_s"] / b["ttft_median_s"],
+        "throughput_ratio": a["throughput_tok_s"] / b["throughput_tok_s"],
+    }
 
 
 if __name__ == "__main__":
