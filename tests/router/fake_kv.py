@@ -20,13 +20,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdd.cache.hashing import BlockHash, block_hashes, model_salt
+from pdd.config import ModelConfig
 from pdd.cache.messages import BlockRemoved, BlockStored, DrcEvent, DrcEventBatch, DrcSnapshot
 from pdd.proto import worker_pb2
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 4
 BLOCK_BYTES = 1000
-SALT = model_salt(MODEL, "bfloat16", BLOCK_SIZE)
+SALT = model_salt(MODEL, ModelConfig().dtype, BLOCK_SIZE)  # the router's default config
 
 
 def prompt_hashes(prompt: list[int] | tuple[int, ...]) -> list[BlockHash]:
