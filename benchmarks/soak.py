@@ -144,7 +144,7 @@ def _worker_pid(serve_pid: int, worker_id: str) -> int:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"pdd.worker.main" in argv and worker_id.encode() in argv:
+        if b"pdd.launch.worker" in argv and worker_id.encode() in argv:
             return pid
     raise RuntimeError(f"no process for worker {worker_id}")
 

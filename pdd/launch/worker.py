@@ -1,8 +1,9 @@
 """`pdd worker|prefill|relay-decode|main-decode --config FILE [--worker ID] [--set k=v ...]`.
 
-The composition root of one worker process: it picks the role policy (pdd.prefill,
-pdd.relay_decode, pdd.main_decode; colocated: pdd.worker.roles.PlainRole), builds the KV
-plane the role asks for (shared-memory arena, fences, transports), the engine with the KV
+The composition root of one worker process, above the roles (the only module where they
+meet; the worker shell, pdd.worker, never imports a role): it picks the role policy
+(pdd.prefill, pdd.relay_decode, pdd.main_decode; colocated: pdd.worker.roles.PlainRole),
+builds the KV plane the role asks for (shared-memory arena, fences, transports), the engine with the KV
 connector mapping that arena, and the gRPC service. Lifecycle:
 
     load config -> KV arena -> /metrics + /health up (503) -> gRPC server up (Health: not
