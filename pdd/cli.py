@@ -19,7 +19,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "main-decode": ("pdd.launch.worker", "main_main_decode", "run a MainDecode worker"),
     "model": ("pdd.engine.model", "main", "prepare or verify the default model"),
     "lab": ("pdd.lab.cli", "main", "two-datacenter lab: up | down | status | exec"),
-    "bench": ("pdd.bench", "main", "benchmarks: transfer | serve"),
+    "bench": (
+        "pdd.bench",
+        "main",
+        "benchmarks: transfer | serve | overhead | handoff-gap | soak | dashboard | gpu-kv-copy",
+    ),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
 }
 

@@ -1,7 +1,7 @@
 """What pdd's router + worker add on top of vLLM: the same prompts through pdd (colocated) and
 through vLLM's own OpenAI server, one after the other in one run, on the same model.
 
-    .venv/bin/python -m benchmarks.serve_overhead [--requests 16] [--out results/serve_overhead]
+    .venv/bin/pdd bench overhead [--requests 16] [--out results/serve_overhead]
 
 Writes results.json (per server, per concurrency: TTFT median, throughput, errors) with the
 ratios pdd/vLLM, and a PNG bar chart. Target: pdd adds < 10% to median TTFT and loses < 10% of
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.loadgen import closed_loop, summarize
+from pdd.bench.loadgen import closed_loop, summarize
 from pdd.config import load_config
 from pdd.launch import child_env, free_port
 

@@ -1,7 +1,7 @@
 """GB/s of TorchBlockCopier's save (device -> arena) and load (arena -> device) on CUDA.
 
-    PYTHONPATH=. python3 benchmarks/gpu_kv_copy.py --out results/gpu_kv_copy [--reps 10]
-    PYTHONPATH=. python3 benchmarks/gpu_kv_copy.py --smoke --out /tmp/x   # tiny, any device
+    pdd bench gpu-kv-copy --out results/gpu_kv_copy [--reps 10]
+    pdd bench gpu-kv-copy --smoke --out /tmp/x   # tiny, any device
 
 KV layouts like an 8B model (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16: 2 MiB
 per block) and like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64: 360 KiB per block), in
@@ -188,12 +188,12 @@ def report(rows: list[dict], base: list[dict]) -> None:
               f"{gbps(n, b.get('h2d_registered_s'))}")  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdd bench gpu-kv-copy", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results/gpu_kv_copy"))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny layout, any device (CI check)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         global NUM_BLOCKS, SLOTS
         NUM_BLOCKS, SLOTS = 600, 512
@@ -216,7 +216,8 @@ def main() -> None:
     path = args.out / "results.json"
     path.write_text(json.dumps({"meta": meta, "copies": rows, "baselines": base}, indent=1))
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Inter-token gaps around the RLD -> MD handoff, One-Shot against Catch-Up, in one run.
 
-    .venv/bin/python -m benchmarks.handoff_gap --url http://10.77.0.6:8000/v1 [--tokens 160]
+    .venv/bin/pdd bench handoff-gap --url http://10.77.0.6:8000/v1 [--tokens 160]
 
 Run it against a PDD system whose WAN is slow enough that RLD decodes for a while before MD's
 KV lands (`pdd serve --config configs/lab.yaml`). Each request uses a cold prompt (unique

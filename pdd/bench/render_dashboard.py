@@ -1,8 +1,8 @@
 """Render the Grafana dashboard's panels to a PNG from a real run (Grafana cannot be installed
 on these machines: it is not in Debian and not on PyPI).
 
-    python benchmarks/render_dashboard.py --config configs/local.yaml --duration 120
-    python benchmarks/render_dashboard.py --router http://HOST:8000 \
+    pdd bench dashboard --config configs/local.yaml --duration 120
+    pdd bench dashboard --router http://HOST:8000 \
         --worker prefill=HOST:9101 --worker main_decode=HOST:9103 --load-cmd "pdd bench serve ..."
 
 How: a real Prometheus (Debian's ``prometheus`` binary, unpacked into the venv on first use
@@ -37,12 +37,11 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from pdd.config import load_config
+from pdd.launch import free_port
+from pdd.observability.dashboard import Panel, load, panels
 
-from pdd.config import load_config  # noqa: E402
-from pdd.launch import free_port  # noqa: E402
-from pdd.observability.dashboard import Panel, load, panels  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SCRAPE_S = 1
 

@@ -1,6 +1,6 @@
 """Soak: a bounded run of mixed traffic near capacity with random faults, then a leak check.
 
-    .venv/bin/python -m benchmarks.soak [--config configs/local.yaml] [--duration-s 300]
+    .venv/bin/pdd bench soak [--config configs/local.yaml] [--duration-s 300]
 
 Starts `pdd serve` (its own ports), then for ``--duration-s`` runs ``--clients`` client
 threads, each sending one request after another, drawn from a mix: short prompts without
@@ -41,7 +41,7 @@ import psutil
 from pdd.config import load_config
 from pdd.launch import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 LEAK_METRICS = (
     "pdd_worker_running_requests",
@@ -55,7 +55,7 @@ MIX = (("short", 0.3), ("long_stream", 0.15), ("relay_stream", 0.15), ("short_st
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="benchmarks.soak", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pdd bench soak", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/local.yaml")
     ap.add_argument("--duration-s", type=float, default=300.0)
     ap.add_argument("--clients", type=int, default=6, help="concurrent client threads")
