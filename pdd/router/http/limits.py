@@ -11,7 +11,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdd.errors import InvalidRequestError, PayloadTooLargeError
-from pdd.router.http_errors import error_response
+from pdd.router.http.errors import error_response
 
 
 class BodyLimitMiddleware:

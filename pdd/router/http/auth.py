@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdd.config import RouterConfig
 from pdd.errors import AuthenticationError, ConfigError
-from pdd.router.http_errors import error_response
+from pdd.router.http.errors import error_response
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,12 @@ from typing import Any
 
 from pdd.errors import ContextLengthError, InvalidRequestError, ModelError, ModelNotFoundError
 from pdd.protocol import HandoffMode, Pipeline
-from pdd.router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, PddOptions
+from pdd.router.http.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PddOptions,
+)
 from pdd.router.types import GenerationRequest, SamplingSpec, TextOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

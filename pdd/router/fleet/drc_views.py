@@ -25,7 +25,7 @@ from pdd.cache.messages import DrcEventBatch, DrcSnapshot
 from pdd.cache.view import PrefixIndexView
 from pdd.config import ModelConfig
 from pdd.errors import PddError
-from pdd.router.workers import WorkerClient
+from pdd.router.fleet.workers import WorkerClient
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,21 +20,19 @@ from fastapi.responses import JSONResponse, Response
 from pdd.errors import PddError, WorkerError
 from pdd.observability.context import bind_request
 from pdd.protocol import new_request_id
-from pdd.router.admission import with_deadline
 from pdd.router.debug import recent_view, request_view, workers_view
-from pdd.router.http_errors import pdd_error_body
-from pdd.router.metrics import CONTENT_TYPE
-from pdd.router.responses import ChatFormat, CompletionFormat, ResponseContext, collect
-from pdd.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdd.router.sse import (
+from pdd.router.http.admission import with_deadline
+from pdd.router.http.errors import pdd_error_body
+from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
+from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
+from pdd.router.http.sse import (
     DONE,
     ClientDisconnected,
     EventStreamResponse,
     cancel_on_disconnect,
     sse_event,
 )
-from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
-from pdd.router.validation import (
+from pdd.router.http.validation import (
     build_chat_request,
     build_completion_request,
     chat_messages,
@@ -43,9 +40,9 @@ from pdd.router.validation import (
     check_token_ids,
     completion_prompt,
 )
-
-if TYPE_CHECKING:
-    from pdd.router.app import RouterState
+from pdd.router.metrics import CONTENT_TYPE
+from pdd.router.state import RouterState
+from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
 
 router = APIRouter()
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from pdd.errors import UnavailableError, WorkerError
 from pdd.protocol import Role
-from pdd.router.fleet import FleetView, WorkerView, least_loaded
+from pdd.router.decide.view import FleetView, WorkerView, least_loaded
 
 TAKEOVER_ROLES = (Role.MAIN_DECODE, Role.RELAY_DECODE, Role.PREFILL)
 TIER_OF_ROLE = {Role.MAIN_DECODE: "md", Role.RELAY_DECODE: "rld", Role.PREFILL: "p"}

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from pdd.config import WorkerConfig
 from pdd.config.fleet import DnsDiscoveryConfig
-from pdd.router.pool import WorkerPool
+from pdd.router.fleet.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ p_md:
     -> SendKv(MD from its cached blocks) -> AwaitKv(MD) -> MD.Generate(prompt+[t1], kv_in=DRC)
 p_rld_md:
     P stage with RLD too (RLD from block 0) -> emit t1 -> SendKv(RLD, MD)
-    -> RelayHandoff (pdd.router.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
+    -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
        or RLD finishes first (anomaly: the WAN transfer is cancelled)
 pd_wan / pd_local (the standard PD flow):
     P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
@@ -14,7 +14,7 @@ pd_wan / pd_local (the standard PD flow):
 A P lost before its token is replaced by another P (``prefill``, every pipeline); after it,
 P only sends KV, and a failed send makes the destinations recompute (``PStage.send``). A last
 tier lost mid-request is taken over by another worker (``RequestRun.finish_on``,
-``pdd.router.recovery``).
+``pdd.router.decide.recovery``).
 
 P's token ends the request right there when it is EOS / a stop token (or max_tokens is 1):
 then nothing is sent and every reservation is cancelled. Failures and client disconnects
@@ -31,13 +31,13 @@ from dataclasses import replace
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import PddError
 from pdd.protocol import Pipeline, Role
-from pdd.router.fleet import Decision
-from pdd.router.handoff import RelayHandoff
-from pdd.router.p_stage import PStage, Target
-from pdd.router.pool import WorkerPool
+from pdd.router.decide.recovery import is_worker_loss, replacement
+from pdd.router.decide.view import Decision
+from pdd.router.drive.handoff import RelayHandoff
+from pdd.router.drive.p_stage import PStage, Target
+from pdd.router.drive.request_run import RequestRun
+from pdd.router.fleet.pool import WorkerPool
 from pdd.router.record import PddTrace
-from pdd.router.recovery import is_worker_loss, replacement
-from pdd.router.request_run import RequestRun
 from pdd.router.types import GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ Every control RPC (Health, Stats, Abort, PrepareKv, SendKv, CancelKv, DrcEvents)
 left of the request's ``router.request_timeout_s``. gRPC errors become pdd errors here, at the
 adapter (UNAVAILABLE: a draining or dead worker, 503; RESOURCE_EXHAUSTED: its queue is full,
 429; UNAUTHENTICATED: the fleet's credentials disagree, 502). With ``security`` configured the
-channel carries the worker token and TLS (``pdd.router.worker_auth``).
+channel carries the worker token and TLS (``pdd.router.fleet.worker_auth``).
 Fire-and-forget calls (Abort of an abandoned stream, CancelKv on a failure path) run as
 background tasks the client owns and ``close()`` waits for.
 """
@@ -35,8 +35,8 @@ from pdd.errors import (
 from pdd.observability.context import request_context_interceptors
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.proto.options import CHANNEL_OPTIONS
+from pdd.router.fleet.worker_auth import WorkerCredentials
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
-from pdd.router.worker_auth import WorkerCredentials
 
 log = logging.getLogger(__name__)
 

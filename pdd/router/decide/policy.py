@@ -4,11 +4,11 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
 
     P    score(p)  = p_hit(p)  - p_load_weight  * load(p)            (requests in flight)
          p_hit: the router's view of P's prefix cache (the block-hash chains it recently
-         sent to that P, an LRU per P: pdd.router.routed_prefixes). Prefill is serial compute,
+         sent to that P, an LRU per P: pdd.router.fleet.routed_prefixes). Prefill is serial compute,
          so a queue counts per request: with the default 0.25 a P holding 80% of the prompt
          still wins against an idle cold P until it has 4 more requests queued.
     MD   score(md) = md_hit(md) - md_load_weight * load(md) / max_num_seqs(md)
-         md_hit: the router's replica of MD's DRC (pdd.router.drc_views), or the prefix it
+         md_hit: the router's replica of MD's DRC (pdd.router.fleet.drc_views), or the prefix it
          recently routed to that MD (routed_prefixes), whichever is longer: the replica lags
          by up to one health poll. The WAN estimate below uses the replica only. Decode batches, so
          load counts as a fraction of MD's sequence slots; MDs with no free slot are only
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from pdd.errors import UnavailableError
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
-from pdd.router.fleet import Decision, FleetView, RouteRequest, WorkerView, least_loaded
+from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView, least_loaded
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,10 @@ from typing import Any
 
 from pdd.errors import PddError
 from pdd.protocol import HandoffMode
-from pdd.router.recovery import is_worker_loss
-from pdd.router.request_run import REAL_FINISHES, RequestRun
+from pdd.router.decide.recovery import is_worker_loss
+from pdd.router.drive.request_run import REAL_FINISHES, RequestRun
+from pdd.router.fleet.workers import KvState
 from pdd.router.types import GenerationRequest, TokenEvent
-from pdd.router.workers import KvState
 
 log = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ class RouteRequest:
     ``md_routed_tokens``: per MainDecode id, prompt tokens of the prefix the router recently
     routed there (affinity only: the replica lags by up to one health poll).
     ``p_cached_tokens``: per Prefill id, prompt tokens the router last saw it prefill (its
-    view of P's prefix cache, ``pdd.router.routed_prefixes``).
+    view of P's prefix cache, ``pdd.router.fleet.routed_prefixes``).
     ``pipeline`` / ``handoff``: the request's override (None: the policy decides).
     """
 

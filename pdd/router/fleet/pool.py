@@ -6,7 +6,7 @@ serving event loop), ``stop()`` at shutdown. ``view()`` is the snapshot routing 
 
 Membership: the workers of ``cfg.workers`` (source ``config``) are there for the pool's life;
 others join and leave at run time through ``add(worker, source)`` / ``remove(id)``
-(``pdd.router.registry``: source ``registered``; ``pdd.router.discovery``: ``dns:NAME``).
+(``pdd.router.fleet.registry``: source ``registered``; ``pdd.router.fleet.discovery``: ``dns:NAME``).
 A removed worker's client is closed once this router has no request left on it (requests
 already running there finish or fail on their own); its DRC view and P-prefix view go at once.
 
@@ -36,11 +36,11 @@ from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import InvalidRequestError, PddError, UnavailableError
 from pdd.proto import worker_pb2
 from pdd.protocol import Role, RouterMode
-from pdd.router.drc_views import DrcViews
-from pdd.router.fleet import Decision, FleetView, WorkerView
-from pdd.router.routed_prefixes import RoutedPrefixes
-from pdd.router.worker_auth import WorkerCredentials
-from pdd.router.workers import WorkerClient
+from pdd.router.decide.view import Decision, FleetView, WorkerView
+from pdd.router.fleet.drc_views import DrcViews
+from pdd.router.fleet.routed_prefixes import RoutedPrefixes
+from pdd.router.fleet.worker_auth import WorkerCredentials
+from pdd.router.fleet.workers import WorkerClient
 
 log = logging.getLogger(__name__)
 

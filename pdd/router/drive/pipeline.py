@@ -5,7 +5,7 @@ A driver turns a ``GenerationRequest`` plus the routing ``Decision`` into one or
 everything else (text, stop strings, records, metrics). One driver per ``Pipeline``:
 
     colocated  ColocatedPipeline: one worker prefills and decodes.
-    p_md       PddPipeline: prefill on P, decode on MD (pdd.router.pdd_pipeline).
+    p_md       PddPipeline: prefill on P, decode on MD (pdd.router.drive.pdd_pipeline).
     p_rld_md   PddPipeline: prefill on P, eager tokens from RLD, handoff to MD.
     pd         PdPipeline: the pd_wan / pd_local baselines (P, then D gets every block).
 
@@ -24,9 +24,9 @@ from typing import Protocol
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import UnavailableError
 from pdd.protocol import Pipeline, Role, RouterMode
-from pdd.router.fleet import Decision
-from pdd.router.pdd_pipeline import PddPipeline, PdPipeline
-from pdd.router.pool import WorkerPool
+from pdd.router.decide.view import Decision
+from pdd.router.drive.pdd_pipeline import PddPipeline, PdPipeline
+from pdd.router.fleet.pool import WorkerPool
 from pdd.router.record import PddTrace
 from pdd.router.types import GenerationRequest, TokenEvent
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from pdd.errors import PddError, WorkerError
 from pdd.proto import worker_pb2
-from pdd.router.recovery import is_unreachable, is_worker_loss
-from pdd.router.request_run import RequestRun
+from pdd.router.decide.recovery import is_unreachable, is_worker_loss
+from pdd.router.drive.request_run import RequestRun
+from pdd.router.fleet.workers import Prepared
 from pdd.router.types import TokenEvent
-from pdd.router.workers import Prepared
 
 log = logging.getLogger(__name__)
 

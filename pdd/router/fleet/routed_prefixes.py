@@ -3,7 +3,7 @@
 Used for the two caches the router cannot see at once:
   - P's vLLM prefix cache publishes nothing: the router records each prompt against the P it
     routed it to, and takes the leading blocks found in that P's LRU as the prefix P most
-    likely still holds (``pdd.router.policy.p_score``).
+    likely still holds (``pdd.router.decide.policy.p_score``).
   - MD's DRC does publish (``drc_views``), but only as of the last health poll: the blocks of
     a turn that just finished may not be in the replica yet when the conversation's next turn
     arrives. The router also records each prompt against its MD, and the pool answers, per

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdd.router.detokenizer import IncrementalDetokenizer
-from pdd.router.stops import StopStep, StopStringMatcher
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.detokenizer import IncrementalDetokenizer
+from pdd.router.text.stops import StopStep, StopStringMatcher
+from pdd.router.text.tokenizer import TextCodec
 from pdd.router.types import (
     GenerationRequest,
     LogprobText,

@@ -34,9 +34,7 @@ from dataclasses import replace
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import PddError, UnavailableError
 from pdd.protocol import Role
-from pdd.router.pool import WorkerPool
-from pdd.router.record import PddTrace
-from pdd.router.recovery import (
+from pdd.router.decide.recovery import (
     LOST_FINISHES,
     TIER_OF_ROLE,
     WorkerLost,
@@ -44,8 +42,10 @@ from pdd.router.recovery import (
     is_worker_loss,
     takeover,
 )
+from pdd.router.fleet.pool import WorkerPool
+from pdd.router.fleet.workers import KvState, Prepared
+from pdd.router.record import PddTrace
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent
-from pdd.router.workers import KvState, Prepared
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdd.errors import UnavailableError
-from pdd.router.http_errors import error_response
+from pdd.router.http.errors import error_response
 
 log = logging.getLogger(__name__)
 

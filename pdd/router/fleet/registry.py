@@ -12,7 +12,7 @@ than ``router.fleet.heartbeat_timeout_s`` is removed from the pool; its next hea
 it again. Lifecycle: ``start()`` / ``stop()`` in the app's lifespan, on the serving loop.
 
 The endpoints (``routes``) exist only with ``router.fleet.accept_registrations``; with API
-keys configured they need a key like every non-open path (``pdd.router.auth``), and with a
+keys configured they need a key like every non-open path (``pdd.router.http.auth``), and with a
 worker token (``security.worker_token_file``) they also need that token in the
 ``X-Pdd-Worker-Token`` header (constant-time check, ``SecretCheck``): only a holder of the fleet's secret can
 add a worker that will be sent prompts.
@@ -25,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -40,11 +39,9 @@ from pdd.registration import (
     RegistrationReply,
     WorkerRegistration,
 )
-from pdd.router.discovery import DnsDiscovery, Resolver, resolve_dns
-from pdd.router.pool import WorkerPool
-
-if TYPE_CHECKING:
-    from pdd.router.app import RouterState
+from pdd.router.fleet.discovery import DnsDiscovery, Resolver, resolve_dns
+from pdd.router.fleet.pool import WorkerPool
+from pdd.router.state import RouterState
 
 log = logging.getLogger(__name__)
 

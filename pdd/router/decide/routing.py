@@ -5,15 +5,15 @@
 No sockets, no clocks, no mutation: the pool builds a ``FleetView`` (health, load, KV-plane
 stats), the service builds the ``RouteRequest`` (with each MD's cached prefix from the DRC
 views) and hands the ``Decision`` to the pipeline driver of ``decision.pipeline``. The modes'
-policies: colocated here; pdd and the pd baselines in ``pdd.router.policy``.
+policies: colocated here; pdd and the pd baselines in ``pdd.router.decide.policy``.
 """
 
 from __future__ import annotations
 
 from pdd.errors import InvalidRequestError, UnavailableError
 from pdd.protocol import Pipeline, Role, RouterMode
-from pdd.router.fleet import Decision, FleetView, RouteRequest, WorkerView, least_loaded
-from pdd.router.policy import choose_pd, choose_pdd, no_worker_message
+from pdd.router.decide.policy import choose_pd, choose_pdd, no_worker_message
+from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView, least_loaded
 
 __all__ = ["Decision", "FleetView", "RouteRequest", "WorkerView", "choose", "least_loaded"]
 
