@@ -34,8 +34,8 @@ test-fast: venv
 	$(PY) -m pytest -m "not slow and not lab" $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check pdd tests benchmarks
-	$(VENV)/bin/ruff format --check pdd tests benchmarks
+	$(VENV)/bin/ruff check pdd tests
+	$(VENV)/bin/ruff format --check pdd tests
 
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. pdd/proto/worker.proto

@@ -13,13 +13,17 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("pdd.launch", "main", "start a whole local topology (router + workers)"),
     "router": ("pdd.router.main", "main", "run the OpenAI-compatible router"),
-    "worker": ("pdd.worker.main", "main", "run one worker process (any role) from a config"),
-    "prefill": ("pdd.worker.main", "main_prefill", "run a Prefill worker"),
-    "relay-decode": ("pdd.worker.main", "main_relay_decode", "run a RelayDecode worker"),
-    "main-decode": ("pdd.worker.main", "main_main_decode", "run a MainDecode worker"),
+    "worker": ("pdd.launch.worker", "main", "run one worker process (any role) from a config"),
+    "prefill": ("pdd.launch.worker", "main_prefill", "run a Prefill worker"),
+    "relay-decode": ("pdd.launch.worker", "main_relay_decode", "run a RelayDecode worker"),
+    "main-decode": ("pdd.launch.worker", "main_main_decode", "run a MainDecode worker"),
     "model": ("pdd.engine.model", "main", "prepare or verify the default model"),
     "lab": ("pdd.lab.cli", "main", "two-datacenter lab: up | down | status | exec"),
-    "bench": ("pdd.bench", "main", "benchmarks: transfer | serve"),
+    "bench": (
+        "pdd.bench",
+        "main",
+        "benchmarks: transfer | serve | overhead | handoff-gap | soak | dashboard | gpu-kv-copy",
+    ),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
 }
 

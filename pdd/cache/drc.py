@@ -105,12 +105,19 @@ class DecodeRadixCache:
         block_bytes: int,
         block_size: int,
         *,
+        tier: HostTier | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``tier``: the host tier to keep blocks in (MainDecode's: over the shared arena the
+        connector maps); default a private one of ``config.host_slots(block_bytes)`` slots."""
+        if tier is not None and tier.block_bytes != block_bytes:
+            raise ValueError(f"DRC: tier blocks of {tier.block_bytes} bytes, want {block_bytes}")
         self._config = config
         self._block_size = block_size
         self._clock = clock
-        self._tier = HostTier(config.host_slots(block_bytes), block_bytes)
+        self._tier = (
+            tier if tier is not None else HostTier(config.host_slots(block_bytes), block_bytes)
+        )
         self._leases: dict[str, _Lease] = {}
         self._orphans: dict[tuple[str, BlockHash], int] = {}
         self._log: deque[DrcEvent] = deque(maxlen=config.event_log_size)

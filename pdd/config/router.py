@@ -72,7 +72,7 @@ class PddPolicyConfig(Section):
         0.5,
         ge=0,
         description="MD score = prompt hit fraction in its DRC - md_load_weight * its load "
-        "fraction (requests / max_num_seqs); the highest score wins (pdd.router.policy).",
+        "fraction (requests / max_num_seqs); the highest score wins (pdd.router.decide.policy).",
     )
     p_load_weight: float = Field(
         0.25,

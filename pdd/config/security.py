@@ -30,7 +30,7 @@ MIN_TOKEN_CHARS = 16
 class SecretCheck:
     """Checks presented bytes against one secret in constant time, length included (it
     compares SHA-256 digests). Used wherever the worker token is presented: gRPC calls
-    (``pdd.worker.auth``) and fleet registration (``pdd.router.registry``)."""
+    (``pdd.worker.auth``) and fleet registration (``pdd.router.fleet.registry``)."""
 
     def __init__(self, secret: bytes):
         self._digest = hashlib.sha256(secret).digest()

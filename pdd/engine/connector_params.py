@@ -104,6 +104,18 @@ class LoadResult(_Msg):
     error: str | None = None
 
 
+def export_result(kv_transfer_params: dict[str, Any] | None) -> ExportResult | None:
+    """P's ``exported`` result in a final output's kv_transfer_params (None: no report)."""
+    raw = ((kv_transfer_params or {}).get(PARAMS_KEY) or {}).get("exported")
+    return None if raw is None else ExportResult.model_validate(raw)
+
+
+def load_result(kv_transfer_params: dict[str, Any] | None) -> LoadResult | None:
+    """D's ``loaded`` result in a final output's kv_transfer_params (None: no report)."""
+    raw = ((kv_transfer_params or {}).get(PARAMS_KEY) or {}).get("loaded")
+    return None if raw is None else LoadResult.model_validate(raw)
+
+
 def wrap(**entries: _Msg) -> dict[str, Any]:
     """kv_transfer_params holding the given messages under the pdd key (JSON-safe)."""
     return {PARAMS_KEY: {k: v.model_dump() for k, v in entries.items()}}

@@ -1,4 +1,5 @@
-"""`pdd serve`: the composition root that starts a whole topology as child processes.
+"""`pdd serve`: the composition root that starts a whole topology as child processes; and
+the composition root of one worker process.
 
 placement.py   Site, `auto` hosts -> addresses, free ports, the printed URL (pure);
                LocalSites: every datacenter on this host
@@ -6,6 +7,8 @@ lab_sites.py   LabSites: the lab's two datacenters (use the running lab or bring
 children.py    each child's command line, and one supervised process (ready line, stop)
 topology.py    start workers then the router, wait ready + healthy, stop them all
 cli.py         `pdd serve` itself: argument parsing, signals, exit status
+worker.py      one worker process (`pdd worker`, `python -m pdd.launch.worker`): picks the
+               role, builds the KV plane, engine and gRPC service, serves and drains
 """
 
 from pdd.launch.children import child_env

@@ -62,7 +62,7 @@ def child_specs(
         ChildSpec(
             w.id,
             w.datacenter,
-            (python, "-m", "pdd.worker.main", *conf, "--worker", w.id),
+            (python, "-m", "pdd.launch.worker", *conf, "--worker", w.id),
             WORKER_READY,
             _grace(w.drain_timeout_s),
         )

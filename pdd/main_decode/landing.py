@@ -32,7 +32,7 @@ from pdd.cache.hashing import BlockHash
 from pdd.errors import CacheError, InvalidRequestError, TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
-from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+from pdd.worker.inbound import InboundState, Recent, Waiters, await_response, whole_slot
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +195,7 @@ class DrcLanding:
     def allocate(self, header: ChunkHeader) -> memoryview:
         """Where one chunk lands; raises to refuse it (and so its transfer)."""
         kv_id, i = header.request_id, header.block_start
-        if header.segment_nbytes != self._slot_bytes or header.block_end != i + 1:
-            raise TransferError(
-                f"KV of {kv_id!r}: a segment must be one block of {self._slot_bytes} bytes, "
-                f"got blocks [{i}, {header.block_end}) of {header.segment_nbytes} bytes"
-            )
+        whole_slot(header, self._slot_bytes)
         with self._lock:
             rec = self._recs.get(kv_id)
             if rec is None or not rec.leased or rec.inbound.cancelled is not None:

@@ -47,15 +47,9 @@ TICK_S = 0.25
 
 
 def drc_on_arena(cache: CacheConfig, arena, num_slots: int, block_size: int) -> DecodeRadixCache:
-    """A DRC whose host tier is ``arena[0:num_slots]``.
-
-    DecodeRadixCache builds a private numpy tier (lazily mapped: nothing is touched); its
-    constructor takes no buffer yet, so the tier is replaced by one over the shared arena
-    before any block enters it.
-    """
-    drc = DecodeRadixCache(cache, arena.slot_bytes, block_size)
-    drc._tier = HostTier(num_slots, arena.slot_bytes, buffer=arena.buffer)  # noqa: SLF001
-    return drc
+    """A DRC whose host tier is ``arena[0:num_slots]`` (the slots the connector loads from)."""
+    tier = HostTier(num_slots, arena.slot_bytes, buffer=arena.buffer)
+    return DecodeRadixCache(cache, arena.slot_bytes, block_size, tier=tier)
 
 
 class MainDecodeRole:

@@ -33,7 +33,7 @@ from pdd.cache.hashing import BlockHash
 from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.engine.types import SamplingSpec
 from pdd.errors import PddError
-from pdd.worker.kv_run import REAL_FINISHES, run_with_kv
+from pdd.worker.kv_run import REAL_FINISHES, exported_blocks, run_with_kv
 from pdd.worker.roles import GenerateCall
 from pdd.worker.slots import SlotPool
 
@@ -115,7 +115,7 @@ class OwnBlocks:
             async with aclosing(stream):
                 async for delta in stream:
                     if delta.finish_reason in REAL_FINISHES:
-                        done = _exported(delta.kv_transfer_params)
+                        done = exported_blocks(delta.kv_transfer_params)
                         blocks = range(res.cached_blocks, done)
                         await asyncio.to_thread(self._land, owner, chain, blocks, scratch)
         except PddError as exc:
@@ -133,8 +133,3 @@ class OwnBlocks:
             buf[:] = arena.view(scratch[i])
             self._drc.land(owner, chain[i])
             self.stored_blocks += 1
-
-
-def _exported(params: dict | None) -> int:
-    raw = ((params or {}).get("pdd") or {}).get("exported") or {}
-    return int(raw.get("num_blocks", 0))

@@ -27,12 +27,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pdd.config import PddConfig, WorkerConfig
-from pdd.engine.connector_params import ExportParams, ExportResult, FenceRef, wrap
+from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.errors import CacheError, InvalidRequestError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
 from pdd.worker.kv_plane import PlaneSpec, to_peer
-from pdd.worker.kv_run import plain, run_with_kv
+from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
 from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
@@ -124,7 +124,7 @@ class PrefillRole:
                 if not delta.finished:
                     yield KvDelta(delta)
                     continue
-                n = _exported(delta.kv_transfer_params)
+                n = exported_blocks(delta.kv_transfer_params)
                 staged = self._stage(kv_id, slots, n, delta.finish_reason)
                 yield KvDelta(delta, staged_blocks=n if staged else 0)
 
@@ -243,14 +243,3 @@ class PrefillRole:
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
         )
-
-
-def _exported(params: dict | None) -> int:
-    """Whole prompt blocks the connector copied into slots (slots[:n] hold blocks 0..n-1)."""
-    raw = ((params or {}).get("pdd") or {}).get("exported")
-    if raw is None:
-        return 0
-    result = ExportResult.model_validate(raw)
-    if result.error is not None:
-        log.warning("KV export refused by the connector: %s", result.error)
-    return result.num_blocks

@@ -34,7 +34,7 @@ from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
-from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+from pdd.worker.inbound import InboundState, Recent, Waiters, await_response, whole_slot
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     plain,
@@ -109,12 +109,7 @@ class RelayDecodeRole:
 
     def _allocate(self, header: ChunkHeader) -> memoryview:
         """The slot view for one chunk; raises (the chunk and its transfer are refused)."""
-        if header.segment_nbytes != self._slot_bytes or header.block_end != header.block_start + 1:
-            raise TransferError(
-                f"KV of {header.request_id!r}: a segment must be one block of "
-                f"{self._slot_bytes} bytes, got blocks [{header.block_start}, "
-                f"{header.block_end}) of {header.segment_nbytes} bytes"
-            )
+        whole_slot(header, self._slot_bytes)
         kv_id, block = header.request_id, header.block_start
         with self._lock:
             landing = self._landings.get(kv_id)

@@ -2,13 +2,13 @@
 
     build_app(cfg) -> FastAPI
 
-``RouterState`` holds the shared objects (config, tokenizer, limits, pool, service, metrics)
-on ``app.state.pdd``. The app's lifespan starts the worker pool (channels + health polling)
+``RouterState`` (``pdd.router.state``) holds the shared objects (config, tokenizer, limits,
+pool, service, metrics) on ``app.state.pdd``. The app's lifespan starts the worker pool (channels + health polling)
 and stops it on shutdown. Loading the tokenizer happens here, before serving, so a missing
 model folder fails at start (ModelError), not on the first request. With API keys configured
-(``pdd.router.auth``) the key check runs before everything else and the lifespan also runs the
+(``pdd.router.http.auth``) the key check runs before everything else and the lifespan also runs the
 key reloader. ``/openapi.json`` describes the API. ``app.state.pdd_drain`` is the drain gate
-(``pdd.router.drain``) the server closes on SIGTERM.
+(``pdd.router.http.drain``) the server closes on SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,41 +16,25 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI
 
 from pdd.config import PddConfig
 from pdd.protocol import Role
-from pdd.router.auth import ApiKeyMiddleware, ApiKeys, KeyReloader
 from pdd.router.debug import RequestLog
-from pdd.router.drain import DrainGate, DrainMiddleware
-from pdd.router.http_errors import install_error_handlers
-from pdd.router.limits import BodyLimitMiddleware
+from pdd.router.fleet.pool import WorkerPool
+from pdd.router.fleet.registry import FleetMembership
+from pdd.router.fleet.registry import routes as registry_routes
+from pdd.router.http.auth import ApiKeyMiddleware, ApiKeys, KeyReloader
+from pdd.router.http.drain import DrainGate, DrainMiddleware
+from pdd.router.http.errors import install_error_handlers
+from pdd.router.http.limits import BodyLimitMiddleware
+from pdd.router.http.routes import router as api_routes
+from pdd.router.http.validation import ServingLimits, generation_defaults
 from pdd.router.metrics import RouterMetrics
-from pdd.router.pool import WorkerPool
-from pdd.router.registry import FleetMembership
-from pdd.router.registry import routes as registry_routes
-from pdd.router.routes import router as api_routes
 from pdd.router.service import RouterService
-from pdd.router.tokenizer import TextCodec
-from pdd.router.validation import ServingLimits, generation_defaults
-
-
-@dataclass(frozen=True)
-class RouterState:
-    cfg: PddConfig
-    codec: TextCodec
-    limits: ServingLimits
-    pool: WorkerPool
-    service: RouterService
-    metrics: RouterMetrics
-    started_at: int
-    requests: RequestLog  # recent requests for /debug/requests
-
-    @property
-    def model_name(self) -> str:
-        return self.cfg.model.name
+from pdd.router.state import RouterState
+from pdd.router.text.tokenizer import TextCodec
 
 
 def max_model_len(cfg: PddConfig) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdd.observability.context import RpcObservation
 from pdd.protocol import Role
-from pdd.router.pool import WorkerPool
+from pdd.router.fleet.pool import WorkerPool
 from pdd.router.record import RequestRecord, TimelineEvent
 
 

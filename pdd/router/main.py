@@ -6,7 +6,7 @@ one line once listening:
 
     pdd router ready: http://HOST:PORT/v1
 
-SIGTERM and SIGINT drain it (``pdd.router.drain``): new requests get 503 with Retry-After, open
+SIGTERM and SIGINT drain it (``pdd.router.http.drain``): new requests get 503 with Retry-After, open
 requests and streams finish for up to ``router.drain_timeout_s``, then uvicorn stops (what is
 still open gets ``GRACEFUL_SHUTDOWN_S``, then is cancelled, which aborts it on the workers); a
 second signal stops at once. The exit status is then 0.
@@ -119,7 +119,7 @@ class RouterServer:
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        gate = getattr(app.state, "pdd_drain", None)  # pdd.router.drain.DrainGate
+        gate = getattr(app.state, "pdd_drain", None)  # pdd.router.http.drain.DrainGate
         drain = gate.drain if gate is not None else None
         self._server = _Server(config, lambda: on_ready(self.url), drain)
 

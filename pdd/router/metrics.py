@@ -23,7 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pdd.config import PddConfig
 from pdd.protocol import HandoffMode, Role
-from pdd.router.fleet import FleetView
+from pdd.router.decide.view import FleetView
 from pdd.router.record import RequestRecord
 
 # vLLM 0.32 TIME_TO_FIRST_TOKEN_BUCKETS, INTER_TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS.

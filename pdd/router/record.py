@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdd.protocol import HandoffMode, Pipeline, Role
-from pdd.router.fleet import Decision
+from pdd.router.decide.view import Decision
 from pdd.router.types import PddSummary
 
 TIERS = ("p", "rld", "md", "d", "colocated")

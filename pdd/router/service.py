@@ -28,13 +28,13 @@ from pdd.errors import OverloadedError, PddError, UnavailableError, WorkerError
 from pdd.observability.context import bind_request, current_scope
 from pdd.protocol import Pipeline
 from pdd.router.debug import RequestLog, TimelineObserver
+from pdd.router.decide.routing import Decision, RouteRequest, choose
+from pdd.router.drive.pipeline import PipelineDriver, build_drivers
+from pdd.router.fleet.pool import WorkerPool
 from pdd.router.metrics import RouterMetrics
-from pdd.router.output import OutputProcessor
-from pdd.router.pipeline import PipelineDriver, build_drivers
-from pdd.router.pool import WorkerPool
 from pdd.router.record import RequestRecord
-from pdd.router.routing import Decision, RouteRequest, choose
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.output import OutputProcessor
+from pdd.router.text.tokenizer import TextCodec
 from pdd.router.types import GenerationRequest, OutputDelta, TokenEvent
 
 log = logging.getLogger(__name__)

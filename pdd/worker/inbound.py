@@ -11,6 +11,9 @@ wake them with ``notify_threadsafe``.
 
 ``Recent``: the outcome of requests whose records were released, so a late AwaitKv still gets
 the real answer and late chunks of a released request are refused (bounded).
+
+``whole_slot``: the one check of an inbound chunk's segment shape (both receivers land one
+whole block per segment; the place to widen for partial or converted landing).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
-from pdd.transfer import InboundResult, TransferState
+from pdd.transfer import ChunkHeader, InboundResult, TransferState
 
 RECENT = 4096
 
@@ -164,3 +168,14 @@ def await_response(state: str, bytes_received: int, blocks: int, reason: str) ->
     return pb.AwaitKvResponse(
         state=state, bytes_received=bytes_received, blocks_ready=blocks, reason=reason
     )
+
+
+def whole_slot(header: ChunkHeader, slot_bytes: int) -> None:
+    """Refuse (TransferError: the chunk and its transfer) a segment that is not exactly one
+    block of ``slot_bytes`` bytes."""
+    if header.segment_nbytes != slot_bytes or header.block_end != header.block_start + 1:
+        raise TransferError(
+            f"KV of {header.request_id!r}: a segment must be one block of {slot_bytes} bytes, "
+            f"got blocks [{header.block_start}, {header.block_end}) of "
+            f"{header.segment_nbytes} bytes"
+        )

@@ -13,11 +13,12 @@ the request's fence does. ``run_with_kv`` turns that into one call of ``release`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from pdd.engine.connector_params import FenceRef, LoadParams, wrap
+from pdd.engine.connector_params import FenceRef, LoadParams, export_result, load_result, wrap
 from pdd.engine.types import EngineDelta
 from pdd.errors import InvalidRequestError
 from pdd.worker.roles import GenerateCall, KvDelta
@@ -25,6 +26,8 @@ from pdd.worker.roles import GenerateCall, KvDelta
 if TYPE_CHECKING:
     from pdd.engine.engine import Engine
     from pdd.worker.slots import Fences
+
+log = logging.getLogger(__name__)
 
 REAL_FINISHES = ("stop", "length")
 
@@ -91,13 +94,23 @@ def offered_tokens(num_slots: int, block_size: int, prompt_len: int) -> int:
 def loaded_tokens(delta: EngineDelta, offered: int, block_size: int) -> int:
     """Prompt tokens the connector copied from slots (final delta; blocks vLLM's own prefix
     cache held are not counted); ``offered`` when the delta carries no report."""
-    params = (delta.kv_transfer_params or {}).get("pdd") or {}
-    loaded = params.get("loaded")
+    loaded = load_result(delta.kv_transfer_params)
     if loaded is None:
         return offered
-    if not loaded.get("ok") or not loaded.get("num_blocks"):
+    if not loaded.ok or not loaded.num_blocks:
         return 0
-    return int(loaded["num_tokens"]) - int(loaded["first_block"]) * block_size
+    return loaded.num_tokens - loaded.first_block * block_size
+
+
+def exported_blocks(kv_transfer_params: dict[str, Any] | None) -> int:
+    """Whole prompt blocks the connector copied into slots (slots[:n] hold blocks 0..n-1);
+    0 when it reported none or refused the export (logged)."""
+    result = export_result(kv_transfer_params)
+    if result is None:
+        return 0
+    if result.error is not None:
+        log.warning("KV export refused by the connector: %s", result.error)
+    return result.num_blocks
 
 
 async def stream_loading(

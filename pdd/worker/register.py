@@ -9,7 +9,7 @@ retried on the next beat, never raised: the worker keeps serving whatever the ro
 With authentication on at the router, the key comes from ``PDD_API_KEY`` (a secret: never
 in the config file).
 
-Lifecycle (``pdd.worker.main``): ``start()`` once the engine is ready and the gRPC port is
+Lifecycle (``pdd.launch.worker``): ``start()`` once the engine is ready and the gRPC port is
 known; ``stop()`` first thing at shutdown, so the router stops routing here before the
 worker drains.
 """

@@ -6,6 +6,12 @@ decides what a Generate does with KV and serves the KV RPCs it ``supports``. The
 role only for what it declared: an RPC it does not support is answered UNIMPLEMENTED, a
 Generate with ``kv_stage`` / ``kv_in`` it cannot honour FAILED_PRECONDITION.
 
+The optional capabilities are typed protocols, one per job: ``SendsKv`` (P: SendKv),
+``ReceivesKv`` (RLD, MD: PrepareKv, AwaitKv), ``CancelsKv`` (every KV role: CancelKv),
+``PublishesDrc`` (MD: DrcEvents). A role that lists an RPC in ``supports`` implements its
+method; the shell calls that method by its typed name (never looked up from the RPC's name).
+The composition root that picks a role is ``pdd.launch.worker``, above the roles.
+
 Roles are composed from shell mechanisms (``KvPlane``, ``SlotPool``, ``run_with_kv``); they
 never import each other.
 """
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from pdd.cache.messages import DrcStats
 from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.types import EngineDelta, SamplingSpec
+from pdd.proto import worker_pb2 as pb
 
 if TYPE_CHECKING:
     from pdd.engine.engine import Engine
@@ -93,9 +100,9 @@ class RoleContext:
 
 
 class RolePolicy(Protocol):
-    """The shell's view of a role. KV RPC handlers exist for the names in ``supports``:
-    ``send_kv``, ``prepare_kv``, ``await_kv``, ``cancel_kv``, ``drc_events`` (taking and
-    returning the pdd.worker.v1 messages; raising PddError)."""
+    """The shell's view of a role. For each KV RPC named in ``supports`` the role implements
+    the matching capability below (taking and returning the pdd.worker.v1 messages; raising
+    PddError)."""
 
     name: str
     supports: frozenset[str]
@@ -104,6 +111,31 @@ class RolePolicy(Protocol):
     async def stop(self) -> None: ...
     def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]: ...
     def kv_stats(self) -> KvStats: ...
+
+
+class SendsKv(Protocol):
+    """Sends staged KV to its destinations (P: SendKv)."""
+
+    async def send_kv(self, req: pb.SendKvRequest) -> pb.SendKvResponse: ...
+
+
+class ReceivesKv(Protocol):
+    """Reserves landing slots for a request's KV and says when it landed (RLD, MD)."""
+
+    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse: ...
+    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse: ...
+
+
+class CancelsKv(Protocol):
+    """Drops whatever KV it holds or expects for a request (every KV role: CancelKv)."""
+
+    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse: ...
+
+
+class PublishesDrc(Protocol):
+    """Publishes its DRC's events for the router's replica (MD: DrcEvents)."""
+
+    async def drc_events(self, req: pb.DrcEventsRequest) -> pb.DrcEventsResponse: ...
 
 
 class PlainRole:

@@ -16,7 +16,7 @@ reserved with PrepareKv before the drain (an MD finishing a request it took). ``
 falls to zero as the requests in flight finish.
 
 KV RPCs (SendKv, PrepareKv, AwaitKv, CancelKv, DrcEvents) go to the role policy when it
-supports them, else UNIMPLEMENTED; a Generate asking for ``kv_stage`` / ``kv_in`` a role cannot
+supports them (each through its typed capability, pdd.worker.roles), else UNIMPLEMENTED; a Generate asking for ``kv_stage`` / ``kv_in`` a role cannot
 honour is FAILED_PRECONDITION.
 """
 
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
@@ -49,7 +48,16 @@ from pdd.worker.convert import (
 )
 from pdd.worker.faults import WorkerFaults
 from pdd.worker.metrics import WorkerMetrics
-from pdd.worker.roles import KV_IN, KV_STAGE, GenerateCall, RolePolicy
+from pdd.worker.roles import (
+    KV_IN,
+    KV_STAGE,
+    CancelsKv,
+    GenerateCall,
+    PublishesDrc,
+    ReceivesKv,
+    RolePolicy,
+    SendsKv,
+)
 
 if TYPE_CHECKING:
     from pdd.engine.engine import Engine
@@ -68,10 +76,6 @@ def status_for(err: PddError) -> grpc.StatusCode:
     if isinstance(err, CacheError):  # unknown / released KV of a request
         return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.INTERNAL
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -194,17 +198,26 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # --- KV plane -------------------------------------------------------------------------
 
-    async def _kv(self, name: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _kv(
+        self,
+        name: str,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        handle: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        """Serve KV RPC ``name`` with ``handle`` (the role's typed method) if the role
+        supports it; PddError -> its gRPC status."""
         if name not in self._role.supports:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"worker {self._worker.id} (role {self.role}) does not serve {name}",
             )
         try:
-            if name in _NEW_WORK or not self._engine.ready:
+            new_work = name == _NEW_WORK
+            if new_work or not self._engine.ready:
                 self._require_ready()  # a draining worker still settles what it accepted
-            response = await getattr(self._role, _snake(name))(request)
-            if name in _NEW_WORK:
+            response = await handle()
+            if new_work:
                 self._remember_kv(request.kv_request_id)
             return response
         except PddError as err:
@@ -217,19 +230,24 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._accepted_kv.popitem(last=False)
 
     async def SendKv(self, request: pb.SendKvRequest, context) -> pb.SendKvResponse:  # noqa: N802
-        return await self._kv("SendKv", request, context)
+        role = cast(SendsKv, self._role)
+        return await self._kv("SendKv", request, context, lambda: role.send_kv(request))
 
     async def PrepareKv(self, request: pb.PrepareKvRequest, context) -> pb.PrepareKvResponse:  # noqa: N802
-        return await self._kv("PrepareKv", request, context)
+        role = cast(ReceivesKv, self._role)
+        return await self._kv("PrepareKv", request, context, lambda: role.prepare_kv(request))
 
     async def AwaitKv(self, request: pb.AwaitKvRequest, context) -> pb.AwaitKvResponse:  # noqa: N802
-        return await self._kv("AwaitKv", request, context)
+        role = cast(ReceivesKv, self._role)
+        return await self._kv("AwaitKv", request, context, lambda: role.await_kv(request))
 
     async def CancelKv(self, request: pb.CancelKvRequest, context) -> pb.CancelKvResponse:  # noqa: N802
-        return await self._kv("CancelKv", request, context)
+        role = cast(CancelsKv, self._role)
+        return await self._kv("CancelKv", request, context, lambda: role.cancel_kv(request))
 
     async def DrcEvents(self, request: pb.DrcEventsRequest, context) -> pb.DrcEventsResponse:  # noqa: N802
-        return await self._kv("DrcEvents", request, context)
+        role = cast(PublishesDrc, self._role)
+        return await self._kv("DrcEvents", request, context, lambda: role.drc_events(request))
 
     # --- control --------------------------------------------------------------------------
 
@@ -254,7 +272,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
 
 
-_NEW_WORK = frozenset({"PrepareKv"})  # KV calls that start work (refused while draining)
+_NEW_WORK = "PrepareKv"  # the KV call that starts work (refused while draining)
 _ACCEPTED_KV_KEPT = 4096
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/soak.py end to end, short: a real colocated topology, mixed traffic, a paused
+"""pdd/bench/soak.py end to end, short: a real colocated topology, mixed traffic, a paused
 worker, then the leak check. It must run, report its numbers and find zero leaks."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def test_soak_runs_and_reports_no_leaks(tmp_path):
     out = tmp_path / "soak"
-    args = [sys.executable, "-m", "benchmarks.soak", "--config", "configs/colocated.yaml",
+    args = [sys.executable, "-m", "pdd.bench.soak", "--config", "configs/colocated.yaml",
             "--duration-s", "30", "--clients", "3", "--fault-interval-s", "8", "--pause-s", "2",
             "--settle-s", "30", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=220)

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from tests.helpers import wait_until
 from tests.router.harness import RouterHarness
 

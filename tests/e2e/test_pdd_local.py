@@ -16,7 +16,7 @@ import pytest
 
 from pdd.config import ModelConfig, load_config
 from pdd.proto import worker_pb2, worker_pb2_grpc
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from tests.helpers import run_oracle, serve, start_router, stop, wait_until
 
 pytestmark = pytest.mark.slow

@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from pdd.config import ModelConfig, load_config
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from pdd.worker.faults import FAULT_EXIT_CODE
 from tests.faults.topology import Topology, pid_alive
 from tests.helpers import wait_until

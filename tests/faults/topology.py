@@ -2,7 +2,7 @@
 
 `pdd serve` supervises its children and stops the whole topology as soon as one dies, which
 is right for operators and wrong for a test that kills a worker on purpose; so this starts
-the same commands the launcher runs (`python -m pdd.worker.main --worker ID`, then the
+the same commands the launcher runs (`python -m pdd.launch.worker --worker ID`, then the
 router) from one config, on free ports, and keeps each process's output.
 """
 
@@ -59,7 +59,7 @@ class Topology:
         wait_until(lambda: self.healthy() == set(self.ports), 60, "every worker healthy")
 
     def _spawn(self, worker_id: str) -> Served:
-        args = [sys.executable, "-m", "pdd.worker.main", "--config", self.config]
+        args = [sys.executable, "-m", "pdd.launch.worker", "--config", self.config]
         args += ["--worker", worker_id]
         for o in self.overrides:
             args += ["--set", o]

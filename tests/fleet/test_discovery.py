@@ -11,8 +11,8 @@ from pdd.config import PddConfig
 from pdd.config.fleet import DnsDiscoveryConfig
 from pdd.errors import InvalidRequestError
 from pdd.protocol import Role
-from pdd.router.discovery import DnsDiscovery, sync
-from pdd.router.pool import WorkerPool
+from pdd.router.fleet.discovery import DnsDiscovery, sync
+from pdd.router.fleet.pool import WorkerPool
 
 ENTRY = DnsDiscoveryConfig(name="pdd-md.pdd.svc.cluster.local", role=Role.MAIN_DECODE,
                            port=50051, datacenter="dc-b")  # fmt: skip

@@ -9,11 +9,11 @@ import pytest
 from pdd.config import ModelConfig
 from pdd.config.router import PddPolicyConfig
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
-from pdd.router.fleet import Decision, FleetView, RouteRequest, WorkerView
-from pdd.router.policy import md_score, p_score
+from pdd.router.decide.policy import md_score, p_score
+from pdd.router.decide.routing import choose
+from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView
+from pdd.router.fleet.routed_prefixes import RoutedPrefixes
 from pdd.router.record import PddTrace
-from pdd.router.routed_prefixes import RoutedPrefixes
-from pdd.router.routing import choose
 
 P, RLD, MD = Role.PREFILL, Role.RELAY_DECODE, Role.MAIN_DECODE
 POLICY = PddPolicyConfig(ttft_budget_s=1.0, wan_rtt_s=0.0)  # md 0.5, p 0.25 (defaults)

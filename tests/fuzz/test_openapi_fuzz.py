@@ -22,8 +22,8 @@ from schemathesis import BaseSchema, Case, GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from pdd.config import ModelConfig
-from pdd.router.routes import router as api_routes
-from pdd.router.tokenizer import TextCodec
+from pdd.router.http.routes import router as api_routes
+from pdd.router.text.tokenizer import TextCodec
 from tests.router.harness import RouterHarness
 
 MAX_EXAMPLES = 100

@@ -16,7 +16,7 @@ FAKE = str(Path(__file__).with_name("fake_child.py"))
 
 
 def fake_argv(argv: list[str]) -> list[str]:
-    """[python, -m, pdd.worker.main|pdd.router.main, ...] -> [python, fake_child.py, kind, ...]"""
+    """[python, -m, pdd.launch.worker|pdd.router.main, ...] -> [python, fake_child.py, kind, ...]"""
     kind = "router" if argv[2] == "pdd.router.main" else "worker"
     return [argv[0], FAKE, kind, *argv[3:]]
 

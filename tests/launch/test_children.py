@@ -18,9 +18,9 @@ def test_one_child_per_worker_then_the_router_each_in_its_datacenter():
     specs = child_specs(placed.cfg, CONF, placed.router_dc, python="/py")
     conf = ("--config", str(CONF))
     assert specs == [
-        ChildSpec("p", "dc-a", ("/py", "-m", "pdd.worker.main", *conf, "--worker", "p"), WORKER_READY),
-        ChildSpec("rld", "dc-a", ("/py", "-m", "pdd.worker.main", *conf, "--worker", "rld"), WORKER_READY),
-        ChildSpec("md", "dc-b", ("/py", "-m", "pdd.worker.main", *conf, "--worker", "md"), WORKER_READY),
+        ChildSpec("p", "dc-a", ("/py", "-m", "pdd.launch.worker", *conf, "--worker", "p"), WORKER_READY),
+        ChildSpec("rld", "dc-a", ("/py", "-m", "pdd.launch.worker", *conf, "--worker", "rld"), WORKER_READY),
+        ChildSpec("md", "dc-b", ("/py", "-m", "pdd.launch.worker", *conf, "--worker", "md"), WORKER_READY),
         ChildSpec("router", "dc-a", ("/py", "-m", "pdd.router.main", *conf), ROUTER_READY),
     ]  # fmt: skip
 

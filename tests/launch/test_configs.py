@@ -14,8 +14,8 @@ from pdd.launch.cli import DEFAULT_CONFIG, wants_lab
 from pdd.launch.lab_sites import planned_sites
 from pdd.launch.placement import LocalSites, place
 from pdd.protocol import Pipeline, Role, RouterMode
-from pdd.router.fleet import FleetView, RouteRequest, WorkerView
-from pdd.router.routing import choose
+from pdd.router.decide.routing import choose
+from pdd.router.decide.view import FleetView, RouteRequest, WorkerView
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = sorted(REPO.joinpath("configs").glob("*.yaml"))  # configs/bench/ holds no topology

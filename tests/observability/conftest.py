@@ -10,7 +10,7 @@ import pytest
 from pdd.config import ModelConfig
 from pdd.observability.context import REQUEST_ID_METADATA as HEADER
 from pdd.proto import worker_pb2
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from tests.router.conftest import PDD_POLICY, assert_released, fresh
 from tests.router.fake_kv import FakeKvPlane
 from tests.router.fake_worker import FakeWorker

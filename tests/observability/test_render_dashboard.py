@@ -1,9 +1,9 @@
-"""benchmarks/render_dashboard.py's offline parts: legends, units, drawing. (Running it needs
+"""pdd/bench/render_dashboard.py's offline parts: legends, units, drawing. (Running it needs
 a live system and Prometheus: see the script's docstring.)"""
 
 from __future__ import annotations
 
-from benchmarks.render_dashboard import UNITS, draw, legend
+from pdd.bench.render_dashboard import UNITS, draw, legend
 from pdd.observability.dashboard import load, panels
 
 

@@ -9,7 +9,7 @@ import pytest
 from pdd.config import PddConfig
 from pdd.observability import catalog
 from pdd.protocol import Pipeline, Role
-from pdd.router.fleet import Decision
+from pdd.router.decide.view import Decision
 from pdd.router.metrics import RouterMetrics
 from pdd.router.record import RequestRecord
 from tests.observability.scrape import parse, value

@@ -1,4 +1,4 @@
-"""Real worker processes (`python -m pdd.worker.main`) from a temporary topology config, and a
+"""Real worker processes (`python -m pdd.launch.worker`) from a temporary topology config, and a
 grpc.aio client that drives them the way the router does."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def start_workers(config: Path, ids: list[str], tmp: Path, timeout_s: float = 30
         log = tmp / f"{wid}.log"
         with log.open("w") as err:
             p = subprocess.Popen(
-                [sys.executable, "-m", "pdd.worker.main", "--config", str(config), "--worker", wid],
+                [sys.executable, "-m", "pdd.launch.worker", "--config", str(config), "--worker", wid],
                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
             )  # fmt: skip
         procs[wid] = w = Proc(wid, p, log)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdd.config import ModelConfig
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from tests.router.harness import RouterHarness
 
 

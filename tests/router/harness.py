@@ -20,7 +20,7 @@ import httpx
 from pdd.config import PddConfig
 from pdd.router.app import build_app
 from pdd.router.main import RouterServer, bind_socket
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from tests.router.fake_kv import FakeKvPlane
 from tests.router.fake_worker import FakeWorker, start_fake_worker
 

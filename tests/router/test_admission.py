@@ -17,8 +17,8 @@ import grpc
 import httpx
 import pytest
 
-from pdd.router.limits import BodyLimitMiddleware
-from pdd.router.tokenizer import TextCodec
+from pdd.router.http.limits import BodyLimitMiddleware
+from pdd.router.text.tokenizer import TextCodec
 from tests.router.conftest import wait_until
 from tests.router.fake_worker import Script
 from tests.router.harness import MAX_BODY_BYTES, MAX_QUEUED, RouterHarness

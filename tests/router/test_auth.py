@@ -18,8 +18,8 @@ import pytest
 
 from pdd.config import RouterConfig
 from pdd.errors import ConfigError
-from pdd.router.auth import ENV_VAR, ApiKeys, bearer_token, key_id, parse_keys
-from pdd.router.tokenizer import TextCodec
+from pdd.router.http.auth import ENV_VAR, ApiKeys, bearer_token, key_id, parse_keys
+from pdd.router.text.tokenizer import TextCodec
 from tests.helpers import REPO
 from tests.router.conftest import wait_until
 from tests.router.harness import RouterHarness
@@ -191,7 +191,7 @@ def test_openai_client_with_the_key_is_served_and_without_is_refused(authed):
 def test_rotated_file_takes_effect_without_restart_and_keys_are_never_logged(
     authed, keys_file, caplog
 ):
-    caplog.set_level(logging.INFO, logger="pdd.router.auth")
+    caplog.set_level(logging.INFO, logger="pdd.router.http.auth")
 
     def status(key: str) -> int:
         return httpx.get(authed.url + "/models", headers=bearer(key)).status_code

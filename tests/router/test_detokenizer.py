@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdd.router.detokenizer import IncrementalDetokenizer
+from pdd.router.text.detokenizer import IncrementalDetokenizer
 from tests.router.toy_codec import EOS, ToyCodec, toy_encode
 
 TOY = ToyCodec()

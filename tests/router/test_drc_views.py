@@ -10,7 +10,7 @@ from pdd.cache.messages import BlockRemoved, BlockStored, DrcEventBatch, DrcSnap
 from pdd.config import ModelConfig
 from pdd.errors import UnavailableError
 from pdd.proto import worker_pb2
-from pdd.router.drc_views import DrcViews
+from pdd.router.fleet.drc_views import DrcViews
 
 BS = 4
 MODEL = ModelConfig()
@@ -86,7 +86,7 @@ def test_a_gap_or_a_new_epoch_resyncs_at_once():
 def test_an_unanswered_or_garbled_refresh_keeps_the_view_and_retries(caplog):
     views = DrcViews(["md0"], MODEL)
     src = Source(snap(1, H[:1]), UnavailableError("down"), "not json", batch(1), batch(1))
-    with caplog.at_level(logging.WARNING, logger="pdd.router.drc_views"):
+    with caplog.at_level(logging.WARNING, logger="pdd.router.fleet.drc_views"):
         for _ in range(4):
             refresh(views, src)
     assert src.calls == [-1, 1, 1, 1]

@@ -16,7 +16,7 @@ from pdd.errors import (
     UnavailableError,
     WorkerError,
 )
-from pdd.router.http_errors import error_response
+from pdd.router.http.errors import error_response
 
 CASES = [
     (InvalidRequestError("bad", param="top_p"), 400, "invalid_request_error", "top_p", None),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdd.router.output import OutputProcessor
+from pdd.router.text.output import OutputProcessor
 from pdd.router.types import (
     GenerationRequest,
     OutputDelta,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pdd.router.tokenizer import TextCodec
+from pdd.router.text.tokenizer import TextCodec
 from tests.router.conftest import PDD_POLICY, assert_released, fresh
 from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE
 from tests.router.harness import RouterHarness

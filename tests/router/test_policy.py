@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import InvalidRequestError, UnavailableError
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
-from pdd.router.routing import Decision, FleetView, RouteRequest, WorkerView, choose
+from pdd.router.decide.routing import Decision, FleetView, RouteRequest, WorkerView, choose
 
 P, RLD, MD = Role.PREFILL, Role.RELAY_DECODE, Role.MAIN_DECODE
 # 4-token blocks of 1000 bytes; P measured 8000 bit/s: 1 s per missing block; no RTT.

@@ -6,7 +6,7 @@ import pytest
 
 from pdd.errors import UnavailableError
 from pdd.protocol import Pipeline, Role, RouterMode
-from pdd.router.routing import Decision, FleetView, RouteRequest, WorkerView, choose
+from pdd.router.decide.routing import Decision, FleetView, RouteRequest, WorkerView, choose
 
 REQ = RouteRequest(prompt_tokens=100, max_tokens=16)
 

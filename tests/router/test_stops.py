@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdd.router.stops import StopStep, StopStringMatcher
+from pdd.router.text.stops import StopStep, StopStringMatcher
 
 
 def test_partial_stop_is_held_then_dropped_on_match():

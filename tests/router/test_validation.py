@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdd.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
-from pdd.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdd.router.types import SamplingSpec, TextOptions
-from pdd.router.validation import (
+from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
+from pdd.router.http.validation import (
     ServingLimits,
     build_chat_request,
     build_completion_request,
@@ -16,6 +15,7 @@ from pdd.router.validation import (
     check_token_ids,
     completion_prompt,
 )
+from pdd.router.types import SamplingSpec, TextOptions
 
 LIMITS = ServingLimits(("m", "/models/m"), max_model_len=100, vocab_size=1000)
 MSG = [{"role": "user", "content": "hi"}]

@@ -149,4 +149,4 @@ def _is_worker(pid: int) -> bool:
             argv = f.read().split(b"\0")
     except OSError:
         return False
-    return b"pdd.worker.main" in argv
+    return b"pdd.launch.worker" in argv

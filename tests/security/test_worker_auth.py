@@ -1,5 +1,5 @@
 """Router <-> worker authentication over real gRPC (a fake worker servicer, no engine): the
-worker token checked by pdd.worker.auth, sent by pdd.router.worker_auth, and (mutual) TLS."""
+worker token checked by pdd.worker.auth, sent by pdd.router.fleet.worker_auth, and (mutual) TLS."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pdd.config import PddConfig, RouterConfig, WorkerConfig
 from pdd.config.security import GrpcTlsConfig, SecurityConfig
 from pdd.errors import ConfigError, PddError, UnavailableError, WorkerError
 from pdd.proto import worker_pb2, worker_pb2_grpc
-from pdd.router.worker_auth import WorkerCredentials
-from pdd.router.workers import WorkerClient
+from pdd.router.fleet.worker_auth import WorkerCredentials
+from pdd.router.fleet.workers import WorkerClient
 from pdd.worker.auth import TokenAuthInterceptor, server_credentials
 from tests.router.fake_worker import FakeWorker
 

@@ -15,7 +15,7 @@ from pdd.engine.types import EngineDelta, EngineStats
 from pdd.errors import OverloadedError, UnavailableError
 from pdd.proto import worker_pb2 as pb
 from pdd.proto import worker_pb2_grpc as pb_grpc
-from pdd.router.workers import rpc_error
+from pdd.router.fleet.workers import rpc_error
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats
 from pdd.worker.service import WorkerService
 

@@ -39,7 +39,7 @@ class Worker:
 
 
 def start_worker(log_path: Path, timeout_s: float = 300) -> Worker:
-    args = [sys.executable, "-m", "pdd.worker.main", "--config", "configs/colocated.yaml"]
+    args = [sys.executable, "-m", "pdd.launch.worker", "--config", "configs/colocated.yaml"]
     args += ["--worker", "w0"]
     for kv in (
         "engine.kv_cache_space_gib=0.25",

@@ -10,6 +10,7 @@ Modules, bottom up:
 
 - ``words`` / ``tokens`` / ``text``   vocabulary, token arithmetic, exact-length prompt surgery
 - ``workload``                        typed requests and phases; ``agentic``, ``sweep``, ``trace``
+                                      generate them; ``build`` picks one by name
 - ``client``                          one streamed request -> ``RequestRecord``
 - ``runner``                          phases, open/closed loop, ordering, deadlines, progress
 - ``metrics`` / ``results``           percentiles, TPOT, goodput, BCR; per-phase summaries

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pdd.bench.serve.build import build_workload
 from pdd.bench.serve.config import BenchConfig, ModeConfig
 from pdd.bench.serve.metrics import cost_per_hour
 from pdd.bench.serve.report import write_report
@@ -22,7 +23,7 @@ from pdd.bench.serve.results import ModeResult, WorkloadResult
 from pdd.bench.serve.runner import run_mode
 from pdd.bench.serve.systems import mode_workers, open_system
 from pdd.bench.serve.tokens import TokenModel, load_token_model
-from pdd.bench.serve.workload import Workload, build_workload
+from pdd.bench.serve.workload import Workload
 from pdd.config import ModelConfig, load_config
 from pdd.errors import PddError
 

@@ -106,7 +106,7 @@ class ModelTokens(TokenModel):
 
     def __init__(self, folder: Path):
         super().__init__()
-        from pdd.router.tokenizer import TextCodec  # tokenizers + jinja2 only, no torch
+        from pdd.router.text.tokenizer import TextCodec  # tokenizers + jinja2 only, no torch
 
         self.codec = TextCodec.from_folder(folder)
         self._overheads: dict[str, tuple[int, int]] = {}

@@ -5,15 +5,15 @@ byte-identical requests. Requests are grouped: each group (the whole agentic run
 bucket, the trace) runs as one phase: its warm-up requests first (not measured), then its
 measured requests under the load pattern. ``after`` orders requests that build on each other:
 a turn is sent only once the request that sent its prefix has ended.
+
+The workload generators (agentic, sweep, trace) build on these types; ``build`` picks one by
+name (so this module imports none of them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-from pdd.bench.serve.config import BenchConfig
-from pdd.bench.serve.tokens import TokenModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,24 +75,3 @@ class Workload:
             ((r.prompt_tokens or 0) + r.max_tokens for r in self.requests if r.prompt_tokens),
             default=0,
         )
-
-
-def build_workload(name: str, cfg: BenchConfig, tokens: TokenModel) -> Workload:
-    """Generate one named workload from the config (deterministic in ``cfg.seed``)."""
-    if name == "agentic":
-        from pdd.bench.serve.agentic import generate_agentic
-
-        wl = generate_agentic(cfg.agentic, tokens, cfg.seed)
-    elif name == "sweep":
-        from pdd.bench.serve.sweep import generate_sweep
-
-        wl = generate_sweep(cfg.sweep, tokens, cfg.seed)
-    elif name == "trace":
-        from pdd.bench.serve.trace import load_trace
-
-        assert cfg.trace.path is not None  # checked by BenchConfig
-        wl = load_trace(cfg.trace.path, cfg.trace)
-    else:
-        raise ValueError(f"unknown workload {name!r}")
-    wl.token_model = tokens.name
-    return wl

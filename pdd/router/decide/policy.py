@@ -1,0 +1,211 @@
+"""PDD and baseline routing policy (pure; see ``routing.choose``).
+
+router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0, 1]):
+
+    P    score(p)  = p_hit(p)  - p_load_weight  * load(p)            (requests in flight)
+         p_hit: the router's view of P's prefix cache (the block-hash chains it recently
+         sent to that P, an LRU per P: pdd.router.fleet.routed_prefixes). Prefill is serial compute,
+         so a queue counts per request: with the default 0.25 a P holding 80% of the prompt
+         still wins against an idle cold P until it has 4 more requests queued.
+    MD   score(md) = md_hit(md) - md_load_weight * load(md) / max_num_seqs(md)
+         md_hit: the router's replica of MD's DRC (pdd.router.fleet.drc_views), or the prefix it
+         recently routed to that MD (routed_prefixes), whichever is longer: the replica lags
+         by up to one health poll. The WAN estimate below uses the replica only. Decode batches, so
+         load counts as a fraction of MD's sequence slots; MDs with no free slot are only
+         used when every MD is full. With the default 0.5 a follow-up turn stays on the MD
+         holding its history unless that MD is far busier (a 50% hit difference is worth a
+         full MD's load).
+    ties (both): least loaded, lower KV usage, fewest requests served so far (idle workers
+         take turns), then id: every choice is deterministic for one snapshot.
+    RLD  among RLDs with a free sequence slot, the most free slots (max_num_seqs - load);
+         ties: lower load fraction, fewest served, id.
+    WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes
+         eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)
+    p_md      when eta <= ttft_budget_s, or no RLD has a free sequence slot (graceful
+              degradation: a longer TTFT on MD instead of overloading RLD)
+    p_rld_md  otherwise
+    handoff   one_shot when that RLD's load (requests / max_num_seqs) is at or above
+              catch_up_load_threshold (free it soonest), else catch_up (p_md: none)
+
+A request may force ``pipeline`` (p_md | p_rld_md) and ``handoff`` (one_shot | catch_up).
+There is no P-RLD pipeline: RLD finishing first is an outcome the driver handles, never a
+choice. Ending every request on MD keeps MD's DRC as warm as P's prefix cache; the TEST-ONLY
+``router.pdd.test_policy: p_rld_only`` breaks exactly that (P -> RLD, RLD emits every token
+through the pd driver, MD never sees the request) so tests can show the drift it causes.
+Unknown block geometry (no Stats yet) counts as an infinite ETA: p_rld_md if it can.
+
+Baselines (P sends every block to D, D emits every token):
+    pd_wan    D = least loaded main_decode in another datacenter than P (else any main_decode)
+    pd_local  D = least loaded main_decode in P's datacenter, else relay_decode there
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdd.errors import UnavailableError
+from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
+from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView, least_loaded
+
+
+@dataclass(frozen=True, slots=True)
+class WanEstimate:
+    cached_blocks: int
+    missing_blocks: int
+    wan_bytes: int
+    eta_s: float  # math.inf when the block geometry is unknown
+
+
+def wan_estimate(
+    p: WorkerView, md: WorkerView, cached_tokens: int, prompt_tokens: int, view: FleetView
+) -> WanEstimate:
+    """Bytes the WAN must carry for this prompt to MD, and how long that takes."""
+    block_size = p.block_size or md.block_size
+    block_bytes = p.kv_block_bytes or md.kv_block_bytes
+    if block_size <= 0 or block_bytes <= 0:
+        return WanEstimate(0, 0, 0, math.inf)
+    blocks = prompt_tokens // block_size
+    cached = min(cached_tokens // block_size, blocks)
+    wan_bytes = (blocks - cached) * block_bytes
+    bandwidth = p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps
+    rtt = p.wan_rtt_s or view.policy.wan_rtt_s
+    return WanEstimate(cached, blocks - cached, wan_bytes, rtt + wan_bytes * 8 / bandwidth)
+
+
+def _hit(cached: Mapping[str, int], worker_id: str, prompt_tokens: int) -> float:
+    return min(cached.get(worker_id, 0), prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+
+
+def _tie(w: WorkerView) -> tuple[int, float, int, str]:
+    return (w.load, w.kv_cache_usage, w.served, w.id)
+
+
+def md_score(md: WorkerView, cached: Mapping[str, int], prompt_tokens: int, weight: float) -> float:
+    """hit fraction in MD's DRC - weight * MD's load fraction (see the module docstring)."""
+    return _hit(cached, md.id, prompt_tokens) - weight * md.load_fraction
+
+
+def p_score(p: WorkerView, cached: Mapping[str, int], prompt_tokens: int, weight: float) -> float:
+    """hit fraction in the view of P's prefix cache - weight * P's requests in flight."""
+    return _hit(cached, p.id, prompt_tokens) - weight * p.load
+
+
+def pick_md(
+    mds: list[WorkerView],
+    cached: Mapping[str, int],
+    prompt_tokens: int = 0,
+    weight: float = 0.5,
+) -> WorkerView | None:
+    """Highest MD score among MDs with a free slot (all MDs when none has one)."""
+    pool = [w for w in mds if w.has_capacity] or mds
+    if not pool:
+        return None
+    if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
+        return min(pool, key=lambda w: (-cached.get(w.id, 0), *_tie(w)))
+    return min(pool, key=lambda w: (-md_score(w, cached, prompt_tokens, weight), *_tie(w)))
+
+
+def pick_p(
+    ps: list[WorkerView], cached: Mapping[str, int], prompt_tokens: int, weight: float
+) -> WorkerView | None:
+    """Highest P score (prefix affinity against queue length)."""
+    if not ps:
+        return None
+    return min(ps, key=lambda w: (-p_score(w, cached, prompt_tokens, weight), *_tie(w)))
+
+
+def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:
+    """The RLD with the most free sequence slots; None when no RLD has one."""
+    free = [w for w in rlds if w.has_capacity]
+    if not free:
+        return None
+    return min(free, key=lambda w: (-w.free_slots, w.load_fraction, w.served, w.id))
+
+
+def handoff_mode(rld: WorkerView, view: FleetView, forced: HandoffMode | None) -> HandoffMode:
+    """One-Shot frees a busy RLD soonest (one bigger stall on MD); a lightly loaded RLD can
+    afford to keep decoding while MD catches up in small, invisible rounds (PDD-FACTS)."""
+    if forced is not None:
+        return forced
+    if rld.load_fraction >= view.policy.catch_up_load_threshold:
+        return HandoffMode.ONE_SHOT
+    return HandoffMode.CATCH_UP
+
+
+def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
+    """router.mode pdd: P, MD, maybe RLD, the pipeline and the handoff mode."""
+    policy, n = view.policy, request.prompt_tokens
+    ps = view.healthy(Role.PREFILL)
+    p = _need(view, Role.PREFILL, pick_p(ps, request.p_cached_tokens, n, policy.p_load_weight))
+    if policy.test_policy == "p_rld_only":
+        return _p_rld_only(view, p)
+    mds = view.healthy(Role.MAIN_DECODE)
+    affinity = {i: max(request.md_cached_tokens.get(i, 0), request.md_routed_tokens.get(i, 0))
+                for i in {*request.md_cached_tokens, *request.md_routed_tokens}}  # fmt: skip
+    md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
+    cached = min(request.md_cached_tokens.get(md.id, 0), n)
+    est = wan_estimate(p, md, cached, n, view)
+    rlds = view.healthy(Role.RELAY_DECODE)
+    rld: WorkerView | None = None
+    if request.pipeline is Pipeline.P_RLD_MD:
+        rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
+    elif request.pipeline is None and est.eta_s > policy.ttft_budget_s:
+        rld = pick_rld(rlds)  # None: no RLD capacity left -> degrade to p_md
+    roles = [(Role.PREFILL, p.id)]
+    if rld is None:
+        pipeline, handoff = Pipeline.P_MD, HandoffMode.NONE
+    else:
+        pipeline, handoff = Pipeline.P_RLD_MD, handoff_mode(rld, view, request.handoff)
+        roles.append((Role.RELAY_DECODE, rld.id))
+    roles.append((Role.MAIN_DECODE, md.id))
+    block_size = p.block_size or md.block_size
+    return Decision(pipeline, tuple(roles), handoff, cached, est.wan_bytes, est.eta_s, block_size)
+
+
+def _p_rld_only(view: FleetView, p: WorkerView) -> Decision:
+    """TEST ONLY (router.pdd.test_policy p_rld_only): P -> RLD through the pd driver; RLD
+    receives every block and emits every token, MD never sees the request."""
+    rlds = view.healthy(Role.RELAY_DECODE)
+    rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
+    assignments = ((Role.PREFILL, p.id), (Role.RELAY_DECODE, rld.id))
+    return Decision(Pipeline.PD, assignments, block_size=p.block_size or rld.block_size,
+                    relay_only=True)  # fmt: skip
+
+
+def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
+    """Baselines pd_wan / pd_local: P and one decoder that receives every block."""
+    p = _need(view, Role.PREFILL, least_loaded(view.healthy(Role.PREFILL)))
+    mds = view.healthy(Role.MAIN_DECODE)
+    if view.mode is RouterMode.PD_WAN:
+        remote = [w for w in mds if w.datacenter != p.datacenter]
+        d = _need(view, Role.MAIN_DECODE, least_loaded(remote or mds))
+    else:
+        local_md = [w for w in mds if w.datacenter == p.datacenter]
+        rlds = view.healthy(Role.RELAY_DECODE)
+        local_rld = [w for w in rlds if w.datacenter == p.datacenter]
+        d = least_loaded(local_md or local_rld)  # type: ignore[assignment]
+        if d is None:
+            raise UnavailableError(
+                f"pd_local: no healthy main_decode or relay_decode worker in P's datacenter "
+                f"{p.datacenter!r}; retry later"
+            )
+    est = wan_estimate(p, d, 0, request.prompt_tokens, view)
+    return Decision(
+        Pipeline.PD, ((Role.PREFILL, p.id), (d.role, d.id)), HandoffMode.NONE, 0,
+        est.wan_bytes, est.eta_s, p.block_size or d.block_size,
+    )  # fmt: skip
+
+
+def _need(view: FleetView, role: Role, worker: WorkerView | None) -> WorkerView:
+    if worker is None:
+        raise UnavailableError(no_worker_message(view, role))
+    return worker
+
+
+def no_worker_message(view: FleetView, role: Role) -> str:
+    total = sum(1 for w in view.workers if w.role is role)
+    if total == 0:
+        return f"no {role.value} worker is configured"
+    return f"no healthy {role.value} worker (0 of {total} healthy); retry later"

@@ -1,0 +1,130 @@
+"""The snapshot routing policy reads, and the decision it returns (plain frozen data).
+
+    FleetView (workers: health, load, KV-plane stats; the policy config)
+    RouteRequest (prompt size, per-MD cached tokens, per-request overrides)
+        --choose()--> Decision (pipeline, worker per role, handoff mode, WAN estimate)
+
+The pool builds ``FleetView``s and the service builds ``RouteRequest``s; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pdd.config.router import PddPolicyConfig
+from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the router last saw it (config plus its last Stats)."""
+
+    id: str
+    role: Role
+    healthy: bool
+    in_flight: int = 0  # requests this router has running on the worker right now
+    running: int = 0  # from the worker's last Stats (all routers)
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    datacenter: str = ""
+    max_num_seqs: int = 0  # 0: unknown
+    block_size: int = 0  # tokens per KV block (0: not reported)
+    kv_block_bytes: int = 0  # bytes of one block across all layers (0: not reported)
+    wan_bandwidth_bps: float = 0.0  # P: live estimate toward MD (0: not measured)
+    wan_rtt_s: float = 0.0
+    served: int = 0  # requests this router has given the worker so far (balances ties)
+    source: str = "config"  # config | registered | dns:NAME
+
+    @property
+    def free_slots(self) -> float:
+        """Sequences it can still take (infinite when the capacity is unknown)."""
+        return self.max_num_seqs - self.load if self.max_num_seqs > 0 else float("inf")
+
+    @property
+    def load(self) -> int:
+        """Requests on the worker: this router's live count, or the worker's own if higher."""
+        return max(self.in_flight, self.running + self.waiting)
+
+    @property
+    def load_fraction(self) -> float:
+        """load / max_num_seqs (0 when the capacity is unknown)."""
+        return self.load / self.max_num_seqs if self.max_num_seqs > 0 else 0.0
+
+    @property
+    def has_capacity(self) -> bool:
+        """Room for one more sequence (always, when the capacity is unknown)."""
+        return self.max_num_seqs <= 0 or self.load < self.max_num_seqs
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    mode: RouterMode
+    workers: tuple[WorkerView, ...]
+    policy: PddPolicyConfig = field(default_factory=PddPolicyConfig)
+
+    def healthy(self, *roles: Role) -> list[WorkerView]:
+        return [w for w in self.workers if w.healthy and w.role in roles]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What policy may look at for one request.
+
+    ``md_cached_tokens``: per MainDecode id, prompt tokens its DRC holds (router's replica).
+    ``md_routed_tokens``: per MainDecode id, prompt tokens of the prefix the router recently
+    routed there (affinity only: the replica lags by up to one health poll).
+    ``p_cached_tokens``: per Prefill id, prompt tokens the router last saw it prefill (its
+    view of P's prefix cache, ``pdd.router.fleet.routed_prefixes``).
+    ``pipeline`` / ``handoff``: the request's override (None: the policy decides).
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    md_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    p_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    md_routed_tokens: Mapping[str, int] = field(default_factory=dict)
+    pipeline: Pipeline | None = None
+    handoff: HandoffMode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The pipeline to run, the worker for each role it uses, and why.
+
+    ``md_cached_tokens``, ``wan_bytes``, ``eta_s``: the policy's estimate (pdd/pd modes).
+    """
+
+    pipeline: Pipeline
+    assignments: tuple[tuple[Role, str], ...]
+    handoff: HandoffMode = HandoffMode.NONE
+    md_cached_tokens: int = 0
+    wan_bytes: int = 0
+    eta_s: float = 0.0
+    block_size: int = 0  # tokens per KV block as P reported it (0: unknown)
+    relay_only: bool = False  # TEST ONLY (p_rld_only): the pd driver's D is an RLD doing MD's job
+
+    def worker(self, role: Role) -> str:
+        for r, worker_id in self.assignments:
+            if r is role:
+                return worker_id
+        raise KeyError(f"decision for {self.pipeline.value} has no {role.value} worker")
+
+    def maybe_worker(self, role: Role) -> str | None:
+        return next((wid for r, wid in self.assignments if r is role), None)
+
+    @property
+    def decoder(self) -> str:
+        """The worker that decodes last: MD, or the baselines' D (any non-prefill role)."""
+        md = self.maybe_worker(Role.MAIN_DECODE)
+        if md is not None:
+            return md
+        return next(wid for r, wid in self.assignments if r is not Role.PREFILL)
+
+
+def least_loaded(candidates: list[WorkerView]) -> WorkerView | None:
+    """Lowest load; ties by KV cache usage, then the fewest served so far (idle workers take
+    turns), then by id (deterministic)."""
+    if not candidates:
+        return None
+    return min(candidates, key=lambda w: (w.load, w.kv_cache_usage, w.served, w.id))

@@ -1,0 +1,222 @@
+"""The RLD -> MD handoff of p_rld_md: One-Shot, Catch-Up, and the anomaly filter.
+
+After P's token, RLD streams eager tokens while MD's KV crosses the WAN; the request always
+ends on MD, unless RLD finishes it first (the anomaly: then the WAN transfer is cut off).
+
+    router                 RLD (dc-a)                      MD (dc-b)
+      |-- Generate(prompt+[t1], kv_in=TRANSFER) ->|
+      |<- t2 t3 ... (emitted) --------------------|
+      |-- AwaitKv (polled) -------------------------------------------> |
+      |<- done --------------------------------------------------------- |
+    One-Shot (the switch):
+      |-- cancel stream + Abort, CancelKv ->|  (later tokens are dropped, never emitted)
+      |-- Generate(prompt+[t1..tk], kv_in=DRC, max_tokens-k) ----------> |
+      |<- t(k+1) ... (emitted) ----------------------------------------- |
+    Catch-Up (while gap = k - tokens MD computed >= catch_up_threshold_tokens):
+      |-- Generate(prompt+[t1..tk], max_tokens=1) (warm-up; its token dropped) -> |
+      |<- t(k+1) .. t(k+j) from RLD meanwhile |
+      |   ... next warm-up with [t1..t(k+j)]; then the One-Shot switch (a small gap)
+    Anomaly: RLD ends the request (EOS, stop, length) before AwaitKv says done:
+      CancelKv on P (the WAN send stops) and MD (its reservation goes); rld_finished.
+
+Everything runs in tasks that feed one queue (RLD events, the KV state, warm-up ends); the
+generator consumes it in order, so the decision point is exact: RLD tokens queued before the
+KV signal are emitted, the ones after it are dropped. An RLD that fails (error, abort) just
+stops; MD takes over when its KV is there. A warm-up that fails falls back to the switch.
+An MD lost before the switch (its AwaitKv or warm-up broke: ``recovery.is_worker_loss``)
+leaves the request to RLD, which decodes to the end; if RLD is gone too, the switch is a
+takeover by another worker (``RequestRun.finish_on``). An MD lost after the switch is the
+same takeover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdd.errors import PddError
+from pdd.protocol import HandoffMode
+from pdd.router.decide.recovery import is_worker_loss
+from pdd.router.drive.request_run import REAL_FINISHES, RequestRun
+from pdd.router.fleet.workers import KvState
+from pdd.router.types import GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class _Next(enum.Enum):
+    CONTINUE = "continue"
+    SWITCH = "switch"
+    DONE = "done"
+
+
+class RelayHandoff:
+    """One request's RLD stream and its handoff to MD. Use ``events()`` once."""
+
+    def __init__(
+        self, run: RequestRun, rld: str, md: str, *, rld_kv: bool, md_kv: bool,
+        md_lost: bool = False,
+    ):  # fmt: skip
+        self._run = run
+        self._rld = rld
+        self._md = md
+        self._rld_kv = rld_kv  # KV is on its way to RLD (else it computes the short prompt)
+        self._md_kv = md_kv  # KV is on its way to MD (else it holds every block already)
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rld_task: asyncio.Task[None] | None = None
+        self._kv_ready = False
+        self._rld_alive = True
+        self._md_lost = md_lost  # MD lost (PrepareKv, AwaitKv, a warm-up): never switch to it
+        self._warming = False
+        self._synced = 0  # emitted tokens MD has computed (its warm-ups)
+        self._rounds = 0  # warm-ups started
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        self._rld_task = self._spawn(self._read_rld())
+        self._spawn(self._await_kv())
+        try:
+            while True:
+                kind, payload = await self._queue.get()
+                if kind == "rld":
+                    out, step = self._on_rld(payload)
+                    if out is not None:
+                        yield out
+                else:
+                    step = self._on_signal(kind, payload)
+                if step is _Next.DONE:
+                    return
+                if step is _Next.SWITCH:
+                    break
+            await self._stop_rld()
+            run = self._run
+            run.release_kv("handed off to MD", [self._rld])  # RLD may never have loaded it
+            run.trace.handoff_rounds = self._rounds + 1
+            run.mark_switch()
+            lost = (self._md,) if self._md_lost else ()
+            finish = run.finish_on(self._md, "md", kv_source="drc", await_kv=False, lost=lost)
+            async for event in finish:
+                yield event
+        finally:
+            await self._cancel_tasks()
+
+    # --- decisions (called in queue order) ------------------------------------------------
+
+    def _on_rld(self, event: TokenEvent) -> tuple[TokenEvent | None, _Next]:
+        ended = event.finish_reason in REAL_FINISHES
+        out = self._run.take(event, "rld", final=ended)
+        if self._run.finished:
+            self._run.trace.handoff_rounds = self._rounds  # warm-ups done before RLD ended
+            if not self._kv_ready:
+                self._run.trace.handoff = HandoffMode.RLD_FINISHED
+            self._run.release_kv("rld_finished")
+            return out, _Next.DONE
+        if event.finish_reason is not None:  # abort / error: RLD is gone, MD takes over
+            return out, self._rld_gone()
+        return out, _Next.CONTINUE
+
+    def _on_signal(self, kind: str, payload: Any) -> _Next:
+        if kind == "rld_failed":
+            return self._rld_gone()
+        if kind == "kv":
+            if self._md_lost:  # no KV went to a lost MD: RLD goes on (or a takeover)
+                return _Next.CONTINUE if self._rld_alive else _Next.SWITCH
+            self._kv_ready = True
+            if self._run.trace.handoff is HandoffMode.ONE_SHOT or not self._rld_alive:
+                return _Next.SWITCH
+            return self._next_round()
+        if kind == "kv_error":
+            if not is_worker_loss(payload):
+                raise payload
+            return self._md_gone(payload)
+        if kind == "warm":
+            self._warming = False
+            self._synced = payload
+            return self._next_round() if self._rld_alive else _Next.SWITCH
+        assert kind == "warm_failed", kind
+        self._warming = False
+        if isinstance(payload, PddError) and is_worker_loss(payload):
+            return self._md_gone(payload)
+        return _Next.SWITCH
+
+    def _md_gone(self, exc: PddError) -> _Next:
+        """MD was lost before the switch: RLD, if it still streams, finishes the request;
+        otherwise the switch goes straight to a takeover (``RequestRun.finish_on``)."""
+        self._md_lost = True
+        self._run.pool.mark_unhealthy(self._md, exc.message)
+        log.warning(
+            "request %s: MD %s lost before the handoff (%s); %s", self._run.kv_id, self._md,
+            exc.message, "RLD finishes the request" if self._rld_alive else "taking over",
+        )  # fmt: skip
+        return _Next.CONTINUE if self._rld_alive else _Next.SWITCH
+
+    def _rld_gone(self) -> _Next:
+        self._rld_alive = False
+        if self._md_lost:
+            return _Next.SWITCH
+        return _Next.SWITCH if self._kv_ready and not self._warming else _Next.CONTINUE
+
+    def _next_round(self) -> _Next:
+        """Catch-Up: another warm-up while the gap is large, else the switch."""
+        policy = self._run.policy
+        gap = len(self._run.emitted) - self._synced
+        if gap < policy.catch_up_threshold_tokens or self._rounds >= policy.max_catch_up_rounds:
+            return _Next.SWITCH
+        self._rounds += 1
+        self._warming = True
+        run = self._run  # the warm-up's prompt is fixed now: prompt + emitted so far
+        req = run.continuation(f"{run.kv_id}.warm{self._rounds}", max_tokens=1)
+        self._spawn(self._warm_up(req, len(run.emitted)))
+        return _Next.CONTINUE
+
+    # --- tasks (they only feed the queue) -------------------------------------------------
+
+    async def _read_rld(self) -> None:
+        run = self._run
+        kv_in = run.kv_in("transfer") if self._rld_kv else None
+        req = run.continuation(run.kv_id)
+        try:
+            async for event in run.generate(self._rld, req, kv_in=kv_in):
+                self._queue.put_nowait(("rld", event))
+        except PddError as exc:
+            self._queue.put_nowait(("rld_failed", exc))
+
+    async def _await_kv(self) -> None:
+        try:
+            state = await self._run.await_kv(self._md) if self._md_kv else KvState("done")
+        except PddError as exc:
+            self._queue.put_nowait(("kv_error", exc))
+            return
+        self._queue.put_nowait(("kv", state))
+
+    async def _warm_up(self, req: GenerationRequest, synced: int) -> None:
+        """MD computes ``req``'s prompt (prompt + emitted) into its prefix cache; the one
+        token it samples is dropped. Reports ``synced`` (emitted tokens MD now holds)."""
+        run = self._run
+        finish = None
+        try:
+            async for event in run.generate(self._md, req, kv_in=run.kv_in("drc")):
+                finish = event.finish_reason
+        except PddError as exc:
+            self._queue.put_nowait(("warm_failed", exc))
+            return
+        ok = finish in REAL_FINISHES
+        self._queue.put_nowait(("warm", synced) if ok else ("warm_failed", finish))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        return task
+
+    async def _stop_rld(self) -> None:
+        if self._rld_task is not None and not self._rld_task.done():
+            self._rld_task.cancel()
+            await asyncio.gather(self._rld_task, return_exceptions=True)
+
+    async def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,129 @@
+"""The P stage every disaggregated pipeline starts with: prefill, stage KV, send it out.
+
+    router                     P (dc-a)                    RLD / MD / D
+      |-- PrepareKv(prompt) -------------------------------> |  reserve slots for the
+      |-- Generate(prompt, max_tokens=1, kv_stage) ->|       |  blocks it lacks; address
+      |<- t1 (+ kv_staged_blocks) -------------------|       |
+      |<- PrepareKv: cached_blocks c, address ---------------|
+      |-- SendKv([RLD/D from block 0, MD from block c]) ->|  UCX / TCP, in parallel
+
+``prefill()`` runs PrepareKv on every target concurrently with P's Generate and returns P's
+one event (the caller decides whether t1 is emitted). ``send()`` waits for the PrepareKv
+answers and asks P to send what each target lacks: MD (``from_cache``) from its cached
+blocks, everyone else from block 0. A target that needs nothing is left out (and, unless
+it is MD, whose DRC Generate uses its lease, released with CancelKv); when nobody needs
+anything P's staged blocks are released with CancelKv too. It returns the ids of the
+targets KV is on its way to, and records MD's cached tokens and the bytes queued for it.
+A lost destination (its PrepareKv failed, or timed out: unreachable) gets nothing and is in
+``lost``, so the caller does not send it the request either; a lost P (SendKv failed) sends
+nothing: every reservation is cancelled and the destinations recompute the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from pdd.errors import PddError, WorkerError
+from pdd.proto import worker_pb2
+from pdd.router.decide.recovery import is_unreachable, is_worker_loss
+from pdd.router.drive.request_run import RequestRun
+from pdd.router.fleet.workers import Prepared
+from pdd.router.types import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Target:
+    """A KV destination. ``from_cache``: send only the blocks its cache lacks (MD in pdd).
+    ``recorded``: its cached tokens and bytes are the record's md_cached / wan_kv_bytes."""
+
+    worker_id: str
+    from_cache: bool = False
+    recorded: bool = False
+    prepared: asyncio.Task[Prepared] | None = field(default=None, repr=False)
+
+
+class PStage:
+    def __init__(self, run: RequestRun, p_id: str, targets: list[Target], block_size: int):
+        self._run = run
+        self._p = p_id
+        self._targets = targets
+        self._block_size = block_size
+        self.staged_blocks = 0
+        self.lost: set[str] = set()  # destinations whose PrepareKv failed or timed out
+
+    async def prefill(self) -> TokenEvent:
+        """P's first token, one merged event. Raises WorkerError if P fails the request."""
+        for t in self._targets:
+            t.prepared = self._run.prepare(t.worker_id)
+        self._run.hold(self._p)
+        req = self._run.continuation(self._run.kv_id, max_tokens=1)
+        tokens: list[int] = []
+        logprobs = []
+        last: TokenEvent | None = None
+        cached = 0
+        async for event in self._run.generate(self._p, req, kv_stage=True):
+            tokens.extend(event.token_ids)
+            logprobs.extend(event.logprobs)
+            cached = max(cached, event.num_cached_tokens)
+            last = event
+        if last is None or last.finish_reason not in ("stop", "length"):
+            reason = last.finish_reason if last else "nothing"
+            raise WorkerError(f"prefill worker {self._p} ended the request with {reason!r}")
+        self.staged_blocks = last.kv_staged_blocks
+        self._run.p_cached_tokens = cached
+        return TokenEvent(
+            token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=last.finish_reason,
+            num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=cached,
+            stop_token_id=last.stop_token_id, worker_id=self._p,
+            kv_staged_blocks=last.kv_staged_blocks,
+        )  # fmt: skip
+
+    async def send(self) -> set[str]:
+        """SendKv to every target that lacks blocks; returns their ids."""
+        dests: list[worker_pb2.KvDestination] = []
+        receiving: list[Target] = []
+        for t in self._targets:
+            assert t.prepared is not None, "send() before prefill()"
+            try:
+                prep = await t.prepared
+            except PddError as exc:  # the destination is lost: it gets no KV (module doc)
+                if not is_unreachable(exc):
+                    raise
+                self.lost.add(t.worker_id)
+                self._run.pool.mark_unhealthy(t.worker_id, exc.message)
+                self._run.release_kv("PrepareKv failed", [t.worker_id])
+                continue
+            first = prep.cached_blocks if t.from_cache else 0
+            if t.recorded and t.from_cache and self._block_size > 0:
+                self._run.trace.md_cached_tokens = prep.cached_blocks * self._block_size
+            if first < self.staged_blocks:
+                dests.append(worker_pb2.KvDestination(peer=prep.address, first_block=first))
+                receiving.append(t)
+            elif not t.from_cache:  # its Generate will not name this KV: free the lease now
+                self._run.release_kv("nothing to send", [t.worker_id])
+        if not dests:
+            self._run.release_kv("nothing to send", [self._p])
+            return set()
+        policy = self._run.policy
+        client = self._run.pool.client(self._p)
+        try:
+            sent = await client.send_kv(self._run.kv_id, dests, policy.send_kv_deadline_s)
+        except PddError as exc:
+            if not is_worker_loss(exc):
+                raise
+            self._run.pool.mark_unhealthy(self._p, exc.message)
+            log.warning(
+                "request %s: SendKv on %s failed (%s); the destinations recompute the prompt",
+                self._run.kv_id, self._p, exc.message,
+            )  # fmt: skip
+            self._run.release_kv("SendKv failed", [self._p, *(t.worker_id for t in receiving)])
+            return set()
+        self._run.kv_sent_at = asyncio.get_running_loop().time()
+        for t, n_bytes in zip(receiving, sent, strict=False):
+            if t.recorded:
+                self._run.trace.wan_kv_bytes = n_bytes
+        return {t.worker_id for t in receiving}

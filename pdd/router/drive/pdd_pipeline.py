@@ -1,0 +1,137 @@
+"""The disaggregated drivers: ``PddPipeline`` (p_md, p_rld_md) and ``PdPipeline`` (baselines).
+
+p_md:
+    P stage (PrepareKv on MD || P.Generate(prompt, max_tokens=1, kv_stage)) -> emit t1
+    -> SendKv(MD from its cached blocks) -> AwaitKv(MD) -> MD.Generate(prompt+[t1], kv_in=DRC)
+p_rld_md:
+    P stage with RLD too (RLD from block 0) -> emit t1 -> SendKv(RLD, MD)
+    -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
+       or RLD finishes first (anomaly: the WAN transfer is cancelled)
+pd_wan / pd_local (the standard PD flow):
+    P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
+    -> AwaitKv(D) -> D.Generate(prompt, kv_in=TRANSFER): D samples every token itself
+
+A P lost before its token is replaced by another P (``prefill``, every pipeline); after it,
+P only sends KV, and a failed send makes the destinations recompute (``PStage.send``). A last
+tier lost mid-request is taken over by another worker (``RequestRun.finish_on``,
+``pdd.router.decide.recovery``).
+
+P's token ends the request right there when it is EOS / a stop token (or max_tokens is 1):
+then nothing is sent and every reservation is cancelled. Failures and client disconnects
+close the generator; ``RequestRun.close`` then CancelKv's every worker that may hold KV, and
+each Generate stream still open is cancelled and Aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from pdd.config.router import PddPolicyConfig
+from pdd.errors import PddError
+from pdd.protocol import Pipeline, Role
+from pdd.router.decide.recovery import is_worker_loss, replacement
+from pdd.router.decide.view import Decision
+from pdd.router.drive.handoff import RelayHandoff
+from pdd.router.drive.p_stage import PStage, Target
+from pdd.router.drive.request_run import RequestRun
+from pdd.router.fleet.pool import WorkerPool
+from pdd.router.record import PddTrace
+from pdd.router.types import GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class PddPipeline:
+    """p_md and p_rld_md (the decision says which; RLD present means p_rld_md)."""
+
+    kind = Pipeline.P_RLD_MD
+
+    def __init__(self, pool: WorkerPool, policy: PddPolicyConfig):
+        self._pool = pool
+        self._policy = policy
+
+    async def run(
+        self, req: GenerationRequest, decision: Decision, trace: PddTrace
+    ) -> AsyncIterator[TokenEvent]:
+        run = RequestRun(self._pool, req, trace, self._policy)
+        try:
+            md = decision.worker(Role.MAIN_DECODE)
+            rld = decision.maybe_worker(Role.RELAY_DECODE)
+            targets = [Target(rld)] if rld is not None else []
+            targets.append(Target(md, from_cache=True, recorded=True))
+            stage, first = await prefill(self._pool, run, decision, targets)
+            out = run.take(first, "p", final=first.finish_reason == "stop")
+            if run.finished:
+                run.release_kv("finished on P")
+            yield out
+            if run.finished:
+                return
+            sent = await stage.send()
+            if rld is None:
+                events = run.finish_on(
+                    md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost
+                )
+            else:
+                handoff = RelayHandoff(
+                    run, rld, md, rld_kv=rld in sent, md_kv=md in sent, md_lost=md in stage.lost
+                )
+                events = handoff.events()
+            async for event in events:
+                yield event
+        finally:
+            run.close()
+
+
+async def prefill(
+    pool: WorkerPool, run: RequestRun, decision: Decision, targets: list[Target]
+) -> tuple[PStage, TokenEvent]:
+    """The P stage; a P lost before its token is replaced by another healthy P (the stage
+    starts over under a new KV id, to fresh copies of ``targets``), until none is left: then
+    the loss is raised."""
+    p, tried = decision.worker(Role.PREFILL), []
+    while True:
+        stage = PStage(run, p, [replace(t) for t in targets], decision.block_size)
+        try:
+            return stage, await stage.prefill()
+        except PddError as exc:
+            if not is_worker_loss(exc):
+                raise
+            tried.append(p)
+            pool.mark_unhealthy(p, exc.message)  # suspect until a good poll
+            nxt = replacement(pool.view(), Role.PREFILL, tried)
+            if nxt is None:
+                raise
+            log.warning(
+                "request %s: prefill worker %s lost before the first token (%s); "
+                "retrying on %s", run.req.request_id, p, exc.message, nxt.id,
+            )  # fmt: skip
+            run.release_kv(f"prefill worker {p} lost")
+            run.restart_kv(len(tried))
+            p = run.trace.p = nxt.id
+
+
+class PdPipeline:
+    """The pd_wan / pd_local baselines: P prefills, D gets every block and emits every token."""
+
+    kind = Pipeline.PD
+
+    def __init__(self, pool: WorkerPool, policy: PddPolicyConfig):
+        self._pool = pool
+        self._policy = policy
+
+    async def run(
+        self, req: GenerationRequest, decision: Decision, trace: PddTrace
+    ) -> AsyncIterator[TokenEvent]:
+        run = RequestRun(self._pool, req, trace, self._policy)
+        try:
+            d = decision.decoder
+            # t1 is not emitted: D samples it again from the prompt
+            stage, _ = await prefill(self._pool, run, decision, [Target(d, recorded=True)])
+            sent = await stage.send()
+            source = "transfer" if d in sent else None
+            async for event in run.finish_on(d, "d", kv_source=source, await_kv=d in sent):
+                yield event
+        finally:
+            run.close()

@@ -1,0 +1,310 @@
+"""gRPC client for one worker (pdd/proto/worker.proto), and the proto <-> router adapters.
+
+``WorkerClient`` owns one grpc.aio channel and the Abort calls it has in flight.
+Lifecycle: created inside the router's event loop (``WorkerPool.start``), used by many
+requests at once, ``close()`` once at shutdown (waits for pending Aborts, closes the channel).
+
+Every control RPC (Health, Stats, Abort, PrepareKv, SendKv, CancelKv, DrcEvents) carries
+``router.worker_rpc_timeout_s``; AwaitKv its own timeout plus that; Generate carries what is
+left of the request's ``router.request_timeout_s``. gRPC errors become pdd errors here, at the
+adapter (UNAVAILABLE: a draining or dead worker, 503; RESOURCE_EXHAUSTED: its queue is full,
+429; UNAUTHENTICATED: the fleet's credentials disagree, 502). With ``security`` configured the
+channel carries the worker token and TLS (``pdd.router.fleet.worker_auth``).
+Fire-and-forget calls (Abort of an abandoned stream, CancelKv on a failure path) run as
+background tasks the client owns and ``close()`` waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from pdd.config import RouterConfig, WorkerConfig
+from pdd.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PddError,
+    UnavailableError,
+    WorkerError,
+)
+from pdd.observability.context import request_context_interceptors
+from pdd.proto import worker_pb2, worker_pb2_grpc
+from pdd.proto.options import CHANNEL_OPTIONS
+from pdd.router.fleet.worker_auth import WorkerCredentials
+from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
+
+log = logging.getLogger(__name__)
+
+
+MIN_DEADLINE_S = 0.01  # a Generate started at the deadline still gets a (tiny) positive one
+_KV_SOURCES = {"transfer": worker_pb2.KvIn.TRANSFER, "drc": worker_pb2.KvIn.DRC}
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A destination's PrepareKv answer. ``address`` goes back verbatim in SendKv."""
+
+    cached_blocks: int
+    reserved_blocks: int
+    address: worker_pb2.PeerAddress
+
+
+@dataclass(frozen=True, slots=True)
+class KvState:
+    """AwaitKv's answer: state is done | failed | cancelled | timeout | unknown."""
+
+    state: str
+    bytes_received: int = 0
+    blocks_ready: int = 0
+    reason: str = ""
+
+
+def grpc_target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class WorkerClient:
+    """Typed async calls to one worker. Safe to share between concurrent requests."""
+
+    def __init__(
+        self,
+        worker: WorkerConfig,
+        router: RouterConfig,
+        credentials: WorkerCredentials | None = None,
+    ):
+        self.id = worker.id
+        self.role = worker.role
+        self.target = grpc_target(worker.host, worker.port)
+        self._rpc_timeout = router.worker_rpc_timeout_s
+        self._request_timeout = router.request_timeout_s
+        self._channel = (credentials or WorkerCredentials()).channel(
+            self.target,
+            options=CHANNEL_OPTIONS,  # message limits, keepalive
+            interceptors=request_context_interceptors(self.id),  # x-request-id, timeline
+        )
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._background: set[asyncio.Task[object]] = set()
+
+    async def health(self) -> worker_pb2.HealthResponse:
+        try:
+            return await self._stub.Health(worker_pb2.HealthRequest(), timeout=self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, self.id, "Health") from None
+
+    async def stats(self) -> worker_pb2.StatsResponse:
+        try:
+            return await self._stub.Stats(worker_pb2.StatsRequest(), timeout=self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, self.id, "Stats") from None
+
+    async def abort(self, request_id: str) -> bool:
+        """Ask the worker to drop a request. Returns whether the worker still had it."""
+        try:
+            msg = worker_pb2.AbortRequest(request_id=request_id)
+            resp = await self._stub.Abort(msg, timeout=self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, self.id, "Abort") from None
+        return resp.found
+
+    async def generate(
+        self, req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream token events until the worker reports a finish reason.
+
+        If the consumer stops early (stop string, client disconnect, cancellation), the gRPC
+        stream is cancelled and an Abort is sent in the background, so the worker frees the
+        request even if the cancellation is lost. Raises PddError subclasses on RPC failure.
+        """
+        msg = request_to_proto(req, kv_stage=kv_stage, kv_in=kv_in)
+        call = self._stub.Generate(msg, timeout=self._deadline_left(req))
+        finished = False
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    raise WorkerError(f"worker {self.id} ended the stream without finishing")
+                event = event_from_proto(msg, self.id)
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, self.id, "Generate") from None
+        finally:
+            if not finished:
+                call.cancel()
+                self._abort_in_background(req.request_id)
+
+    def _deadline_left(self, req: GenerationRequest) -> float:
+        """The gRPC deadline of a Generate: what is left of the request's end-to-end deadline
+        (``arrival + router.request_timeout_s``), so the worker aborts the engine request by
+        itself when the router's deadline passes, even if the router's cancel is lost."""
+        if req.arrival <= 0:  # not stamped (direct use): the whole budget
+            return self._request_timeout
+        left = req.arrival + self._request_timeout - time.monotonic()
+        return min(self._request_timeout, max(MIN_DEADLINE_S, left))
+
+    async def prepare_kv(
+        self, kv_request_id: str, prompt_token_ids: Sequence[int], lease_s: float
+    ) -> Prepared:
+        """Reserve landing slots for the prompt blocks this worker lacks; get its address."""
+        msg = worker_pb2.PrepareKvRequest(
+            kv_request_id=kv_request_id, prompt_token_ids=list(prompt_token_ids), lease_s=lease_s
+        )
+        resp = await self._call(self._stub.PrepareKv, msg, "PrepareKv")
+        return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address)
+
+    async def send_kv(
+        self,
+        kv_request_id: str,
+        destinations: Sequence[worker_pb2.KvDestination],
+        deadline_s: float,
+    ) -> list[int]:
+        """Ask P to send its staged blocks; returns the bytes queued per destination."""
+        msg = worker_pb2.SendKvRequest(
+            kv_request_id=kv_request_id, destinations=list(destinations), deadline_s=deadline_s
+        )
+        resp = await self._call(self._stub.SendKv, msg, "SendKv")
+        return list(resp.bytes_per_destination)
+
+    async def await_kv(self, kv_request_id: str, timeout_s: float) -> KvState:
+        """Wait up to ``timeout_s`` for this worker's inbound KV of a request."""
+        msg = worker_pb2.AwaitKvRequest(kv_request_id=kv_request_id, timeout_s=timeout_s)
+        resp = await self._call(
+            self._stub.AwaitKv, msg, "AwaitKv", timeout=timeout_s + self._rpc_timeout
+        )
+        return KvState(resp.state, resp.bytes_received, resp.blocks_ready, resp.reason)
+
+    async def cancel_kv(self, kv_request_id: str, reason: str) -> bool:
+        msg = worker_pb2.CancelKvRequest(kv_request_id=kv_request_id, reason=reason)
+        return (await self._call(self._stub.CancelKv, msg, "CancelKv")).found
+
+    async def drc_events(self, since: int) -> worker_pb2.DrcEventsResponse:
+        msg = worker_pb2.DrcEventsRequest(since=since)
+        return await self._call(self._stub.DrcEvents, msg, "DrcEvents")
+
+    async def _call(self, method, msg, name: str, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        try:
+            return await method(msg, timeout=timeout or self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, self.id, name) from None
+
+    def cancel_kv_in_background(
+        self, kv_request_id: str, reason: str, after: Awaitable[object] | None = None
+    ) -> None:
+        """CancelKv without waiting, after ``after`` (the PrepareKv in flight) settles, so the
+        cancel never overtakes the reservation it must release."""
+
+        async def cancel() -> bool:
+            if after is not None:
+                await asyncio.gather(after, return_exceptions=True)
+            return await self.cancel_kv(kv_request_id, reason)
+
+        self._in_background(cancel(), "CancelKv")
+
+    def _abort_in_background(self, request_id: str) -> None:
+        self._in_background(self.abort(request_id), "Abort")
+
+    def _in_background(self, coro: Awaitable[object], what: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._background_done(t, what))
+
+    def _background_done(self, task: asyncio.Task[object], what: str) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.warning("%s on worker %s failed: %s", what, self.id, exc)
+
+    async def close(self) -> None:
+        """Wait (bounded) for pending background calls, then close the channel."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self._rpc_timeout)
+        for task in list(self._background):
+            task.cancel()
+        await self._channel.close()
+
+
+def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddError:
+    """Map a gRPC status to the pdd error the client should see."""
+    code, details = exc.code(), exc.details() or ""
+    text = f"worker {worker_id} {method}: {code.name}: {details}".rstrip(": ")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return UnavailableError(text)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return OverloadedError(text)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return InvalidRequestError(details or text)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return WorkerError(f"worker {worker_id} {method}: deadline exceeded", code="timeout")
+    if code is grpc.StatusCode.UNAUTHENTICATED:  # a misconfigured fleet, not the client's fault
+        return WorkerError(
+            f"worker {worker_id} refused the router's credential ({details}); check that "
+            "router and workers share security.worker_token_file and security.grpc_tls",
+            code="worker_auth",
+        )
+    return WorkerError(text)
+
+
+def request_to_proto(
+    req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None
+) -> worker_pb2.GenerateRequest:
+    s = req.sampling
+    sampling = worker_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+        logprobs=-1 if s.logprobs is None else s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+    )
+    if s.seed is not None:
+        sampling.seed = s.seed
+    msg = worker_pb2.GenerateRequest(
+        request_id=req.request_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling=sampling,
+        kv_stage=kv_stage,
+    )
+    if kv_in is not None:
+        msg.kv_in.CopyFrom(
+            worker_pb2.KvIn(
+                source=_KV_SOURCES[kv_in.source],
+                kv_request_id=kv_in.kv_request_id,
+                wait_s=kv_in.wait_s,
+            )
+        )
+    return msg
+
+
+def event_from_proto(msg: worker_pb2.GenerateResponse, worker_id: str) -> TokenEvent:
+    token_ids = tuple(msg.token_ids)
+    stop_id = msg.stop_token_id
+    stopped_on_token = msg.finish_reason == "stop" and token_ids and token_ids[-1] == stop_id
+    return TokenEvent(
+        token_ids=token_ids,
+        logprobs=tuple(
+            TokenLogprob(
+                lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top)
+            )
+            for lp in msg.logprobs
+        ),
+        finish_reason=msg.finish_reason or None,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        stop_token_id=stop_id if stopped_on_token and stop_id >= 0 else None,
+        worker_id=worker_id,
+        kv_staged_blocks=msg.kv_staged_blocks,
+    )

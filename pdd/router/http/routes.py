@@ -1,0 +1,202 @@
+"""HTTP endpoints: the OpenAI API, health, metrics and debug views.
+
+Handlers stay thin: validate (``validation``), tokenize in a thread, hand the typed request to
+``RouterService.stream``, format (``responses``). A streamed response waits for the first
+delta before sending headers, so routing and worker failures before the first token still
+get their proper status (429/503/502) instead of an error inside a 200 stream. Every
+completion response carries the ``x-pdd-pipeline`` header (the pipeline that served it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdd.errors import PddError, WorkerError
+from pdd.observability.context import bind_request
+from pdd.protocol import new_request_id
+from pdd.router.debug import recent_view, request_view, workers_view
+from pdd.router.http.admission import with_deadline
+from pdd.router.http.errors import pdd_error_body
+from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
+from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
+from pdd.router.http.sse import (
+    DONE,
+    ClientDisconnected,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse_event,
+)
+from pdd.router.http.validation import (
+    build_chat_request,
+    build_completion_request,
+    chat_messages,
+    check_model,
+    check_token_ids,
+    completion_prompt,
+)
+from pdd.router.metrics import CONTENT_TYPE
+from pdd.router.state import RouterState
+from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
+
+router = APIRouter()
+
+PIPELINE_HEADER = "x-pdd-pipeline"
+
+Format = ChatFormat | CompletionFormat
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.pdd
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    st = _state(request)
+    check_model(body.model, st.limits)
+    st.service.check_capacity()
+    messages = chat_messages(body.messages)
+    prompt_ids = await asyncio.to_thread(st.codec.encode_chat, messages)
+    rid = new_request_id("chatcmpl")
+    req = build_chat_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
+    return await _respond(request, st, req, ChatFormat(ctx), stream=body.stream)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    st = _state(request)
+    check_model(body.model, st.limits)
+    st.service.check_capacity()
+    prompt = completion_prompt(body)
+    if isinstance(prompt, str):
+        prompt_ids = await asyncio.to_thread(st.codec.encode, prompt)
+    else:
+        check_token_ids(prompt, st.limits, "prompt")
+        prompt_ids = list(prompt)
+    rid = new_request_id("cmpl")
+    req = build_completion_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs is not None)
+    return await _respond(request, st, req, CompletionFormat(ctx), stream=body.stream)
+
+
+def _context(
+    st: RouterState, rid: str, stream_options: object, *, logprobs: bool
+) -> ResponseContext:
+    include_usage = bool(getattr(stream_options, "include_usage", False))
+    return ResponseContext(rid, int(time.time()), st.model_name, include_usage, logprobs)
+
+
+async def _respond(
+    request: Request, st: RouterState, req: GenerationRequest, fmt: Format, *, stream: bool
+) -> Response:
+    bind_request(req.request_id)  # logs and worker RPCs of this request carry its id
+    timeout_s = st.cfg.router.request_timeout_s
+    deltas = with_deadline(st.service.stream(req), req.arrival + timeout_s, timeout_s)
+    try:
+        if not stream:
+            result = await cancel_on_disconnect(request.receive, collect(deltas))
+            return JSONResponse(fmt.response(result), headers=_pdd_headers(result.pdd))
+        first = await cancel_on_disconnect(request.receive, anext(deltas))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads this; the request was cancelled
+    except StopAsyncIteration:
+        raise WorkerError("the request ended without output") from None
+    return EventStreamResponse(_sse(fmt, first, deltas), headers=_pdd_headers(first.pdd))
+
+
+def _pdd_headers(summary: PddSummary | None) -> dict[str, str]:
+    return {} if summary is None else {PIPELINE_HEADER: summary.pipeline}
+
+
+async def _sse(
+    fmt: Format, first: OutputDelta, rest: AsyncIterator[OutputDelta]
+) -> AsyncIterator[bytes]:
+    """Chunks for one stream. A failure after the first chunk becomes an error event."""
+    async with aclosing(rest):  # type: ignore[type-var]
+        for body in fmt.opening_chunks():
+            yield sse_event(body)
+        delta = first
+        try:
+            while True:
+                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                    yield sse_event(fmt.chunk(delta))
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(rest)
+        except StopAsyncIteration:
+            yield sse_event(pdd_error_body(WorkerError("the request ended without finishing")))
+        except PddError as exc:
+            yield sse_event(pdd_error_body(exc))
+        else:
+            if fmt.ctx.include_usage:
+                yield sse_event(fmt.usage_chunk(delta.usage))
+        yield DONE
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    st = _state(request)
+    card = {
+        "id": st.model_name,
+        "object": "model",
+        "created": st.started_at,
+        "owned_by": "pdd",
+        "root": str(st.cfg.model.resolved_path()),
+        "max_model_len": st.limits.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    st = _state(request)
+    workers = st.pool.describe()
+    if st.pool.any_healthy():
+        return JSONResponse({"status": "ok", "workers": workers})
+    return JSONResponse(
+        {"status": "unavailable", "workers": workers}, status_code=503, headers={"Retry-After": "1"}
+    )
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    st = _state(request)
+    st.metrics.update_fleet(st.pool.view())
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/debug/config")
+async def debug_config(request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).cfg.model_dump(mode="json"))
+
+
+@router.get("/debug/workers")
+async def debug_workers(request: Request) -> JSONResponse:
+    st = _state(request)
+    return JSONResponse({"mode": st.cfg.router.mode.value, "in_flight": st.service.in_flight,
+                         "workers": workers_view(st.pool)})  # fmt: skip
+
+
+@router.get("/debug/requests")
+async def debug_requests(request: Request) -> JSONResponse:
+    """The requests kept for debugging (router.debug_requests), newest first."""
+    return JSONResponse({"requests": recent_view(_state(request).requests)})
+
+
+@router.get("/debug/requests/{request_id}")
+async def debug_request(request_id: str, request: Request) -> JSONResponse:
+    """One recent request: its route decision, timeline, and outcome (404 if not kept)."""
+    st = _state(request)
+    record = st.requests.get(request_id)
+    if record is None:
+        raise HTTPException(404, f"request {request_id!r} is not among the recent requests")
+    sla = (st.cfg.router.sla_ttft_s, st.cfg.router.sla_tpot_s)
+    return JSONResponse(request_view(record, sla))

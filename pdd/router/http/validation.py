@@ -1,0 +1,320 @@
+"""Request bodies -> typed ``GenerationRequest``: every range and combination check.
+
+Pure functions (no I/O). Each failure raises ``InvalidRequestError`` (400) naming the
+offending ``param``, ``ContextLengthError`` (400) with the token counts, or
+``ModelNotFoundError`` (404). Ranges follow OpenAI and vLLM 0.32's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdd.errors import ContextLengthError, InvalidRequestError, ModelError, ModelNotFoundError
+from pdd.protocol import HandoffMode, Pipeline
+from pdd.router.http.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PddOptions,
+)
+from pdd.router.types import GenerationRequest, SamplingSpec, TextOptions
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_REPETITION_PENALTY = 100.0  # vLLM has no bound; past this every token is suppressed anyway
+MAX_LOGPROBS = 20
+PIPELINE_OVERRIDES = {"auto": None, "p_md": Pipeline.P_MD, "p_rld_md": Pipeline.P_RLD_MD}
+HANDOFF_OVERRIDES = {
+    "auto": None, "one_shot": HandoffMode.ONE_SHOT, "catch_up": HandoffMode.CATCH_UP
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """What the deployment serves: model ids, context length, vocabulary, default sampling."""
+
+    model_names: tuple[str, ...]  # the served name first, then accepted aliases (model path)
+    max_model_len: int
+    vocab_size: int
+    defaults: dict[str, float | int] = field(default_factory=dict)  # generation_config.json
+
+
+def generation_defaults(folder: str | Path) -> dict[str, float | int]:
+    """Sampling defaults from ``generation_config.json`` (as vLLM applies them), if any."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        return {}
+    keys = ("temperature", "top_p", "top_k", "repetition_penalty")
+    return {k: data[k] for k in keys if isinstance(data.get(k), int | float)}
+
+
+def check_model(requested: str | None, limits: ServingLimits) -> None:
+    if requested is not None and requested not in limits.model_names:
+        served = limits.model_names[0]
+        raise ModelNotFoundError(
+            f"The model `{requested}` does not exist. This server serves `{served}`.",
+            param="model",
+        )
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them (content always a string)."""
+    if not messages:
+        raise InvalidRequestError("messages must contain at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        item: dict[str, Any] = {"role": m.role, "content": _content_text(m.content)}
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise InvalidRequestError(
+                f"content part type {part.type!r} is not supported (text only)", param="messages"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request: text, or token IDs."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise InvalidRequestError(
+                f"only one prompt per request is supported, got {len(prompt)}", param="prompt"
+            )
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    return prompt  # type: ignore[return-value]
+
+
+def check_token_ids(ids: list[int], limits: ServingLimits, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is out of range [0, {limits.vocab_size})", param=param
+        )
+
+
+def build_chat_request(
+    body: ChatCompletionRequest,
+    prompt_ids: list[int],
+    limits: ServingLimits,
+    *,
+    request_id: str,
+    arrival: float,
+) -> GenerationRequest:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = None
+    if body.logprobs:
+        logprobs = _check_int_range(body.top_logprobs or 0, 0, MAX_LOGPROBS, "top_logprobs")
+    max_tokens = (body.max_completion_tokens, "max_completion_tokens")
+    if body.max_completion_tokens is None:
+        max_tokens = (body.max_tokens, "max_tokens")
+    return _build(body, prompt_ids, limits, request_id, arrival, logprobs, max_tokens)
+
+
+def build_completion_request(
+    body: CompletionRequest,
+    prompt_ids: list[int],
+    limits: ServingLimits,
+    *,
+    request_id: str,
+    arrival: float,
+) -> GenerationRequest:
+    if body.best_of not in (None, 1):
+        raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
+    if body.echo:
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = _check_int_range(body.logprobs, 0, MAX_LOGPROBS, "logprobs")
+    max_tokens = (body.max_tokens, "max_tokens")
+    return _build(body, prompt_ids, limits, request_id, arrival, logprobs, max_tokens)
+
+
+def _build(
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_ids: list[int],
+    limits: ServingLimits,
+    request_id: str,
+    arrival: float,
+    logprobs: int | None,
+    max_tokens: tuple[int | None, str],
+) -> GenerationRequest:
+    _check_stream(body)
+    sampling = SamplingSpec(
+        max_tokens=_max_tokens(max_tokens, len(prompt_ids), limits, _prompt_word(body)),
+        temperature=_float(
+            body.temperature, limits.defaults.get("temperature", 1.0), 0.0, 2.0, "temperature"
+        ),
+        top_p=_top_p(body.top_p, limits),
+        top_k=_top_k(body.top_k, limits),
+        min_tokens=_check_int_range(body.min_tokens, 0, INT64_MAX, "min_tokens"),
+        stop_token_ids=tuple(_stop_token_ids(body.stop_token_ids, limits)),
+        seed=None
+        if body.seed is None
+        else _check_int_range(body.seed, INT64_MIN, INT64_MAX, "seed"),
+        logprobs=logprobs,
+        presence_penalty=_float(body.presence_penalty, 0.0, -2.0, 2.0, "presence_penalty"),
+        frequency_penalty=_float(body.frequency_penalty, 0.0, -2.0, 2.0, "frequency_penalty"),
+        repetition_penalty=_repetition_penalty(body.repetition_penalty, limits),
+        ignore_eos=body.ignore_eos,
+    )
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({sampling.min_tokens}) must be at most max_tokens "
+            f"({sampling.max_tokens})",
+            param="min_tokens",
+        )
+    text = TextOptions(
+        stop=_stops(body.stop),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+    pipeline, handoff = pdd_overrides(body.pdd)
+    return GenerationRequest(
+        request_id, tuple(prompt_ids), sampling, text, arrival, pipeline, handoff
+    )
+
+
+def pdd_overrides(opts: PddOptions | None) -> tuple[Pipeline | None, HandoffMode | None]:
+    """The body's ``"pdd"`` overrides (None: auto). 400 for values pdd does not know."""
+    if opts is None:
+        return None, None
+    return (
+        _choice(opts.pipeline, PIPELINE_OVERRIDES, "pdd.pipeline"),
+        _choice(opts.handoff, HANDOFF_OVERRIDES, "pdd.handoff"),
+    )
+
+
+def _choice(value: str | None, choices: dict[str, Any], param: str) -> Any:
+    if value is None:
+        return None
+    if value not in choices:
+        raise InvalidRequestError(
+            f"{param} must be one of {' | '.join(choices)}, got {value!r}", param=param
+        )
+    return choices[value]
+
+
+def _prompt_word(body: Any) -> str:
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+
+def _check_stream(body: Any) -> None:
+    if body.n != 1:
+        raise InvalidRequestError(
+            f"n={body.n} is not supported: pdd returns exactly one choice per request (n=1)",
+            param="n",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
+def _max_tokens(
+    given: tuple[int | None, str], n_prompt: int, limits: ServingLimits, where: str
+) -> int:
+    value, param = given
+    limit = limits.max_model_len
+    if value is not None and value < 1:
+        raise InvalidRequestError(f"{param} must be at least 1, got {value}", param=param)
+    if value is None:
+        if n_prompt >= limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{where} has {n_prompt} tokens, which leaves no room for the completion. "
+                f"Please reduce the length of the {where}.",
+                param=where,
+            )
+        return limit - n_prompt
+    if n_prompt + value > limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + value} tokens ({n_prompt} in the {where}, {value} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=param,
+        )
+    return value
+
+
+def _float(value: float | None, default: float, lo: float, hi: float, param: str) -> float:
+    v = float(default if value is None else value)
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise InvalidRequestError(f"{param} must be in [{lo}, {hi}], got {value}", param=param)
+    return v
+
+
+def _top_p(value: float | None, limits: ServingLimits) -> float:
+    v = float(limits.defaults.get("top_p", 1.0) if value is None else value)
+    if not math.isfinite(v) or not 0.0 < v <= 1.0:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {value}", param="top_p")
+    return v
+
+
+def _top_k(value: int | None, limits: ServingLimits) -> int:
+    v = int(limits.defaults.get("top_k", -1) if value is None else value)
+    if v < -1 or v > INT32_MAX:
+        raise InvalidRequestError(
+            f"top_k must be -1 (disabled), 0 (disabled) or in [1, {INT32_MAX}], got {value}",
+            param="top_k",
+        )
+    return -1 if v == 0 else v
+
+
+def _repetition_penalty(value: float | None, limits: ServingLimits) -> float:
+    v = float(limits.defaults.get("repetition_penalty", 1.0) if value is None else value)
+    if not math.isfinite(v) or not 0.0 < v <= MAX_REPETITION_PENALTY:
+        raise InvalidRequestError(
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {value}",
+            param="repetition_penalty",
+        )
+    return v
+
+
+def _check_int_range(value: int, lo: int, hi: int, param: str) -> int:
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{param} must be in [{lo}, {hi}], got {value}", param=param)
+    return value
+
+
+def _stop_token_ids(ids: list[int] | None, limits: ServingLimits) -> list[int]:
+    if not ids:
+        return []
+    check_token_ids(ids, limits, "stop_token_ids")
+    return list(dict.fromkeys(ids))
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("stop must not contain an empty string", param="stop")
+    return tuple(dict.fromkeys(stops))
