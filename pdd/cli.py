@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "lab": ("pdd.lab.cli", "main", "two-datacenter lab: up | down | status | exec"),
     "bench": ("pdd.bench", "main", "benchmarks: transfer | serve"),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
+    "certs": ("pdd.certs", "main", "make a fleet's CA, certificates, worker token and API key"),
 }
 
 

@@ -152,7 +152,7 @@ async def list_models(request: Request) -> JSONResponse:
         "object": "model",
         "created": st.started_at,
         "owned_by": "pdd",
-        "root": str(st.cfg.model.resolved_path()),
+        "root": st.model_name,  # never the model's filesystem path
         "max_model_len": st.limits.max_model_len,
     }
     return JSONResponse({"object": "list", "data": [card]})
@@ -161,11 +161,14 @@ async def list_models(request: Request) -> JSONResponse:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     st = _state(request)
-    workers = st.pool.describe()
+    body: dict = {"workers": st.pool.describe()}
+    insecure = getattr(request.app.state, "pdd_insecure", None)
+    if insecure:  # security.insecure let this router start without these credentials
+        body["insecure"] = insecure
     if st.pool.any_healthy():
-        return JSONResponse({"status": "ok", "workers": workers})
+        return JSONResponse({"status": "ok", **body})
     return JSONResponse(
-        {"status": "unavailable", "workers": workers}, status_code=503, headers={"Retry-After": "1"}
+        {"status": "unavailable", **body}, status_code=503, headers={"Retry-After": "1"}
     )
 
 

@@ -32,6 +32,7 @@ import sys
 import time
 
 from pdd.config import PddConfig, WorkerConfig, load_config
+from pdd.config.exposure import check_worker
 from pdd.engine.env import configure_process_env
 from pdd.errors import ConfigError, PddError
 from pdd.observability.context import RequestIdServerInterceptor
@@ -136,7 +137,7 @@ async def _teardown(parts: dict) -> None:
         parts["metrics"].close()
 
 
-async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
+async def _serve(cfg: PddConfig, worker: WorkerConfig, insecure: list[str] | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,6 +149,7 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
         _install_kv_credential(cfg, worker)
         service = await _build(cfg, worker, parts)
         engine, metrics = parts["engine"], parts["metrics"]
+        metrics.insecure = insecure or []
         metrics_port = metrics.serve(worker.host, worker.metrics_port)  # /health: 503 for now
         server, grpc_port = _grpc_server(cfg, worker, service)
         await server.start()
@@ -281,13 +283,14 @@ def _run(argv: list[str] | None, prog: str, role: Role | None) -> int:
         worker = _pick_worker(cfg, args.worker, role)
         if args.register:
             worker = worker.model_copy(update={"register_url": args.register})
+        insecure = check_worker(cfg, worker)
     except ConfigError as err:
         print(f"{prog}: {err.message}", file=sys.stderr)
         return 2
     setup_logging(role=worker.role.value, worker=worker.id)
     log.info("worker %s effective config: %s", worker.id, cfg.model_dump_json())
     try:
-        return asyncio.run(_serve(cfg, worker))
+        return asyncio.run(_serve(cfg, worker, insecure))
     except PddError as err:
         log.error("worker %s failed: %s", worker.id, err.message)
         return 1
