@@ -189,8 +189,9 @@ async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metric
 
 
 def _install_kv_credential(cfg: PddConfig, worker: WorkerConfig) -> None:
-    """The worker token guards this worker's UCX KV plane too (pdd.transfer.ucx_auth); the
-    TCP (WAN) plane is guarded by mutual TLS (``transfer.tls``). Raises ConfigError."""
+    """The worker token guards this worker's KV receivers too: every UCX and TCP sender
+    answers a fresh challenge with it (pdd.transfer.ucx_auth); the TCP (WAN) bytes are
+    encrypted by mutual TLS (``transfer.tls``). Raises ConfigError."""
     from pdd.transfer.ucx_auth import set_kv_token
 
     token = cfg.security.worker_token()
@@ -198,7 +199,7 @@ def _install_kv_credential(cfg: PddConfig, worker: WorkerConfig) -> None:
     if token is not None and worker.role is Role.MAIN_DECODE and not cfg.transfer.tls:
         log.warning(
             "security.worker_token_file is set but transfer.tls is off: this main_decode's "
-            "TCP KV receiver accepts any sender; turn on transfer.tls for WAN links"
+            "KV arrives in cleartext; turn on transfer.tls for WAN links"
         )
 
 
