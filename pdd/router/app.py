@@ -29,6 +29,7 @@ from pdd.router.http_errors import install_error_handlers
 from pdd.router.limits import BodyLimitMiddleware
 from pdd.router.metrics import RouterMetrics
 from pdd.router.pool import WorkerPool
+from pdd.router.rate_limit import KeyLimiter
 from pdd.router.registry import FleetMembership
 from pdd.router.registry import routes as registry_routes
 from pdd.router.routes import router as api_routes
@@ -113,6 +114,7 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(api_routes)
     app.state.pdd_fleet = fleet
+    app.state.pdd_key_limiter = KeyLimiter()  # rpm / tpm of API keys (pdd.router.rate_limit)
     if cfg.router.fleet.accept_registrations:
         app.include_router(registry_routes)  # /internal/v1/workers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.router.max_body_bytes)

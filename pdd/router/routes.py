@@ -34,6 +34,7 @@ from pdd.router.sse import (
     cancel_on_disconnect,
     sse_event,
 )
+from pdd.router.tenants import check_overrides
 from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
 from pdd.router.validation import (
     build_chat_request,
@@ -63,11 +64,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     arrival = time.monotonic()
     st = _state(request)
     check_model(body.model, st.limits)
+    check_overrides(body.pdd, request.scope)  # 403 unless an admin key
     st.service.check_capacity()
     messages = chat_messages(body.messages)
     prompt_ids = await asyncio.to_thread(st.codec.encode_chat, messages)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
     return await _respond(request, st, req, ChatFormat(ctx), stream=body.stream)
 
@@ -77,6 +80,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     st = _state(request)
     check_model(body.model, st.limits)
+    check_overrides(body.pdd, request.scope)  # 403 unless an admin key
     st.service.check_capacity()
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
@@ -86,8 +90,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = list(prompt)
     rid = new_request_id("cmpl")
     req = build_completion_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs is not None)
     return await _respond(request, st, req, CompletionFormat(ctx), stream=body.stream)
+
+
+def _charge(request: Request, req: GenerationRequest) -> None:
+    """The key's limits per minute (429 + Retry-After); app.state.pdd_key_limiter."""
+    limiter = getattr(request.app.state, "pdd_key_limiter", None)
+    if limiter is not None:
+        limiter.admit(request.scope, len(req.prompt_token_ids) + req.sampling.max_tokens)
 
 
 def _context(
