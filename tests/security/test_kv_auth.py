@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pdd.config.transfer import TransferConfig
+from pdd.errors import TransferError
 from pdd.transfer import KVSegment, ReceiverHooks, SendRequest, TransferState, create_transport
 from pdd.transfer.tcp_io import FrameReader, send_all
 from pdd.transfer.testing import LandingZone, crc_of, pattern
@@ -131,3 +132,24 @@ def test_proof_words_round_trip_as_the_wire_carries_them():
     nonce = new_nonce()
     words = np.frombuffer(hello_proof(TOKEN, 3, nonce).tobytes(), np.uint64)
     assert proof_ok(TOKEN, 3, words, nonce)
+
+
+def test_a_keyed_reservation_takes_chunks_only_with_its_landing_key():
+    """MD with fleet credentials keys every reservation; the router hands the key to the P it
+    chose (SendKv), so a sender that only knows the request id cannot fill it."""
+    from dataclasses import replace
+
+    from tests.faults.test_md_landing import chain, header, landing
+
+    land, drc = landing()
+    land.prepare("kv", chain(3), 12, lease_s=60, keyed=True)
+    key = land.landing_key("kv")
+    assert len(key) == 12
+    for forged in ("kv", "kv#", "kv#" + "A" * 12, "kv#" + key[:-1]):
+        with pytest.raises(TransferError, match="not from the P its reservation is for"):
+            land.allocate(replace(header(0), request_id=forged))
+    assert land.refused_chunks == 4 and drc.stats().landing_blocks == 3
+    assert land.allocate(replace(header(0), request_id="kv#" + key)).nbytes == 16
+    open_land, _ = landing()
+    open_land.prepare("kv", chain(3), 12, lease_s=60)  # no credentials: not keyed
+    assert open_land.landing_key("kv") == "" and open_land.allocate(header(0)).nbytes == 16
