@@ -162,3 +162,36 @@ def test_a_process_bound_beyond_loopback_without_credentials_exits_2(argv, named
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=REPO)
     assert r.returncode == 2, r.stderr
     assert "refusing to start" in r.stderr and named in r.stderr and "pdd certs" in r.stderr
+
+
+def test_an_insecure_router_starts_warns_and_says_so_in_health():
+    """A real `pdd router` on 0.0.0.0 without keys but with security.insecure (no workers up)."""
+    import os
+    import signal
+
+    import httpx
+
+    from pdd.launch import free_port
+    from tests.helpers import wait_until
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdd.router.main", "--config", str(REPO / "configs/colocated.yaml"),
+           "--set", "router.host=0.0.0.0", "--set", f"router.port={port}",
+           "--set", "security.insecure=true"]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PDD_API_KEY", None)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+
+        def health():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            except httpx.HTTPError:
+                return None
+
+        r = wait_until(health, 60, "the router's /health")
+        assert r.json()["insecure"] == ["API keys (router.api_keys_file or $PDD_API_KEY)"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "security.insecure: the router" in err and "WITHOUT API keys" in err
