@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "benchmarks: transfer | serve | overhead | handoff-gap | soak | dashboard | gpu-kv-copy",
     ),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
+    "certs": ("pdd.certs", "main", "make a fleet's CA, certificates, worker token and API key"),
 }
 
 

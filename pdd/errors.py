@@ -149,3 +149,22 @@ class LabError(PddError):
     """The two-datacenter lab (pdd.lab) could not be made, reached or removed."""
 
     error_type = "lab_error"
+
+
+class PermissionDeniedError(PddError):
+    """The API key is valid but may not do this (HTTP 403), e.g. a non-admin key on /debug."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "permission_denied"
+
+
+class RateLimitedError(OverloadedError):
+    """One API key is over its requests or tokens per minute (HTTP 429 with Retry-After);
+    other keys are unaffected."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -85,6 +85,18 @@ class SecurityConfig(Section):
     grpc_tls: GrpcTlsConfig = Field(
         default_factory=GrpcTlsConfig, description="TLS on router <-> worker gRPC."
     )
+    auto_credentials: bool = Field(
+        False,
+        description="`pdd serve` only: make a worker token (when worker_token_file is null), "
+        "a CA and one certificate for this run in its run folder, and turn grpc_tls and "
+        "transfer.tls on with them in the effective config (`pdd certs` makes a fleet's).",
+    )
+    insecure: bool = Field(
+        False,
+        description="Start even when a process listening beyond loopback lacks its "
+        "credentials (API keys, worker token, TLS); it warns on every start and /health says "
+        "`insecure`. Off: such a process refuses to start (pdd.config.exposure).",
+    )
 
     def worker_token(self) -> bytes | None:
         """The token's bytes (None when off). Raises ConfigError when the file is missing,

@@ -52,6 +52,18 @@ class TransferConfig(Section):
         gt=0,
         description="TCP_USER_TIMEOUT and keepalive: a silent peer is declared dead after this.",
     )
+    max_inbound_streams: int = Field(
+        256,
+        gt=0,
+        description="KV receiver: most open sender connections (TCP streams, UCX endpoints); "
+        "one more is closed at once (a flood cannot exhaust threads or memory).",
+    )
+    first_byte_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="KV receiver: a connection that has not completed its handshake (TLS, "
+        "challenge, proof) within this is closed.",
+    )
     listen_host: str = Field("127.0.0.1", description="Address the receiver listens on.")
     listen_port: int = Field(0, ge=0, lt=65536, description="Receiver port; 0 picks a free one.")
     tls: bool = Field(False, description="Encrypt and authenticate TCP streams (mutual TLS).")

@@ -26,6 +26,7 @@ import yaml
 
 from pdd.errors import PddError
 from pdd.launch.children import Child, child_env, child_specs
+from pdd.launch.credentials import with_run_credentials
 from pdd.launch.placement import Placed, Spawn
 
 # SIGTERM to SIGKILL, per stage (router, then all workers). A worker needs ~4-11 s: vLLM gives
@@ -43,7 +44,7 @@ class Topology:
     def __init__(self, placed: Placed, run_dir: Path, spawn_for: Callable[[str], Spawn]):
         self.placed = placed
         self.config_path = run_dir / "effective-config.yaml"
-        data = placed.cfg.model_dump(mode="json")
+        data = with_run_credentials(placed.cfg.model_dump(mode="json"), run_dir)
         self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         specs = child_specs(placed.cfg, self.config_path, placed.router_dc)
         self.children = [Child(spec, spawn_for(spec.dc)) for spec in specs]

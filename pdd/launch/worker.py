@@ -33,6 +33,7 @@ import sys
 import time
 
 from pdd.config import PddConfig, WorkerConfig, load_config
+from pdd.config.exposure import check_worker
 from pdd.engine.env import configure_process_env
 from pdd.errors import ConfigError, PddError
 from pdd.observability.context import RequestIdServerInterceptor
@@ -137,7 +138,7 @@ async def _teardown(parts: dict) -> None:
         parts["metrics"].close()
 
 
-async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
+async def _serve(cfg: PddConfig, worker: WorkerConfig, insecure: list[str] | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,6 +150,7 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig) -> int:
         _install_kv_credential(cfg, worker)
         service = await _build(cfg, worker, parts)
         engine, metrics = parts["engine"], parts["metrics"]
+        metrics.insecure = insecure or []
         metrics_port = metrics.serve(worker.host, worker.metrics_port)  # /health: 503 for now
         server, grpc_port = _grpc_server(cfg, worker, service)
         await server.start()
@@ -188,8 +190,9 @@ async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metric
 
 
 def _install_kv_credential(cfg: PddConfig, worker: WorkerConfig) -> None:
-    """The worker token guards this worker's UCX KV plane too (pdd.transfer.ucx_auth); the
-    TCP (WAN) plane is guarded by mutual TLS (``transfer.tls``). Raises ConfigError."""
+    """The worker token guards this worker's KV receivers too: every UCX and TCP sender
+    answers a fresh challenge with it (pdd.transfer.ucx_auth); the TCP (WAN) bytes are
+    encrypted by mutual TLS (``transfer.tls``). Raises ConfigError."""
     from pdd.transfer.ucx_auth import set_kv_token
 
     token = cfg.security.worker_token()
@@ -197,7 +200,7 @@ def _install_kv_credential(cfg: PddConfig, worker: WorkerConfig) -> None:
     if token is not None and worker.role is Role.MAIN_DECODE and not cfg.transfer.tls:
         log.warning(
             "security.worker_token_file is set but transfer.tls is off: this main_decode's "
-            "TCP KV receiver accepts any sender; turn on transfer.tls for WAN links"
+            "KV arrives in cleartext; turn on transfer.tls for WAN links"
         )
 
 
@@ -282,13 +285,14 @@ def _run(argv: list[str] | None, prog: str, role: Role | None) -> int:
         worker = _pick_worker(cfg, args.worker, role)
         if args.register:
             worker = worker.model_copy(update={"register_url": args.register})
+        insecure = check_worker(cfg, worker)
     except ConfigError as err:
         print(f"{prog}: {err.message}", file=sys.stderr)
         return 2
     setup_logging(role=worker.role.value, worker=worker.id)
     log.info("worker %s effective config: %s", worker.id, cfg.model_dump_json())
     try:
-        return asyncio.run(_serve(cfg, worker))
+        return asyncio.run(_serve(cfg, worker, insecure))
     except PddError as err:
         log.error("worker %s failed: %s", worker.id, err.message)
         return 1

@@ -7,8 +7,12 @@ state. Lifecycle of one reservation::
     PrepareKv(prompt)    hashes (pdd.cache.hashing, model_salt), drc.reserve -> cached_blocks,
                          reserved_blocks, this worker's address (RESOURCE_EXHAUSTED when the
                          DRC cannot make room); leased (PrepareKv.lease_s)
-    chunk of block i     allocate -> drc.landing_buffer(kv_id, chain[i]); a block the DRC
-                         already holds lands in a throw-away buffer
+                         and a fresh landing key: the router hands it to the P it chose
+                         (SendKv), so only that P, for that request, can fill it
+    chunk of block i     allocate: its request id must be ``kv_id#landing_key`` (anything
+                         else is refused, so a forged sender cannot poison the DRC under this
+                         prompt's hashes) -> drc.landing_buffer(kv_id, chain[i]); a block the
+                         DRC already holds lands in a throw-away buffer
     transfer DONE        drc.land every written block (committed in chain order: visible to
                          match(), exported as BlockStored); FAILED/CANCELLED: drc.discard them
     lease released       consumed by a Generate and the transfer terminal, or nothing was to
@@ -22,7 +26,9 @@ Transport threads run ``allocate`` / ``received`` under ``_lock``; the DRC has i
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +55,13 @@ class Reservation:
     written: dict[int, BlockHash] = field(default_factory=dict)  # given a landing buffer
     consumed: bool = False
     leased: bool = True
+    landing_key: str = ""  # "": any sender (a fleet without a worker token)
+
+
+def split_wire_id(request_id: str) -> tuple[str, str]:
+    """(kv_id, landing key) of a chunk's request id ``kv_id#key`` (key "" without one)."""
+    kv_id, _, key = request_id.partition("#")
+    return kv_id, key
 
 
 class DrcLanding:
@@ -64,6 +77,7 @@ class DrcLanding:
         self._lock = threading.Lock()
         self.query_tokens = 0  # prompt tokens routed here (PrepareKv)
         self.hit_tokens = 0  # of which the DRC held at PrepareKv
+        self.refused_chunks = 0  # chunks without their reservation's landing key
 
     @property
     def open_records(self) -> int:
@@ -72,8 +86,16 @@ class DrcLanding:
 
     # --- RPCs (event loop) ----------------------------------------------------------------
 
-    def prepare(self, kv_id: str, chain: list[BlockHash], n_tokens: int, lease_s: float):
-        """drc.reserve for the prompt; returns it (CacheFullError when there is no room)."""
+    def prepare(
+        self,
+        kv_id: str,
+        chain: list[BlockHash],
+        n_tokens: int,
+        lease_s: float,
+        keyed: bool = False,
+    ):
+        """drc.reserve for the prompt; returns it (CacheFullError when there is no room).
+        ``keyed``: the reservation gets a landing key its chunks must carry."""
         lease = lease_s if lease_s > 0 else self._default_lease_s
         with self._lock:
             if kv_id in self._recs:
@@ -82,11 +104,18 @@ class DrcLanding:
                 kv_id, chain, num_prompt_tokens=n_tokens, ttl_s=lease + LEASE_SLACK_S
             )
             rec = Reservation(kv_id, tuple(chain), len(res.receive), time.monotonic() + lease)
+            rec.landing_key = secrets.token_urlsafe(9) if keyed else ""  # 72 bits, 12 chars
             self._recs[kv_id] = rec
             self._recent.forget(kv_id)
             self.query_tokens += n_tokens
             self.hit_tokens += res.cached_tokens
         return res
+
+    def landing_key(self, kv_id: str) -> str:
+        """The secret chunks of ``kv_id``'s reservation must carry (PrepareKvResponse)."""
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            return rec.landing_key if rec is not None else ""
 
     def terminal(self, kv_id: str) -> bool:
         with self._lock:
@@ -194,12 +223,15 @@ class DrcLanding:
 
     def allocate(self, header: ChunkHeader) -> memoryview:
         """Where one chunk lands; raises to refuse it (and so its transfer)."""
-        kv_id, i = header.request_id, header.block_start
+        (kv_id, key), i = split_wire_id(header.request_id), header.block_start
         whole_slot(header, self._slot_bytes)
         with self._lock:
             rec = self._recs.get(kv_id)
             if rec is None or not rec.leased or rec.inbound.cancelled is not None:
                 raise TransferError(f"no DRC reservation for the KV of {kv_id!r}")
+            if rec.landing_key and not hmac.compare_digest(key.encode(), rec.landing_key.encode()):
+                self.refused_chunks += 1
+                raise TransferError(f"KV of {kv_id!r}: not from the P its reservation is for")
             if i >= len(rec.chain):
                 raise TransferError(f"KV of {kv_id!r}: block {i} is past the prompt's blocks")
             block_hash = rec.chain[i]
@@ -213,7 +245,7 @@ class DrcLanding:
 
     def received(self, result: InboundResult) -> None:
         with self._lock:
-            rec = self._recs.get(result.request_id)
+            rec = self._recs.get(split_wire_id(result.request_id)[0])
             if rec is None:
                 return
             rec.inbound.finish(result)

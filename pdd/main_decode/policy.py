@@ -32,6 +32,7 @@ from pdd.main_decode.landing import DrcLanding
 from pdd.main_decode.store import OwnBlocks
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ReceiverHooks
+from pdd.transfer.ucx_auth import kv_token
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     REAL_FINISHES,
@@ -159,11 +160,13 @@ class MainDecodeRole:
         prompt = list(req.prompt_token_ids)
         chain = self.hashes(prompt)
         await self._own.settle(chain)  # the previous turn's own blocks, if still landing
-        res = self._landing.prepare(req.kv_request_id, chain, len(prompt), req.lease_s)
+        keyed = kv_token() is not None  # with fleet credentials: bind it to the router's P
+        res = self._landing.prepare(req.kv_request_id, chain, len(prompt), req.lease_s, keyed)
         return pb.PrepareKvResponse(
             cached_blocks=res.cached_blocks,
             reserved_blocks=len(res.receive),
             address=self._plane.address(),
+            landing_key=self._landing.landing_key(req.kv_request_id),
         )
 
     async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:

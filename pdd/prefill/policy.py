@@ -158,7 +158,9 @@ class PrefillRole:
             if not segments:
                 sent.append(0)
                 continue
-            request = SendRequest(stage.kv_id, segments, deadline_s=deadline_s)
+            request = SendRequest(
+                _wire_id(stage.kv_id, dest.landing_key), segments, deadline_s=deadline_s
+            )
             handle = transport.send(to_peer(dest.peer), request)
             self._plane.started(handle.transfer_id)
             stage.sends[handle.transfer_id] = handle
@@ -243,3 +245,9 @@ class PrefillRole:
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
         )
+
+
+def _wire_id(kv_id: str, landing_key: str) -> str:
+    """The request id P's chunks carry: ``kv_id#landing_key`` when the destination's
+    reservation has a key (MD's DRC landing: pdd.main_decode.landing), else ``kv_id``."""
+    return f"{kv_id}#{landing_key}" if landing_key else kv_id

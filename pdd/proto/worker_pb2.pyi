@@ -122,12 +122,14 @@ class PeerAddress(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ucx_address: _Optional[bytes] = ..., host_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("peer", "first_block")
+    __slots__ = ("peer", "first_block", "landing_key")
     PEER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LANDING_KEY_FIELD_NUMBER: _ClassVar[int]
     peer: PeerAddress
     first_block: int
-    def __init__(self, peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., first_block: _Optional[int] = ...) -> None: ...
+    landing_key: str
+    def __init__(self, peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., first_block: _Optional[int] = ..., landing_key: _Optional[str] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
     __slots__ = ("kv_request_id", "destinations", "deadline_s")
@@ -158,14 +160,16 @@ class PrepareKvRequest(_message.Message):
     def __init__(self, kv_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrepareKvResponse(_message.Message):
-    __slots__ = ("cached_blocks", "reserved_blocks", "address")
+    __slots__ = ("cached_blocks", "reserved_blocks", "address", "landing_key")
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LANDING_KEY_FIELD_NUMBER: _ClassVar[int]
     cached_blocks: int
     reserved_blocks: int
     address: PeerAddress
-    def __init__(self, cached_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., address: _Optional[_Union[PeerAddress, _Mapping]] = ...) -> None: ...
+    landing_key: str
+    def __init__(self, cached_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., address: _Optional[_Union[PeerAddress, _Mapping]] = ..., landing_key: _Optional[str] = ...) -> None: ...
 
 class AwaitKvRequest(_message.Message):
     __slots__ = ("kv_request_id", "timeout_s")

@@ -29,6 +29,7 @@ from pdd.router.http.auth import ApiKeyMiddleware, ApiKeys, KeyReloader
 from pdd.router.http.drain import DrainGate, DrainMiddleware
 from pdd.router.http.errors import install_error_handlers
 from pdd.router.http.limits import BodyLimitMiddleware
+from pdd.router.http.rate_limit import KeyLimiter
 from pdd.router.http.routes import router as api_routes
 from pdd.router.http.validation import ServingLimits, generation_defaults
 from pdd.router.metrics import RouterMetrics
@@ -97,6 +98,7 @@ def build_app(cfg: PddConfig, *, codec: TextCodec | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(api_routes)
     app.state.pdd_fleet = fleet
+    app.state.pdd_key_limiter = KeyLimiter()  # rpm / tpm of API keys (pdd.router.http.rate_limit)
     if cfg.router.fleet.accept_registrations:
         app.include_router(registry_routes)  # /internal/v1/workers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.router.max_body_bytes)

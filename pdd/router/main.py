@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -29,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdd.config import PddConfig, load_config
+from pdd.config.exposure import check_router
 from pdd.errors import PddError
 from pdd.observability.logging import setup_logging
 
@@ -166,7 +168,9 @@ def _load(args: argparse.Namespace) -> tuple[PddConfig, FastAPI, socket.socket]:
 
     cfg = load_config(args.config, args.set)
     log.info("effective config: %s", cfg.model_dump_json())
+    insecure = check_router(cfg, os.environ)  # before the tokenizer loads: fail fast
     app = build_app(cfg)
+    app.state.pdd_insecure = insecure  # /health reports it
     return cfg, app, bind_socket(cfg.router.host, cfg.router.port)
 
 

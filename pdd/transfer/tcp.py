@@ -18,6 +18,7 @@ from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import client_tls, server_tls
 from pdd.transfer.tcp_recv import Listener
 from pdd.transfer.tcp_send import PeerLink
+from pdd.transfer.ucx_auth import kv_token
 from pdd.transfer.wire import CancelReason
 
 
@@ -26,6 +27,8 @@ class TcpTransport(BaseTransport):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.token = kv_token()  # fleet credential: senders prove it, receivers require it
+        self.refused = 0  # connections closed: no proof, or the receiver was full
         self.server_tls = server_tls(self.config)
         self.client_tls = client_tls(self.config)
         self._links: dict[str, PeerLink] = {}

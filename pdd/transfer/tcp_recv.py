@@ -1,6 +1,10 @@
 """Receiving half of the TCP transport: a listener thread and one thread per accepted stream.
 
-A stream starts with HELLO (the sender's id). Each DATA frame's payload is read straight
+A stream starts with the receiver's CHALLENGE (a fresh nonce), answered by the sender's HELLO
+(its id) and AUTH (its proof of the worker token for this nonce: pdd.transfer.ucx_auth); a
+receiver with a token closes a stream whose proof is wrong. The handshake (TLS included) must
+finish within ``transfer.first_byte_timeout_s``, and at most ``transfer.max_inbound_streams``
+streams are open at once (one more is closed on accept). Each DATA frame's payload is read straight
 into the buffer the allocator lends, verified against its checksum trailer, and acknowledged
 on the same socket (OK, CHECKSUM, REFUSED or GONE). Payloads of transfers the receiver no longer holds
 (cancelled, failed, expired) are read and dropped. When a stream dies (EOF, reset, TLS
@@ -15,6 +19,8 @@ import ssl
 import threading
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pdd.errors import TransferError
 from pdd.transfer.api import TransferState
 from pdd.transfer.ledger import cancel_outcome
@@ -25,12 +31,14 @@ from pdd.transfer.tcp_io import (
     shutdown_quietly,
     tune,
 )
+from pdd.transfer.ucx_auth import new_nonce, proof_ok
 from pdd.transfer.wire import (
     TRAILER,
     AckStatus,
     ChunkHeader,
     FrameKind,
     pack_ack,
+    pack_challenge,
     unpack_cancel,
     unpack_hello,
 )
@@ -66,6 +74,12 @@ class Listener:
                     conn.close()
                     return
                 self._streams = [s for s in self._streams if s.thread.is_alive()]
+                if len(self._streams) >= self.transport.config.max_inbound_streams:
+                    self.transport.refused += 1
+                    log.warning("KV receiver full (%d streams): closed a new connection",
+                                len(self._streams))  # fmt: skip
+                    conn.close()
+                    continue
                 stream = ReceiverStream(self.transport, conn)
                 self._streams.append(stream)
             stream.thread.start()
@@ -117,16 +131,26 @@ class ReceiverStream:
     def _handshake(self) -> None:
         cfg = self.transport.config
         tune(self.sock, cfg, cfg.min_chunk_bytes)
+        self.sock.settimeout(cfg.first_byte_timeout_s)  # the whole handshake, TLS included
         ctx: ssl.SSLContext | None = self.transport.server_tls
         if ctx is not None:  # a peer without a certificate from our CA fails right here
-            self.sock.settimeout(cfg.connect_timeout_s)
             self.sock = ctx.wrap_socket(self.sock, server_side=True)
-            self.sock.settimeout(None)
+        nonce = new_nonce()
+        send_all(self.sock, [pack_challenge(nonce)])
         self.reader = FrameReader(self.sock)
         kind, body = self.reader.read_frame()
         if kind is not FrameKind.HELLO:
             raise TransferError(f"expected HELLO, got {kind.name}")
-        self.sender_id = unpack_hello(body)[0]
+        sender = unpack_hello(body)[0]
+        kind, proof = self.reader.read_frame()
+        if kind is not FrameKind.AUTH:
+            raise TransferError(f"expected AUTH, got {kind.name}")
+        if not proof_ok(self.transport.token, sender, np.frombuffer(proof, np.uint64), nonce):
+            self.transport.refused += 1
+            log.warning("refused a TCP KV sender: it did not prove the worker token")
+            raise TransferError("sender did not prove the worker token")
+        self.sock.settimeout(None)
+        self.sender_id = sender
 
     def _loop(self) -> None:
         inbound = self.transport.inbound

@@ -39,10 +39,12 @@ from pdd.transfer.tcp_io import (
     shutdown_quietly,
     tune,
 )
+from pdd.transfer.ucx_auth import hello_proof
 from pdd.transfer.wire import (
     TRAILER,
     FrameKind,
     Hasher,
+    pack_auth,
     pack_cancel,
     pack_hello,
     unpack_ack,
@@ -179,9 +181,14 @@ class SenderStream:
         self.sock = ctx.wrap_socket(raw) if ctx is not None else raw
         if self.link.broken is not None:  # closed while we were connecting
             raise TransferError(self.link.broken)
-        self.sock.settimeout(None)
         self.reader = FrameReader(self.sock)
-        send_all(self.sock, [pack_hello(self.link.transport.sender_id, self.index, self.count)])
+        kind, nonce = self.reader.read_frame()  # the receiver's challenge (connect timeout)
+        if kind is not FrameKind.CHALLENGE:
+            raise TransferError(f"expected CHALLENGE, got {kind.name}")
+        self.sock.settimeout(None)
+        sender = self.link.transport.sender_id
+        proof = hello_proof(self.link.transport.token, sender, nonce).tobytes()
+        send_all(self.sock, [pack_hello(sender, self.index, self.count), pack_auth(proof)])
         rtt = kernel_rtt_s(self.sock)
         self.link.estimator.on_rtt(rtt)
         if 0 < rtt < LAN_RTT_S:  # a LAN: a small unsent queue would only cost wakeups

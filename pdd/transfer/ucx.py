@@ -13,8 +13,9 @@ Messages are tagged (top 2 bits = kind):
     DATA  sender -> receiver  one chunk payload; tag mixes (transfer id, chunk index)
     ACK   receiver -> sender  an ACK frame, on the control endpoint
 
-Connect: the sender stream-sends its id (and, with a worker token, its proof: ucx_auth) on
-the control endpoint and waits for the receiver's stream reply before sending headers, so the
+Connect: the receiver stream-sends a fresh challenge (a nonce) on the control endpoint; the
+sender answers with its id (and, with a worker token, its proof for that nonce: ucx_auth) and
+waits for the receiver's stream reply before sending headers, so the
 receiver always knows which control endpoint belongs to a header's sender (acks go back on it;
 its failure fails that sender's transfers) and refuses a sender without the credential.
 All UCX calls run on the `UcxLoop` thread.
@@ -35,7 +36,7 @@ import numpy as np
 from pdd.transfer.api import PeerAddress, TransferState
 from pdd.transfer.base import BaseTransport
 from pdd.transfer.ledger import OutRecord
-from pdd.transfer.ucx_auth import hello_proof, kv_token
+from pdd.transfer.ucx_auth import PROOF_WORDS, hello_proof, kv_token
 from pdd.transfer.ucx_loop import (
     ACK_TAG,
     HDR_TAG,
@@ -201,9 +202,17 @@ class UcxTransport(BaseTransport):
         # sender id, then pid and pid namespace: with shared memory the receiver checks that
         # we are alive before it matches our rendezvous (see process_alive)
         ident = process_identity(p.data is not p.ctrl)
-        proof = hello_proof(self.token, self.sender_id)  # the receiver may require it
-        hello = np.array([self.sender_id, *ident, *proof], np.uint64)
-        self.loop.track(p.ctrl.stream_send(Array(hello)), lambda e: None, hello)
+        challenge = np.zeros(PROOF_WORDS, np.uint64)  # the receiver's nonce for this endpoint
+
+        def on_challenge(error: str | None) -> None:
+            if error is not None:
+                self._break(p, f"handshake with {p.key} failed: {error}")
+                return
+            proof = hello_proof(self.token, self.sender_id, challenge.tobytes())
+            hello = np.array([self.sender_id, *ident, *proof], np.uint64)
+            self.loop.track(p.ctrl.stream_send(Array(hello)), lambda e: None, hello)
+            self.loop.track(p.ctrl.stream_recv(Array(welcome)), on_welcome, welcome)
+
         welcome = np.zeros(1, np.uint64)
 
         def on_welcome(error: str | None) -> None:
@@ -213,7 +222,7 @@ class UcxTransport(BaseTransport):
             p.ready = True
             self._pump(p)
 
-        self.loop.track(p.ctrl.stream_recv(Array(welcome)), on_welcome, welcome)
+        self.loop.track(p.ctrl.stream_recv(Array(challenge)), on_challenge, challenge)
         return p
 
     def _lost(self, key: str, serial: int) -> None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import itertools
 import logging
 import struct
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pdd.transfer.api import TransferState
 from pdd.transfer.ledger import cancel_outcome
-from pdd.transfer.ucx_auth import PROOF_WORDS, proof_ok
+from pdd.transfer.ucx_auth import PROOF_WORDS, new_nonce, proof_ok
 from pdd.transfer.ucx_loop import (
     ACK_TAG,
     HDR_TAG,
@@ -69,6 +70,7 @@ class UcxReceiver:
         self._sender_of: dict[int, int] = {}  # connection number -> sender id
         self._senders: dict[int, int] = {}  # sender id -> connection number
         self._pids: dict[int, tuple[int, int]] = {}  # sender id -> (pid, pid namespace)
+        self._nonces: dict[int, tuple[bytes, float]] = {}  # connection -> (challenge, sent at)
         self._closed = False
         self.refused = 0  # senders refused for a missing or wrong credential
 
@@ -93,6 +95,10 @@ class UcxReceiver:
     def check_alive(self) -> None:
         """Backstop for close callbacks that UCX does not always deliver: poll `alive`,
         and the process of every shared-memory sender."""
+        stale = time.monotonic() - self.t.config.first_byte_timeout_s
+        for conn, (_, sent_at) in list(self._nonces.items()):
+            if sent_at < stale:  # no hello in time: close it (its slot in _conns too)
+                self._lost(conn)
         for conn, ep in list(self._conns.items()):
             sender = self._sender_of.get(conn)
             dead = sender is not None and not process_alive(*self._pids.get(sender, (0, 0)))
@@ -107,9 +113,18 @@ class UcxReceiver:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
         conn = next(self._ids)
         self._conns[conn] = ep
-        hello = np.zeros(3 + PROOF_WORDS, np.uint64)  # sender id, pid, pid ns inode, proof
         # UCX calls this from inside progress, where closing the endpoint would deadlock.
         ep.set_close_callback(lambda: self.loop.call(lambda: self._lost(conn)))
+        if len(self._conns) > self.t.config.max_inbound_streams:
+            self.refused += 1
+            log.warning("UCX KV receiver full (%d senders): closed a new one", len(self._conns))
+            self.loop.call(lambda: self._lost(conn))
+            return
+        nonce = new_nonce()
+        self._nonces[conn] = (nonce, time.monotonic())
+        challenge = np.frombuffer(nonce, np.uint64).copy()
+        self.loop.track(ep.stream_send(Array(challenge)), lambda e: None, challenge)
+        hello = np.zeros(3 + PROOF_WORDS, np.uint64)  # sender id, pid, pid ns inode, proof
         self.loop.track(
             ep.stream_recv(Array(hello)), lambda e: self._on_hello(conn, hello, e), hello
         )
@@ -120,7 +135,8 @@ class UcxReceiver:
             self._lost(conn)
             return
         sender = int(hello[0])
-        if not proof_ok(self.t.token, sender, hello[3:]):
+        nonce, _ = self._nonces.pop(conn, (b"", 0.0))
+        if not nonce or not proof_ok(self.t.token, sender, hello[3:], nonce):
             self.refused += 1
             log.warning("refused a UCX KV sender: it did not prove the worker token")
             self._lost(conn)  # no welcome: its headers are never accepted
@@ -133,6 +149,7 @@ class UcxReceiver:
     def _lost(self, conn: int) -> None:
         """A sender's connection is gone: fail its transfers, release its receives."""
         ep = self._conns.pop(conn, None)
+        self._nonces.pop(conn, None)
         sender = self._sender_of.pop(conn, None)
         if sender is not None and self._senders.get(sender) == conn:
             del self._senders[sender]

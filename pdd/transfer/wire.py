@@ -12,6 +12,8 @@ or crc32) is named per chunk, so mixed versions interoperate.
     CANCEL  sender -> receiver   (transfer_id, reason): stop; chunks still in flight are dropped
     HELLO   sender -> receiver   (sender_id, stream_index, stream_count): first frame of a stream
     BYE     sender -> receiver   (sender_id): the sender is closing; its open transfers fail
+    CHALLENGE receiver -> sender (32-byte nonce): TCP, first frame of a stream, fresh each time
+    AUTH    sender -> receiver   (32-byte proof, pdd.transfer.ucx_auth): right after HELLO
 
 Chunks: each segment of a request is cut into byte ranges of at most `chunk_bytes`; the
 header carries the segment's block and layer range, dtype and shape, the byte offset of the
@@ -57,6 +59,8 @@ class FrameKind(enum.IntEnum):
     CANCEL = 3
     HELLO = 4
     BYE = 5
+    CHALLENGE = 6
+    AUTH = 7
 
 
 class AckStatus(enum.IntEnum):
@@ -136,6 +140,7 @@ _ACK = struct.Struct("<QIBxxxI")
 _CANCEL = struct.Struct("<QB7x")
 _HELLO = struct.Struct("<QHH4x")
 _BYE = struct.Struct("<Q")
+_NONCE = struct.Struct("<32s")  # CHALLENGE's nonce and AUTH's proof
 # checksum and deadline_ms sit right after the 12 leading fields of the DATA body
 _SENT = struct.Struct("<II")
 _SENT_OFFSET = PREFIX.size + struct.calcsize("<QIIHIIHHQIQQ")
@@ -145,6 +150,8 @@ BODY_SIZE = {
     FrameKind.CANCEL: _CANCEL.size,
     FrameKind.HELLO: _HELLO.size,
     FrameKind.BYE: _BYE.size,
+    FrameKind.CHALLENGE: _NONCE.size,
+    FrameKind.AUTH: _NONCE.size,
 }
 
 
@@ -264,6 +271,14 @@ def pack_hello(sender_id: int, stream_index: int, stream_count: int) -> bytes:
 
 def unpack_hello(body: bytes) -> tuple[int, int, int]:
     return _HELLO.unpack(body)
+
+
+def pack_challenge(nonce: bytes) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.CHALLENGE) + _NONCE.pack(nonce)
+
+
+def pack_auth(proof: bytes) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.AUTH) + _NONCE.pack(proof)
 
 
 def pack_bye(sender_id: int) -> bytes:

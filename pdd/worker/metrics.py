@@ -129,6 +129,7 @@ class WorkerMetrics:
             ["role", "outcome"],
         )
         self.ready = ready
+        self.insecure: list[str] = []  # credentials security.insecure let this worker lack
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -144,7 +145,10 @@ class WorkerMetrics:
                 ok = self.ready()
                 status = "200 OK" if ok else "503 Service Unavailable"
                 start_response(status, [("Content-Type", "text/plain")])
-                return [b"ok\n" if ok else b"not ready\n"]
+                body = b"ok\n" if ok else b"not ready\n"
+                if self.insecure:
+                    body += ("insecure: without " + "; ".join(self.insecure) + "\n").encode()
+                return [body]
             # Always the classic text format: with OpenMetrics (what Prometheus asks for)
             # prometheus_client renames vLLM's `vllm:*` samples, and dashboards miss them.
             environ = {k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}

@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdd.cache.hashing import BlockHash, block_hashes, model_salt
-from pdd.config import ModelConfig
 from pdd.cache.messages import BlockRemoved, BlockStored, DrcEvent, DrcEventBatch, DrcSnapshot
+from pdd.config import ModelConfig
 from pdd.proto import worker_pb2
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -101,7 +101,8 @@ class PStage:
             if t.recorded and t.from_cache and self._block_size > 0:
                 self._run.trace.md_cached_tokens = prep.cached_blocks * self._block_size
             if first < self.staged_blocks:
-                dests.append(worker_pb2.KvDestination(peer=prep.address, first_block=first))
+                dests.append(worker_pb2.KvDestination(
+                    peer=prep.address, first_block=first, landing_key=prep.landing_key))  # fmt: skip
                 receiving.append(t)
             elif not t.from_cache:  # its Generate will not name this KV: free the lease now
                 self._run.release_kv("nothing to send", [t.worker_id])

@@ -52,6 +52,7 @@ class Prepared:
     cached_blocks: int
     reserved_blocks: int
     address: worker_pb2.PeerAddress
+    landing_key: str = ""  # the reservation's secret, handed to P only (SendKv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,7 @@ class WorkerClient:
             kv_request_id=kv_request_id, prompt_token_ids=list(prompt_token_ids), lease_s=lease_s
         )
         resp = await self._call(self._stub.PrepareKv, msg, "PrepareKv")
-        return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address)
+        return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address, resp.landing_key)
 
     async def send_kv(
         self,

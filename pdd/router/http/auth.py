@@ -1,10 +1,12 @@
 """API-key authentication: which requests the router serves at all.
 
-Keys come from ``router.api_keys_file`` (one key per line; ``#`` starts a comment) and from the
+Keys come from ``router.api_keys_file`` (one key per line, optionally with its tenant, admin
+flag and limits: ``pdd.router.http.tenants``; ``#`` starts a comment) and from the
 ``PDD_API_KEY`` environment variable; with neither, authentication is off (local use). When on,
 every request needs ``Authorization: Bearer KEY`` except the open paths (/health for probes,
 /openapi.json, and /metrics unless ``router.metrics_require_key``); anything else, unknown
-paths included, answers 401 in OpenAI's error shape with ``WWW-Authenticate: Bearer``.
+paths included, answers 401 in OpenAI's error shape with ``WWW-Authenticate: Bearer``. An
+accepted key that is not an admin key gets 403 on ``/debug/*``.
 
 Only sha256 digests of the keys are kept. A presented key is hashed and compared with every
 digest by ``hmac.compare_digest`` without stopping at a match: fixed-length inputs, one pass
@@ -34,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdd.config import RouterConfig
 from pdd.errors import AuthenticationError, ConfigError
 from pdd.router.http.errors import error_response
+from pdd.router.http.tenants import KeyGrant, admin_only, denied, parse_key_entries
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ ENV_VAR = "PDD_API_KEY"
 CHECK_INTERVAL_S = 1.0
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 
-_Entry = tuple[bytes, str]  # (sha256 digest of the key, key_id)
+_Entry = tuple[bytes, str, KeyGrant]  # (sha256 digest of the key, key_id, what it may do)
 _Stamp = tuple[int, int, int]  # (mtime_ns, size, inode)
 
 
@@ -57,15 +60,7 @@ def key_id(key: str | bytes) -> str:
 
 def parse_keys(text: str, source: str) -> list[str]:
     """Keys from a key file's text. Raises ConfigError (naming the line, never the key)."""
-    keys = []
-    for number, line in enumerate(text.splitlines(), 1):
-        key = line.split("#", 1)[0].strip()
-        if not key:
-            continue
-        if any(c.isspace() for c in key):
-            raise ConfigError(f"{source}:{number}: an API key cannot contain whitespace")
-        keys.append(key)
-    return keys
+    return [key for key, _ in parse_key_entries(text, source)]
 
 
 class ApiKeys:
@@ -78,7 +73,7 @@ class ApiKeys:
         self.path = path
         self._env: tuple[_Entry, ...] = ()
         if env_key:
-            self._env = ((_digest(env_key.encode()), key_id(env_key)),)
+            self._env = ((_digest(env_key.encode()), key_id(env_key), KeyGrant()),)
         self._file: tuple[_Entry, ...] = ()
         self._stamp: _Stamp | None = None
         if path is not None:
@@ -98,15 +93,20 @@ class ApiKeys:
 
     @property
     def key_ids(self) -> list[str]:
-        return [kid for _, kid in self._env + self._file]
+        return [kid for _, kid, _ in self._env + self._file]
 
     def check(self, presented: bytes) -> str | None:
         """The key_id of the accepted key equal to ``presented``, else None (constant time)."""
+        found = self.lookup(presented)
+        return None if found is None else found[0]
+
+    def lookup(self, presented: bytes) -> tuple[str, KeyGrant] | None:
+        """(key_id, grant) of the accepted key equal to ``presented`` (constant time)."""
         digest = _digest(presented)
         found = None
-        for entry_digest, kid in self._env + self._file:
+        for entry_digest, kid, grant in self._env + self._file:
             if hmac.compare_digest(digest, entry_digest):
-                found = kid
+                found = (kid, grant)
         return found
 
     def reload_if_changed(self) -> bool:
@@ -141,8 +141,8 @@ class ApiKeys:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read router.api_keys_file {path}: {exc}") from exc
-        keys = parse_keys(text, str(path))
-        self._file = tuple((_digest(k.encode()), key_id(k)) for k in dict.fromkeys(keys))
+        entries = dict(parse_key_entries(text, str(path)))  # a repeated key: its last line
+        self._file = tuple((_digest(k.encode()), key_id(k), g) for k, g in entries.items())
         self._stamp = stamp
         log.info("API keys loaded: %s", ", ".join(self.key_ids) or "none")
 
@@ -194,7 +194,8 @@ class KeyReloader:
 class ApiKeyMiddleware:
     """Pure ASGI: refuses a request without an accepted key before anything reads its body.
 
-    Sets ``scope["state"]["api_key_id"]`` for accepted requests (for request logs).
+    Sets ``scope["state"]["api_key_id"]`` (for request logs) and ``["api_key_grant"]`` (tenant,
+    admin, limits: ``pdd.router.http.tenants``) for accepted requests.
     """
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, metrics_require_key: bool = False):
@@ -207,11 +208,18 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
-        kid = None if token is None else self.keys.check(token)
-        if kid is None:
+        found = None if token is None else self.keys.lookup(token)
+        if found is None:
             await _refuse(scope, receive, send, missing=token is None)
             return
-        scope.setdefault("state", {})["api_key_id"] = kid
+        kid, grant = found
+        if admin_only(scope["path"]) and not grant.admin:
+            log.debug("403 %s %s: key %s is not an admin key", scope.get("method"),
+                      scope["path"], kid)  # fmt: skip
+            await error_response(denied(scope["path"]))(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["api_key_id"], state["api_key_grant"] = kid, grant
         await self.app(scope, receive, send)
 
 

@@ -32,6 +32,7 @@ from pdd.router.http.sse import (
     cancel_on_disconnect,
     sse_event,
 )
+from pdd.router.http.tenants import check_overrides
 from pdd.router.http.validation import (
     build_chat_request,
     build_completion_request,
@@ -60,11 +61,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     arrival = time.monotonic()
     st = _state(request)
     check_model(body.model, st.limits)
+    check_overrides(body.pdd, request.scope)  # 403 unless an admin key
     st.service.check_capacity()
     messages = chat_messages(body.messages)
     prompt_ids = await asyncio.to_thread(st.codec.encode_chat, messages)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
     return await _respond(request, st, req, ChatFormat(ctx), stream=body.stream)
 
@@ -74,6 +77,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     st = _state(request)
     check_model(body.model, st.limits)
+    check_overrides(body.pdd, request.scope)  # 403 unless an admin key
     st.service.check_capacity()
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
@@ -83,8 +87,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = list(prompt)
     rid = new_request_id("cmpl")
     req = build_completion_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs is not None)
     return await _respond(request, st, req, CompletionFormat(ctx), stream=body.stream)
+
+
+def _charge(request: Request, req: GenerationRequest) -> None:
+    """The key's limits per minute (429 + Retry-After); app.state.pdd_key_limiter."""
+    limiter = getattr(request.app.state, "pdd_key_limiter", None)
+    if limiter is not None:
+        limiter.admit(request.scope, len(req.prompt_token_ids) + req.sampling.max_tokens)
 
 
 def _context(
@@ -149,7 +161,7 @@ async def list_models(request: Request) -> JSONResponse:
         "object": "model",
         "created": st.started_at,
         "owned_by": "pdd",
-        "root": str(st.cfg.model.resolved_path()),
+        "root": st.model_name,  # never the model's filesystem path
         "max_model_len": st.limits.max_model_len,
     }
     return JSONResponse({"object": "list", "data": [card]})
@@ -158,11 +170,14 @@ async def list_models(request: Request) -> JSONResponse:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     st = _state(request)
-    workers = st.pool.describe()
+    body: dict = {"workers": st.pool.describe()}
+    insecure = getattr(request.app.state, "pdd_insecure", None)
+    if insecure:  # security.insecure let this router start without these credentials
+        body["insecure"] = insecure
     if st.pool.any_healthy():
-        return JSONResponse({"status": "ok", "workers": workers})
+        return JSONResponse({"status": "ok", **body})
     return JSONResponse(
-        {"status": "unavailable", "workers": workers}, status_code=503, headers={"Retry-After": "1"}
+        {"status": "unavailable", **body}, status_code=503, headers={"Retry-After": "1"}
     )
 
 
