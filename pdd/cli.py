@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": (
         "pdd.bench",
         "main",
-        "benchmarks: transfer | serve | overhead | handoff-gap | soak | dashboard | gpu-kv-copy",
+        "benchmarks: transfer | serve | overhead | handoff-gap | soak | chaos-soak | dashboard | gpu-kv-copy",
     ),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
     "certs": ("pdd.certs", "main", "make a fleet's CA, certificates, worker token and API key"),

@@ -13,6 +13,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overhead": ("pdd.bench.serve_overhead", "pdd's router + worker vs vLLM's own OpenAI server"),
     "handoff-gap": ("pdd.bench.handoff_gap", "stalls around One-Shot / Catch-Up handoffs"),
     "soak": ("pdd.bench.soak", "mixed traffic + paused workers: leaks, memory, failures"),
+    "chaos-soak": (
+        "pdd.bench.chaos_soak",
+        "every pipeline under WAN chaos and killed workers: answers checked, leaks, restarts",
+    ),
     "dashboard": ("pdd.bench.render_dashboard", "render the Grafana dashboard's panels to a PNG"),
     "gpu-kv-copy": ("pdd.bench.gpu_kv_copy", "the torch KV block copier on a GPU (or --smoke)"),
 }

@@ -80,13 +80,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 class Topology:
     """One `pdd serve` with known router and metrics ports; its worker pids from /proc."""
 
-    def __init__(self, config: str, log_path: Path):
-        cfg = load_config(config)
+    def __init__(self, config: str, log_path: Path, overrides: tuple[str, ...] | list[str] = ()):
+        cfg = load_config(config, list(overrides))
         self.worker_ids = [w.id for w in cfg.workers]
         self.metrics = {w: free_port() for w in self.worker_ids}
         port = free_port()
         args = [sys.executable, "-m", "pdd.cli", "serve", "--config", config,
                 "--set", f"router.port={port}"]  # fmt: skip
+        for o in overrides:
+            args += ["--set", o]
         for i, w in enumerate(self.worker_ids):
             args += ["--set", f"workers.{i}.port={free_port()}"]
             args += ["--set", f"workers.{i}.metrics_port={self.metrics[w]}"]

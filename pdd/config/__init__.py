@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from pdd.config.base import Section
 from pdd.config.cache import CacheConfig
 from pdd.config.lab import LabConfig
+from pdd.config.launch import LaunchConfig
 from pdd.config.model import EngineConfig, ModelConfig
 from pdd.config.router import RouterConfig
 from pdd.config.security import SecurityConfig
@@ -26,6 +27,7 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "LabConfig",
+    "LaunchConfig",
     "ModelConfig",
     "PddConfig",
     "RouterConfig",
@@ -54,6 +56,9 @@ class PddConfig(Section):
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Decode-side cache.")
     lab: LabConfig = Field(default_factory=LabConfig, description="Two-datacenter lab link.")
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig, description="How `pdd serve` supervises its children."
+    )
     security: SecurityConfig = Field(
         default_factory=SecurityConfig,
         description="Worker token and TLS between the router and its workers.",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ipaddress import IPv4Network
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pdd.config.base import Section
 
@@ -29,6 +29,55 @@ class LabConfig(Section):
         lt=1,
         description="Probability that a packet crossing the WAN is dropped, drawn per packet "
         "and per direction.",
+    )
+    loss_b_to_a: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Loss of the dc-b -> dc-a direction when it differs (asymmetric loss); "
+        "null: `loss` both ways.",
+    )
+    jitter_ms: float = Field(
+        0.0,
+        ge=0,
+        le=10_000,
+        description="Chaos: each packet waits up to this much longer than delay_ms (uniform); "
+        "packets keep their order unless `reorder` is set.",
+    )
+    reorder: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Chaos: probability that a packet is held back reorder_ms longer, so the "
+        "packets behind it overtake it.",
+    )
+    reorder_ms: float = Field(
+        5.0, gt=0, le=10_000, description="How much longer a reordered packet is held back."
+    )
+    duplicate: float = Field(
+        0.0, ge=0, lt=1, description="Chaos: probability that a packet is delivered twice."
+    )
+    flap_every_s: float = Field(
+        0.0,
+        ge=0,
+        description="Chaos: the link goes down (both directions drop everything) once every "
+        "this many seconds, for flap_down_s; 0: never.",
+    )
+    flap_down_s: tuple[float, float] = Field(
+        (1.0, 5.0),
+        description="Chaos: how long each outage lasts, drawn uniformly from [min, max] seconds.",
+    )
+    rate_factors: tuple[float, ...] = Field(
+        (),
+        description="Chaos: bandwidth that changes under running transfers: every "
+        "rate_change_every_s the link runs at the next factor x rate_mbit (cycling), e.g. "
+        "[1, 0.25]. Empty: a constant rate.",
+    )
+    rate_change_every_s: float = Field(
+        10.0, gt=0, description="How long each of rate_factors lasts."
+    )
+    chaos_seed: int | None = Field(
+        None, description="Seed of every chaos draw (loss too): the same seed, the same link."
     )
     mtu: int = Field(
         1500,
@@ -59,6 +108,29 @@ class LabConfig(Section):
         description="Where a running lab keeps its pid files, state and log (one folder per "
         "prefix).",
     )
+
+    @field_validator("flap_down_s")
+    @classmethod
+    def _outage_range(cls, down: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < down[0] <= down[1]:
+            raise ValueError(f"flap_down_s {list(down)} is not a range [min, max] with 0 < min")
+        return down
+
+    @field_validator("rate_factors")
+    @classmethod
+    def _positive_factors(cls, factors: tuple[float, ...]) -> tuple[float, ...]:
+        if any(f <= 0 for f in factors):
+            raise ValueError(f"rate_factors {list(factors)} must all be > 0")
+        return factors
+
+    @model_validator(mode="after")
+    def _outages_fit(self) -> LabConfig:
+        if self.flap_every_s and self.flap_down_s[1] >= self.flap_every_s:
+            raise ValueError(
+                f"flap_down_s up to {self.flap_down_s[1]} s does not fit in flap_every_s "
+                f"{self.flap_every_s} s (the link would never come back)"
+            )
+        return self
 
     @field_validator("subnet")
     @classmethod

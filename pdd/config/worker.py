@@ -83,8 +83,9 @@ class WorkerConfig(Section):
         30.0,
         gt=0,
         description="Slots of an aborted request are freed once the engine confirms it is "
-        "done with them; after this long without that confirmation they are freed anyway "
-        "(with a warning).",
+        "done with them; after this long without that confirmation the engine counts as "
+        "stalled: the worker reports not ready and the slots stay held (never reused) until "
+        "the engine confirms or its process is gone.",
     )
     kv_store_own_blocks: bool = Field(
         True,

@@ -21,6 +21,14 @@ _OVERRIDES = {
     "loss": float,
     "mtu": int,
     "queue_bytes": int,
+    "loss_b_to_a": float,
+    "jitter_ms": float,
+    "reorder": float,
+    "reorder_ms": float,
+    "duplicate": float,
+    "flap_every_s": float,
+    "rate_change_every_s": float,
+    "chaos_seed": int,
     "prefix": str,
     "subnet": str,
 }
@@ -72,6 +80,8 @@ def format_status(st: LabStatus) -> str:
         f"  link   delay {st.delay_ms:g} ms each way, rate {st.rate_mbit:g} Mbit/s, "
         f"loss {st.loss:g}, mtu {st.mtu}, queue {st.queue_bytes} B per direction"
     )
+    if st.chaos:
+        lines.append(f"  chaos  {st.chaos}")
     for dc in st.datacenters:
         lines.append(
             f"  {dc.name}   netns {dc.netns}, wan {dc.wan_ip}, mgmt {dc.mgmt_ip} "

@@ -85,6 +85,12 @@ class LabPlan:
         return self.cfg.rate_mbit * 1e6 / 8
 
     @property
+    def tbf_rate_bytes_s(self) -> float:
+        """The kernel's rate limit: rate_mbit, or its highest chaos factor (the relay then
+        paces each period's rate itself, see pdd.lab.chaos)."""
+        return self.rate_bytes_s * max(self.cfg.rate_factors, default=1.0)
+
+    @property
     def queue_bytes(self) -> int:
         """Tail-drop limit of each direction: configured, else one BDP, at least 16 packets."""
         if self.cfg.queue_bytes is not None:

@@ -4,6 +4,9 @@ Each direction is a delay line: a packet read from one datacenter's TUN (already
 link rate by that TUN's tbf qdisc) is dropped with probability ``loss``, else written to the
 other datacenter's TUN ``delay_ms`` later. Packets keep their order; a delay line holds at
 most twice what the link carries in flight (more would mean the rate limit is gone).
+The chaos options (pdd.lab.chaos: outages, a changing rate, jitter, reordering, duplicates,
+asymmetric loss) decide per packet on top; with a changing rate the relay paces packets
+itself, behind a tail-drop queue of the plan's queue_bytes, as a router's would.
 
 Lifecycle: the supervisor (pdd.lab.supervisor) starts it with both TUN fds and waits on it.
 SIGTERM stops it. The TUN devices are the relay's: they vanish when it exits, whatever the
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import heapq
+import itertools
 import logging
 import os
 import random
@@ -26,11 +31,11 @@ import select
 import signal
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 from pdd.config.lab import LabConfig
 from pdd.lab import state, topology
+from pdd.lab.chaos import PacketChaos, Schedule, chaos_summary
 from pdd.lab.plan import LabPlan
 
 log = logging.getLogger("pdd.lab.relay")
@@ -48,40 +53,62 @@ class _Stop(Exception):
 class DelayLine:
     """One direction of the WAN: read packets from ``src``, write them to ``dst`` later."""
 
-    def __init__(self, name: str, src: int, dst: int, plan: LabPlan, rng: random.Random):
+    def __init__(self, name: str, src: int, dst: int, plan: LabPlan, chaos: PacketChaos):
         self.name = name
         self.src, self.dst = src, dst
         self.delay_s = plan.cfg.delay_ms / 1000
-        self.loss = plan.cfg.loss
-        self.max_bytes = plan.delay_line_bytes
+        self.chaos = chaos
+        self.schedule = chaos.schedule
+        self.rate_bytes_s = plan.rate_bytes_s
+        self.queue_bytes = plan.queue_bytes
+        self.max_bytes = plan.delay_line_bytes + (plan.queue_bytes if self.schedule.paced else 0)
         self.read_size = plan.cfg.mtu + 64
-        self.rng = rng
-        self.queue: deque[tuple[float, bytes]] = deque()
+        self.queue: list[tuple[float, int, bytes]] = []  # a heap by due time, then arrival
+        self._seq = itertools.count()
         self.held = 0  # bytes in self.queue
-        self.forwarded = self.lost = self.overflowed = 0
+        self.last_due = 0.0  # due time of the last in-order packet
+        self.tx_free = 0.0  # paced links: when the link can start the next packet
+        self.forwarded = self.lost = self.overflowed = self.duplicated = 0
 
     def pull(self, now: float) -> None:
-        """Read what the TUN has (up to a batch) and schedule it ``delay_s`` from ``now``."""
-        due = now + self.delay_s
-        queue, read, src, size = self.queue, os.read, self.src, self.read_size
+        """Read what the TUN has (up to a batch) and schedule each packet's delivery."""
+        read, src, size = os.read, self.src, self.read_size
         for _ in range(_BATCH):
             try:
                 pkt = read(src, size)
             except BlockingIOError:
                 return
-            if self.loss and self.rng.random() < self.loss:
+            verdict = self.chaos.verdict(now)
+            if verdict.copies == 0:
                 self.lost += 1
-            elif self.held + len(pkt) > self.max_bytes:
+                continue
+            start = self._paced_start(now, len(pkt)) if self.schedule.paced else now
+            if start is None or self.held + verdict.copies * len(pkt) > self.max_bytes:
                 self.overflowed += 1
-            else:
+                continue
+            due = start + self.delay_s + verdict.extra_delay_s
+            if verdict.keep_order:
+                due = self.last_due = max(due, self.last_due)
+            for _ in range(verdict.copies):
+                heapq.heappush(self.queue, (due, next(self._seq), pkt))
                 self.held += len(pkt)
-                queue.append((due, pkt))
+            self.duplicated += verdict.copies - 1
+
+    def _paced_start(self, now: float, nbytes: int) -> float | None:
+        """When the link, at its current rate, finishes sending this packet; None when the
+        queue in front of it is full (tail drop)."""
+        rate = self.rate_bytes_s * self.schedule.rate_factor(now)
+        start = max(now, self.tx_free)
+        if (start - now) * rate > self.queue_bytes:
+            return None
+        self.tx_free = start + nbytes / rate
+        return self.tx_free
 
     def push(self, now: float) -> None:
         """Write every packet that is due (within the slack) to the destination TUN."""
         queue, write, dst, limit = self.queue, os.write, self.dst, now + _SLACK_S
         while queue and queue[0][0] <= limit:
-            pkt = queue.popleft()[1]
+            pkt = heapq.heappop(queue)[2]
             self.held -= len(pkt)
             write(dst, pkt)
             self.forwarded += 1
@@ -92,7 +119,7 @@ class DelayLine:
     def summary(self) -> str:
         return (
             f"{self.name}: forwarded {self.forwarded}, lost {self.lost}, "
-            f"overflowed {self.overflowed}"
+            f"overflowed {self.overflowed}, duplicated {self.duplicated}"
         )
 
 
@@ -149,14 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     plan = LabPlan.from_config(LabConfig.model_validate_json(args.config.read_text()))
-    rng = random.Random()
+    rng = random.Random(plan.cfg.chaos_seed)
+    schedule = Schedule(plan.cfg, time.monotonic(), rng)
     lines = [
-        DelayLine("dc-a -> dc-b", args.fd_a, args.fd_b, plan, rng),
-        DelayLine("dc-b -> dc-a", args.fd_b, args.fd_a, plan, rng),
-    ]
+        DelayLine("dc-a -> dc-b", args.fd_a, args.fd_b, plan,
+                  PacketChaos(plan.cfg, False, schedule, rng)),
+        DelayLine("dc-b -> dc-a", args.fd_b, args.fd_a, plan,
+                  PacketChaos(plan.cfg, True, schedule, rng)),
+    ]  # fmt: skip
     _run_like_a_link()
     gc.disable()  # the loop makes no cycles; a collection pause would be link jitter
-    log.info("up: delay %.3f ms, loss %.4f", plan.cfg.delay_ms, plan.cfg.loss)
+    log.info("up: delay %.3f ms, loss %.4f, chaos %s", plan.cfg.delay_ms, plan.cfg.loss,
+             chaos_summary(plan.cfg) or "off")  # fmt: skip
     try:
         if os.getppid() != args.supervisor:
             raise _Stop("supervisor gone before the relay started")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdd.config.lab import LabConfig
 from pdd.errors import LabError
+from pdd.lab.chaos import chaos_summary
 from pdd.lab.plan import LabPlan
 
 # Module names: how the processes are started, and the marks that tell them apart in /proc.
@@ -51,6 +52,7 @@ class LabStatus(BaseModel):
     loss: float
     mtu: int
     queue_bytes: int
+    chaos: str = Field("", description="The chaos options in force (pdd.lab.chaos), or empty.")
     supervisor_pid: int | None = None
     relay_pid: int | None = None
     problems: list[str] = Field(default_factory=list, description="Why the lab is broken.")
@@ -82,6 +84,7 @@ def status_from_plan(plan: LabPlan, state: str, **pids: int | None) -> LabStatus
         loss=cfg.loss,
         mtu=cfg.mtu,
         queue_bytes=plan.queue_bytes,
+        chaos=chaos_summary(cfg),
         **pids,
     )
 

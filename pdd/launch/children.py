@@ -128,6 +128,7 @@ class Child:
     signalled: bool = False  # the launcher asked it to stop (its exit status is then expected)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     ready: threading.Event = field(default_factory=threading.Event)
+    ready_at: float | None = None  # monotonic time of the current process's ready line
     _terminated_at: float | None = None
 
     @property
@@ -146,16 +147,27 @@ class Child:
             bufsize=1,
             preexec_fn=_die_with_parent,
         )
-        threading.Thread(target=self._pump, name=f"pump-{self.name}", daemon=True).start()
+        pump = threading.Thread(
+            target=self._pump, args=(self.proc, self.ready), name=f"pump-{self.name}", daemon=True
+        )
+        pump.start()
 
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def restart(self, env: dict[str, str]) -> None:
+        """Start the same command line again after the process died (main thread only). The
+        new process gets a fresh ready event: a late line of the old one cannot set it."""
+        assert not self.alive(), "restart of a running child"
+        self.ready, self.ready_line, self.ready_at = threading.Event(), None, None
+        self.signalled, self._terminated_at = False, None
+        self.start(env)
+
+    def _pump(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             line = line.rstrip("\n")
             self.tail.append(line)
-            if not self.ready.is_set() and line.startswith(self.spec.ready_prefix):
-                self.ready_line = line
-                self.ready.set()
+            if not ready.is_set() and line.startswith(self.spec.ready_prefix):
+                self.ready_line, self.ready_at = line, time.monotonic()
+                ready.set()
             sys.stderr.write(f"[{self.name}] {line}\n")  # one write: no interleaving
             sys.stderr.flush()
 

@@ -8,12 +8,15 @@ Lifecycle::
       -> write the effective config to a run folder -> start the workers, then the router
       -> wait for every ready line and a healthy /health at the URL (deadline)
       -> print "pdd ready: http://HOST:PORT/v1" (stdout; children's output goes to stderr)
-      -> supervise -> on SIGINT/SIGTERM, or when a child dies: stop every child
+      -> supervise: a child that dies is started again with backoff (pdd.launch.supervise),
+         the others keep serving -> on SIGINT/SIGTERM, or when a child failed to start
+         `launch.max_failed_starts` times in a row: stop every child
       -> [lab: take it down if this launcher brought it up]
 
-Exit status: 0 after a signal when every child stopped cleanly; 1 when a child failed (before
-it was ready, while serving, or with an error exit on the way down) or the lab failed; 2 for
-a bad config. A failing child's last output lines are printed.
+Exit status: 0 after a signal when every child stopped cleanly; 1 when a child could not be
+kept running (it failed to start too often, or died with `launch.restart: false`), exited
+with an error on the way down, or the lab failed; 2 for a bad config. A failing child's last
+output lines are printed.
 """
 
 from __future__ import annotations
@@ -119,9 +122,10 @@ def _serve(cfg: PddConfig, sites: Sites, ready_timeout_s: float, stop: threading
         sys.stdout.flush()
         code = 0
         while not stop.wait(SUPERVISE_POLL_S):
-            dead = topo.first_dead()
-            if dead is not None:
-                print(f"pdd serve: {dead.describe_failure('died')}", file=sys.stderr)
+            try:
+                topo.supervise()
+            except PddError as exc:
+                print(f"pdd serve: {exc.message}", file=sys.stderr)
                 code = 1
                 break
         topo.stop()

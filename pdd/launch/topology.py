@@ -5,8 +5,12 @@ Lifecycle::
     write the effective config -> spawn every worker -> wait for each ready line
       -> spawn the router -> wait for its ready line
       -> poll the router's /health at the printed URL until it reports every worker healthy
-      -> (supervised by the caller) -> stop: router first (it stops taking requests), then
+      -> (supervised by the caller: ``supervise`` restarts dead children, see
+         pdd.launch.supervise) -> stop: router first (it stops taking requests), then
          every worker at once (SIGTERM; SIGKILL after the grace period)
+
+A child that dies while the topology starts is restarted the same way, until it failed to
+start ``launch.max_failed_starts`` times in a row.
 
 The /health check goes the way a client goes (from this host, through the management link
 in the lab) and proves the router reaches every worker over its own links.
@@ -28,6 +32,7 @@ from pdd.errors import PddError
 from pdd.launch.children import Child, child_env, child_specs
 from pdd.launch.credentials import with_run_credentials
 from pdd.launch.placement import Placed, Spawn
+from pdd.launch.supervise import GaveUp, Supervisor
 
 # SIGTERM to SIGKILL, per stage (router, then all workers). A worker needs ~4-11 s: vLLM gives
 # its engine core 10 s to exit before it kills it, and on loaded cores that happens.
@@ -48,6 +53,7 @@ class Topology:
         self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         specs = child_specs(placed.cfg, self.config_path, placed.router_dc)
         self.children = [Child(spec, spawn_for(spec.dc)) for spec in specs]
+        self.supervisor = Supervisor(self.children, placed.cfg.launch, child_env())
 
     @property
     def url(self) -> str:
@@ -65,7 +71,7 @@ class Topology:
         """Start the workers, wait until all are ready, then the router (so its first health
         poll already sees them), then wait for a healthy fleet. Raises PddError when a child
         fails, the deadline passes or ``cancel`` is set."""
-        env = child_env()
+        env = self.supervisor.env
         deadline = time.monotonic() + timeout_s
         for child in self.workers:
             child.start(env)
@@ -96,12 +102,15 @@ class Topology:
     def _check(self, deadline: float, cancel: threading.Event) -> None:
         if cancel.is_set():
             raise PddError("interrupted before every process was ready")
-        dead = self.first_dead()
-        if dead is not None:
-            raise PddError(dead.describe_failure("exited before it was ready"))
+        self.supervise()
 
-    def first_dead(self) -> Child | None:
-        return next((c for c in self.children if c.proc is not None and not c.alive()), None)
+    def supervise(self) -> None:
+        """One round of restarts (main thread). Raises PddError when the policy gives up on a
+        child (it failed to start too often, or restarts are off)."""
+        try:
+            self.supervisor.tick()
+        except GaveUp as exc:
+            raise PddError(exc.message) from None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Router first, then every worker at once; each gets ``grace_s`` (default
@@ -116,8 +125,9 @@ class Topology:
             child.wait_or_kill(deadline)
 
     def failed(self) -> list[Child]:
-        """Children that exited with an error of their own."""
-        return [c for c in self.children if c.failed()]
+        """Children that exited with an error of their own (not those already dead and
+        waiting for their restart: their death was reported when it happened)."""
+        return [c for c in self.children if c.failed() and not self.supervisor.pending(c)]
 
 
 def _health(url: str) -> tuple[bool, str]:

@@ -122,6 +122,8 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
         lambda: role.kv_stats() if engine.ready else None,
     )
     service = WorkerService(engine, worker, cfg.model.name, metrics, role)
+    if plane is not None:
+        service.stall_reason = plane.fences.stall_reason
     metrics.ready = lambda: service.ready
     return service
 

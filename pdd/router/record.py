@@ -61,6 +61,7 @@ class PddTrace:
     tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens given to the client
     handoff_stall_s: float | None = None  # last RLD token -> first MD token at the switch
     kv_state: str = ""  # AwaitKv's final state on MD (or D), "" when not awaited
+    kv_reason: str = ""  # why it ended so, when it did not end done
     d_is_rld: bool = False  # D is a relay_decode worker: its tokens count as RLD's
 
     @classmethod

@@ -117,6 +117,7 @@ class InboundResult:
     reason: str = ""
     bytes_received: int = 0
     chunks: int = 0
+    internal_error: bool = False  # failed by a bug on the receive side, not by the peer or link
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class TransportStats:
     open_inbound: int
     lent_buffers: int
     threads: int
+    internal_errors: int = 0  # receive-side bugs so far (each failed one transfer, loudly)
 
 
 Allocator = Callable[[ChunkHeader], memoryview]
@@ -146,8 +148,10 @@ Allocator = Callable[[ChunkHeader], memoryview]
 class ReceiverHooks:
     """How received bytes land: `allocate(header)` returns a writable buffer of header.nbytes.
 
-    `allocate` runs on a transport thread and must not block for long; it may raise to refuse
-    the chunk (the transfer then fails). `on_received` is called once per inbound transfer
+    `allocate` runs on a transport thread and must not block for long; it may raise a
+    PddError to refuse the chunk (no room, unknown request: the transfer then fails). Any other
+    exception is a bug: it is logged with its traceback and fails the transfer as an internal
+    error (``InboundResult.internal_error``, ``AckStatus.INTERNAL`` at the sender). `on_received` is called once per inbound transfer
     when it is terminal; it must return quickly (hand work to another thread).
     """
 

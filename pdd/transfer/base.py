@@ -144,7 +144,8 @@ class BaseTransport(Transport):
         open_in, lent = self.inbound.counts() if self.inbound is not None else (0, 0)
         threads = sum(t.is_alive() for t in self._io_threads())
         threads += self._reaper.thread.is_alive()
-        return TransportStats(open_out, pinned, open_in, lent, threads)
+        bugs = self.inbound.internal_errors if self.inbound is not None else 0
+        return TransportStats(open_out, pinned, open_in, lent, threads, bugs)
 
     # --- what a transport provides ---------------------------------------------------------
 

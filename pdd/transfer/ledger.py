@@ -16,6 +16,7 @@ Terminal records stay readable by `poll` in a bounded recent-history map.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -23,9 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdd.errors import TransferError
+from pdd.errors import PddError, TransferError
 from pdd.transfer.api import InboundResult, ReceiverHooks, TransferState, TransferStatus
 from pdd.transfer.wire import AckStatus, CancelReason, Chunk, ChunkHeader
+
+log = logging.getLogger(__name__)
 
 RECENT = 4096  # terminal outbound records kept for poll()
 TOMBSTONES = 65536  # ids of finished inbound transfers: late chunks of them are dropped
@@ -188,6 +191,7 @@ def _ack_reason(status: AckStatus) -> str:
         AckStatus.CHECKSUM: "integrity check failed: receiver got a corrupted chunk",
         AckStatus.REFUSED: "receiver refused a chunk (allocator)",
         AckStatus.GONE: "receiver no longer has the transfer (cancelled, expired or failed)",
+        AckStatus.INTERNAL: "receiver hit an internal error (see its log)",
     }.get(status, f"receiver answered {status.name}")
 
 
@@ -205,6 +209,7 @@ class InRecord:
     stop_state: TransferState | None = None
     reason: str = ""
     cause: AckStatus = AckStatus.GONE  # what later chunks of a stopped transfer are told
+    internal_error: bool = False
 
 
 class InboundLedger:
@@ -219,6 +224,7 @@ class InboundLedger:
         # carries its real cause (a corrupted chunk stays an integrity failure at the sender).
         self._tombstones: OrderedDict[int, AckStatus] = OrderedDict()
         self._results: list[InboundResult] = []
+        self.internal_errors = 0  # allocator bugs seen (each failed its transfer)
 
     def begin_chunk(self, header: ChunkHeader, source: int) -> tuple[memoryview | None, AckStatus]:
         """Lend a buffer for one arriving chunk, or say why its bytes must be discarded."""
@@ -241,11 +247,18 @@ class InboundLedger:
             buf = memoryview(self._hooks.allocate(header)).cast("B")
             if buf.readonly or buf.nbytes != header.nbytes:
                 raise TransferError(f"allocator gave {buf.nbytes} bytes, need {header.nbytes}")
-        except Exception as exc:  # caller code: any refusal fails this transfer, not the stream
+        except PddError as exc:  # a refusal: this transfer fails, the stream goes on
             self.end_chunk(
                 header.transfer_id, 0, AckStatus.REFUSED, f"allocator refused chunk: {exc}"
             )
             return None, AckStatus.REFUSED
+        except Exception as exc:  # a bug in the allocator: loud, and still only this transfer
+            log.exception("KV receive: internal error landing chunk of %s", header.request_id)
+            with self._lock:
+                self.internal_errors += 1
+                rec.internal_error = True
+            self.end_chunk(header.transfer_id, 0, AckStatus.INTERNAL, f"internal error: {exc!r}")
+            return None, AckStatus.INTERNAL
         with self._lock:
             rec.lent += 1
         return buf, AckStatus.OK
@@ -316,6 +329,7 @@ class InboundLedger:
                 rec.reason,
                 rec.bytes_received,
                 rec.received,
+                rec.internal_error,
             )
             self._results.append(result)
         if self._hooks.on_received is not None:

@@ -68,6 +68,7 @@ class AckStatus(enum.IntEnum):
     CHECKSUM = 1  # payload did not match its checksum: the chunk was discarded
     REFUSED = 2  # the allocator refused the chunk (no room, unknown request)
     GONE = 3  # the transfer is no longer open on the receiver (cancelled, expired, failed)
+    INTERNAL = 4  # the receiver hit a bug landing the chunk (logged there with its traceback)
 
 
 class CancelReason(enum.IntEnum):

@@ -89,6 +89,11 @@ _TRANSFER_SECONDS = Histogram(
     ["role", "transport"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+_INTERNAL_ERRORS = Counter(
+    "pdd_worker_kv_internal_errors",
+    "Inbound KV transfers failed by a bug on this worker (logged with a traceback).",
+    ["role"],
+)
 _TRANSFERS = Counter(
     "pdd_kv_transfers",
     "Outbound KV transfers by transport and how they ended (done, failed, cancelled).",
@@ -121,6 +126,8 @@ class KvPlane:
         self.bytes_received = 0
         self._send_started: dict[int, float] = {}
         self._faults = WorkerFaults.of(worker)  # tests only: None unless worker.faults is set
+        if spec.receiver:  # exported from the start (0), so a rate alert has a series
+            _INTERNAL_ERRORS.labels(worker.role.value)
         log.info(
             "KV arena %s: %d slots of %d bytes (%s)",
             self.arena.ref.name, spec.num_slots, slot_bytes, spec.kv_role,
@@ -269,5 +276,7 @@ class KvPlane:
     def _received(self, result: InboundResult) -> None:
         with self._lock:
             self.bytes_received += result.bytes_received
+        if result.internal_error:
+            _INTERNAL_ERRORS.labels(self._worker.role.value).inc()
         if self._on_received is not None:
             self._on_received(result)

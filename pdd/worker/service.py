@@ -100,6 +100,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         # KV requests this worker accepted (PrepareKv): their Generate is finishing accepted
         # work, so a draining worker still admits it. Bounded: old ids fall out.
         self._accepted_kv: OrderedDict[str, None] = OrderedDict()
+        # Why the engine cannot be trusted with work right now (None: it can); set by the
+        # composition root, e.g. the KV plane's overdue fences.
+        self.stall_reason: Callable[[], str | None] = lambda: None
 
     def start_drain(self) -> None:
         """Refuse new work from now on; what is in flight goes on (see the module doc)."""
@@ -111,7 +114,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     @property
     def ready(self) -> bool:
-        return self._engine.ready and not self.draining
+        return self._engine.ready and not self.draining and self.stall_reason() is None
 
     # --- Generate -------------------------------------------------------------------------
 

@@ -17,8 +17,12 @@ contract 3). Lifecycle of one fence::
                                            engine is done): only the index is reclaimed later
     the index is free again once its ticket was read back (or the engine is gone)
 
-A fence the engine never posts (it died, or the request was aborted before the engine ever
-saw it) is given up after ``timeout_s``: its callback runs with a warning.
+A fence the engine has not posted after ``timeout_s`` is never given up: the engine core may
+still be running (stalled, swapped out, SIGSTOPped) and touch those slots. The fence turns
+*overdue*: ``stall_reason`` says so (the worker reports itself not ready, so the router stops
+sending it work) and the slots stay quarantined, held by their owner, until the engine posts
+the ticket after all (then everything is released and the worker is ready again) or the engine
+is gone (``stop``: its process has exited, nothing can touch the slots any more).
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class _Watch:
     ref: FenceRef
     on_posted: Callable[[], None] | None
     since: float
+    overdue: bool = False
 
 
 class Fences:
@@ -139,18 +144,35 @@ class Fences:
         for w in watched.values():
             self._finish(w)
 
+    def stall_reason(self) -> str | None:
+        """Why the engine counts as stalled (fences overdue), or None."""
+        overdue = [w for w in self._watched.values() if w.overdue]
+        if not overdue:
+            return None
+        oldest = time.monotonic() - min(w.since for w in overdue)
+        return (
+            f"engine core stalled: {len(overdue)} KV fence(s) not posted for up to "
+            f"{oldest:.0f} s; their slots stay quarantined until it answers"
+        )
+
     def check(self) -> None:
-        """Run the callbacks of posted (or given-up) fences. Called by the poller."""
+        """Run the callbacks of posted fences; mark the late ones overdue. Called by the
+        poller."""
         now = time.monotonic()
         for index, w in list(self._watched.items()):
-            posted = self.board.read(index) == w.ref.ticket
-            if not posted and now - w.since < self._timeout_s:
+            if self.board.read(index) != w.ref.ticket:
+                if not w.overdue and now - w.since >= self._timeout_s:
+                    w.overdue = True
+                    log.error(
+                        "KV fence %d (ticket %d) not posted after %.0f s: the engine core is "
+                        "stalled; its slots stay quarantined and this worker reports not ready",
+                        index, w.ref.ticket, self._timeout_s,
+                    )  # fmt: skip
                 continue
-            if not posted:
+            if w.overdue:
                 log.warning(
-                    "KV fence %d (ticket %d) not posted after %.0f s: releasing its slots",
-                    index, w.ref.ticket, self._timeout_s,
-                )  # fmt: skip
+                    "KV fence %d posted %.1f s late: releasing its slots", index, now - w.since
+                )
             del self._watched[index]
             self._finish(w)
 

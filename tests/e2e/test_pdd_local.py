@@ -12,6 +12,7 @@ import json
 
 import grpc
 import httpx
+import psutil
 import pytest
 
 from pdd.config import ModelConfig, load_config
@@ -219,3 +220,53 @@ def test_stream_is_rld_tokens_then_md_tokens(served, codec, prompts, oracle):
     assert "".join(text) == codec.decode(expected["token_ids"])
     assert record["pipeline"] == "p_rld_md" and record["handoff"] in ("one_shot", "rld_finished")
     assert 0 <= record["rld_tokens"] <= len(expected["token_ids"])
+
+
+def _worker_process(served, worker: str) -> psutil.Process:
+    """The `pdd worker` process of ``worker`` under `pdd serve`."""
+    for child in psutil.Process(served.proc.pid).children():
+        argv = child.cmdline()
+        if "--worker" in argv and argv[argv.index("--worker") + 1] == worker:
+            return child
+    raise AssertionError(f"no process of worker {worker}")
+
+
+def _healthy(served) -> bool:
+    r = httpx.get(served.url.removesuffix("/v1") + "/health", timeout=5)
+    return r.status_code == 200 and all(w["healthy"] for w in r.json()["workers"])
+
+
+def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
+    """MD SIGKILLed in the middle of a p_md stream: the stream still completes with the text of
+    a healthy run (another tier continues prompt + emitted), `pdd serve` starts MD again (the
+    router and the other workers keep running), and once MD is back the next 10 requests
+    succeed. Last in the module: it restarts a worker."""
+    prompt = codec.encode(_long_text(8, 2) + "\nSummary:")
+    want = complete(served.url, prompt, {"pipeline": "p_md"}, max_tokens=96, ignore_eos=True)
+    victim = _worker_process(served, "md")
+    body = {"model": load_config(CONFIG).model.name, "prompt": prompt, "temperature": 0,
+            "max_tokens": 96, "ignore_eos": True, "stream": True, "pdd": {"pipeline": "p_md"}}  # fmt: skip
+    text, chunks, record = [], 0, None
+    with httpx.stream("POST", f"{served.url}/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk.get("choices") or []:
+                text.append(c.get("text") or "")
+            record = chunk.get("pdd") or record
+            chunks += 1
+            if chunks == 8:
+                victim.kill()  # SIGKILL, mid-stream
+    assert "".join(text) == want["choices"][0]["text"]
+    assert record["pipeline"] == "p_md"
+    wait_until(lambda: not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE,
+               30, "the killed MD gone")  # fmt: skip
+    wait_until(lambda: "starting md again" in served.log_tail(400), 60, "the restart of md")
+    wait_until(lambda: _healthy(served), 600, "md back and healthy")
+    assert _worker_process(served, "md").pid != victim.pid
+    for i in range(10):
+        out = complete(served.url, codec.encode(f"Request {i}: the capital of France is"))
+        assert out["usage"]["completion_tokens"] > 0

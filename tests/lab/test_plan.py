@@ -13,8 +13,15 @@ from pydantic import ValidationError
 
 from pdd.config import load_config
 from pdd.config.lab import LabConfig
+from pdd.lab.chaos import PacketChaos, Schedule
 from pdd.lab.plan import LabPlan
 from pdd.lab.relay import DelayLine
+
+
+def line_of(plan: LabPlan, src: int, dst: int, rng: random.Random, t0: float = 0.0) -> DelayLine:
+    """One relay direction with the plan's chaos (none unless configured), seeded."""
+    chaos = PacketChaos(plan.cfg, False, Schedule(plan.cfg, t0, rng), rng)
+    return DelayLine("t", src, dst, plan, chaos)
 
 
 def test_addresses_follow_the_subnet():
@@ -81,7 +88,7 @@ def test_delay_line_keeps_order_and_holds_each_packet_for_the_delay():
     src_w, src_r = _pair()
     dst_w, dst_r = _pair()
     plan = LabPlan.from_config(LabConfig(delay_ms=30))
-    line = DelayLine("t", src_r.fileno(), dst_w.fileno(), plan, random.Random(0))
+    line = line_of(plan, src_r.fileno(), dst_w.fileno(), random.Random(0))
     with src_w, src_r, dst_w, dst_r:
         for i in range(5):
             src_w.send(bytes([i]) * 100)
@@ -99,7 +106,7 @@ def test_delay_line_drops_the_loss_fraction_with_a_seeded_generator():
     src_w, src_r = _pair()
     dst_w, dst_r = _pair()
     plan = LabPlan.from_config(LabConfig(delay_ms=0, loss=0.25))
-    line = DelayLine("t", src_r.fileno(), dst_w.fileno(), plan, random.Random(7))
+    line = line_of(plan, src_r.fileno(), dst_w.fileno(), random.Random(7))
     expected = random.Random(7)
     kept = [i for i in range(100) if not expected.random() < 0.25]
     with src_w, src_r, dst_w, dst_r:
@@ -110,3 +117,34 @@ def test_delay_line_drops_the_loss_fraction_with_a_seeded_generator():
         got = [dst_r.recv(8)[0] for _ in range(line.forwarded)]
     assert got == kept
     assert line.lost == 100 - len(kept)
+
+
+def test_delay_line_delivers_duplicates_twice_and_lets_reordered_packets_be_overtaken():
+    src_w, src_r = _pair()
+    dst_w, dst_r = _pair()
+    plan = LabPlan.from_config(LabConfig(delay_ms=10, duplicate=0.3, reorder=0.3, reorder_ms=5))
+    line = line_of(plan, src_r.fileno(), dst_w.fileno(), random.Random(3))
+    with src_w, src_r, dst_w, dst_r:
+        for i in range(60):
+            src_w.send(bytes([i]))
+        line.pull(0.0)
+        line.push(1.0)
+        got = [dst_r.recv(8)[0] for _ in range(line.forwarded)]
+    assert sorted(set(got)) == list(range(60))  # nothing lost
+    assert len(got) == 60 + line.duplicated and line.duplicated > 0
+    assert got != sorted(got)  # some were overtaken
+
+
+def test_paced_delay_line_runs_at_the_current_rate_factor():
+    src_w, src_r = _pair()
+    dst_w, dst_r = _pair()
+    cfg = LabConfig(delay_ms=0, rate_mbit=8, rate_factors=(0.5, 1), rate_change_every_s=1)
+    plan = LabPlan.from_config(cfg)  # 8 Mbit/s x 0.5 for the first second: 500 kB/s
+    line = line_of(plan, src_r.fileno(), dst_w.fileno(), random.Random(0))
+    with src_w, src_r, dst_w, dst_r:
+        for _ in range(4):
+            src_w.send(bytes(1000))
+        line.pull(0.0)
+        dues = sorted(due for due, _, _ in line.queue)
+        line.push(1.0)
+    assert dues == pytest.approx([0.002, 0.004, 0.006, 0.008])  # 1,000 B at 500 kB/s each

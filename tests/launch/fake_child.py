@@ -7,6 +7,7 @@ It behaves as the env var FAKE_<ID> (router: FAKE_ROUTER) says:
     ok (default)  print the ready line, exit 0 on SIGTERM
     crash         print an error and exit 3 before the ready line
     die           print the ready line, exit 4 half a second later
+    die_once      like die in the first process of this `pdd serve` run, then like ok
     bad_exit      print the ready line, exit 5 on SIGTERM
     stubborn      print the ready line, ignore SIGTERM
     unhealthy     (router) report every worker unhealthy on /health
@@ -42,12 +43,22 @@ def main() -> int:
         print(f"pdd router ready: http://x:{cfg['router']['port']}/v1", flush=True)
     else:
         print(f"pdd worker ready: id={name}", flush=True)
-    if behaviour == "die":
+    if behaviour == "die" or (behaviour == "die_once" and _first_death(args, name)):
         time.sleep(0.5)
         return 4
     while not stop.wait(0.1):
         pass
     return 5 if behaviour == "bad_exit" else 0
+
+
+def _first_death(args: list[str], name: str) -> bool:
+    """True once per `pdd serve` run (a marker next to its effective config)."""
+    marker = os.path.join(os.path.dirname(args[args.index("--config") + 1]), f"died-{name}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _serve_health(cfg: dict, healthy: bool) -> None:

@@ -38,6 +38,8 @@ def _scrape(role: str) -> dict:
         kv_plane._TRANSFER_BYTES.labels(role, "tcp").inc(0)
         kv_plane._TRANSFERS.labels(role, "tcp", "done").inc(0)
         kv_plane._TRANSFER_SECONDS.labels(role, "tcp")
+    if role in ("relay_decode", "main_decode"):  # a receiving KvPlane creates it at start
+        kv_plane._INTERNAL_ERRORS.labels(role)
     metrics = WorkerMetrics(role, lambda: engine, lambda: kv)
     try:
         metrics.request_done(role, "stop")

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import urllib.request
 from collections.abc import Iterator
 
 import grpc
+import psutil
 import pytest
 
 from pdd.proto import worker_pb2 as pb
 from tests.roles.support import (
     BLOCK,
     Client,
+    greedy,
     kv_in,
     prompt_of,
     start_workers,
@@ -35,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK_BYTES = 46_080 * BLOCK  # SmolLM2-135M float32: 46,080 bytes of KV per token
 STAGE_LEASE_S = 4.0
+FENCE_TIMEOUT_S = 5.0
 IDS = ["p", "rld", "md"]
 
 
@@ -47,7 +51,8 @@ def workers(tmp_path_factory) -> Iterator[dict]:
             {"id": "p", "role": "prefill", "kv_staging_gib": 0.15,
              "kv_stage_lease_s": STAGE_LEASE_S},
             {"id": "rld", "role": "relay_decode", "kv_staging_gib": 0.15},
-            {"id": "md", "role": "main_decode", "kv_staging_gib": 0.1, "datacenter": "dc-b"},
+            {"id": "md", "role": "main_decode", "kv_staging_gib": 0.1, "datacenter": "dc-b",
+             "kv_fence_timeout_s": FENCE_TIMEOUT_S},
         ],
     )  # fmt: skip
     procs = start_workers(config, IDS, tmp)
@@ -286,3 +291,51 @@ def test_health_endpoint_and_kv_metrics(workers) -> None:
 
 def _role(wid: str) -> str:
     return {"p": "prefill", "rld": "relay_decode", "md": "main_decode"}[wid]
+
+
+def engine_core(proc) -> psutil.Process:
+    """The vLLM engine-core child of a worker process (multiprocessing's spawn child)."""
+    kids = psutil.Process(proc.pid).children()
+    (core,) = [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
+    return core
+
+
+def test_a_stalled_engine_core_never_has_its_slots_reused(workers) -> None:
+    """MD decodes from DRC blocks it pinned; its engine core stops (SIGSTOP) and the request
+    is aborted. The abort's fence cannot be posted: past kv_fence_timeout_s the worker reports
+    not ready and the pinned slots stay held, however long the stall (never a timed free);
+    after SIGCONT the core posts the fence, the slots come back, and MD is ready again."""
+    prompt = prompt_of(8, 300)
+    core = engine_core(workers["md"].proc)
+
+    async def scenario(c: Client):
+        await pdd_turn(c, "st0", prompt, k=2, m=2)  # MD's DRC now holds the prompt's 9 blocks
+        req = pb.GenerateRequest(
+            request_id="st1", prompt_token_ids=prompt, sampling=greedy(400),
+            kv_in=kv_in(pb.KvIn.DRC, "st1"),
+        )  # fmt: skip
+        stream = c.stub["md"].Generate(req, timeout=120)
+        first = await stream.read()  # decoding, the 9 DRC blocks pinned
+        pinned = (await c.stats("md")).pinned_slots
+        core.send_signal(signal.SIGSTOP)
+        try:
+            await c.stub["md"].Abort(pb.AbortRequest(request_id="st1"), timeout=5)
+            stream.cancel()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + FENCE_TIMEOUT_S + 30
+            while (await c.stub["md"].Health(pb.HealthRequest(), timeout=5)).ready:
+                assert loop.time() < deadline, "MD never reported the stall"
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(FENCE_TIMEOUT_S)  # twice the fence timeout: still held
+            stalled = await c.stats("md")
+        finally:
+            core.send_signal(signal.SIGCONT)
+        idle = await c.until_idle("md", timeout_s=60)
+        health = await c.stub["md"].Health(pb.HealthRequest(), timeout=5)
+        return first, pinned, stalled, idle, health
+
+    first, pinned, stalled, idle, health = run(workers, scenario)
+    assert first.kv_loaded_tokens == 288 and pinned >= 9
+    assert stalled.pinned_slots == pinned  # quarantined, not freed, after 2x the fence timeout
+    assert (idle.pinned_slots, health.ready) == (0, True)
+    assert idle.drc_used_blocks >= 9  # the blocks themselves stay in the DRC

@@ -192,3 +192,20 @@ def test_failed_wan_transfer_lets_md_recompute(pdd):
     assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
     assert body["pdd"]["pipeline"] == "p_md"
     assert len(pdd.by_id("md0").requests) == 1
+
+
+@pytest.mark.parametrize("handoff", ["one_shot", "catch_up"])
+def test_failed_wan_transfer_never_forces_the_switch_rld_finishes(pdd, handoff):
+    """p_rld_md whose WAN transfer fails while RLD streams: no switch (MD would recompute the
+    whole prompt in a stall); RLD decodes to the end and the record says why."""
+    ids = script(pdd, 30)
+    pdd.by_id("rld0").script.step_delay_s = 0.01  # still streaming when the transfer fails
+    md = pdd.by_id("md0")
+    md.kv.fail_landing = True
+    body = complete(pdd, "p_rld_md", handoff).json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert (body["pdd"]["handoff"], body["pdd"]["rld_tokens"]) == ("rld_finished", len(ids) - 1)
+    assert md.requests == []  # no Generate on MD: no warm-up, no switch
+    rid = the_request_id(pdd)
+    record = httpx.get(pdd.url.removesuffix("/v1") + f"/debug/requests/{rid}", timeout=5).json()
+    assert record["pdd"]["kv_state"] == "failed"

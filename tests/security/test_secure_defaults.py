@@ -152,7 +152,7 @@ def test_env_example_names_the_variable_the_router_reads():
     ("argv", "named"),
     [
         (["pdd.router.main", "--set", "router.host=0.0.0.0"], "API keys"),
-        (["pdd.worker.main", "--worker", "md", "--set", "workers.2.host=0.0.0.0"], "KV TLS"),
+        (["pdd.launch.worker", "--worker", "md", "--set", "workers.2.host=0.0.0.0"], "KV TLS"),
     ],
 )
 def test_a_process_bound_beyond_loopback_without_credentials_exits_2(argv, named):

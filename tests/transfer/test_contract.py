@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from pdd.errors import OverloadedError
 from pdd.transfer import FaultHooks, KVSegment, SendRequest, TransferState
 from pdd.transfer.testing import LandingZone, crc_of, pattern, peer_to_json
 from tests.transfer.helpers import KINDS, idle, wait_for
@@ -171,8 +172,8 @@ def test_corrupted_chunk_is_detected_and_reported(kind, make_pair):
 
 
 def test_allocator_refusal_fails_the_transfer(kind, make_pair):
-    def refuse(header):
-        raise MemoryError("no room for this request")
+    def refuse(header):  # what real allocators raise: a pdd error (no room, unknown request)
+        raise OverloadedError("no room for this request")
 
     pair = make_pair(kind)
     pair.receiver.hooks.allocate = refuse
@@ -183,6 +184,27 @@ def test_allocator_refusal_fails_the_transfer(kind, make_pair):
         "failed",
         "allocator refused chunk: no room for this request",
     )
+
+
+def test_allocator_bug_is_loud_and_fails_only_its_transfer(kind, make_pair, caplog):
+    def buggy(header):
+        return {}[header.chunk_index]  # KeyError: a bug, not a refusal
+
+    pair = make_pair(kind)
+    allocate = pair.receiver.hooks.allocate
+    pair.receiver.hooks.allocate = buggy
+    handle = pair.sender.send(pair.receiver.address, SendRequest("b", [seg(8, 1000)]))
+    status = handle.wait(10)
+    assert status.state is TransferState.FAILED
+    result = pair.result(handle.transfer_id)
+    assert (result.state, result.internal_error) == ("failed", True)
+    assert result.reason.startswith("internal error: KeyError")
+    assert status.reason == "receiver hit an internal error (see its log)"  # from the ack
+    assert pair.receiver.stats().internal_errors == 1
+    assert any(r.exc_info and r.exc_info[0] is KeyError for r in caplog.records)
+    pair.receiver.hooks.allocate = allocate  # the receiver still serves the next transfer
+    again = pair.sender.send(pair.receiver.address, SendRequest("c", [seg(8, 1000)]))
+    assert again.wait(10).state is TransferState.DONE
 
 
 def test_receiver_death_fails_the_sender(kind, make_pair, peers):

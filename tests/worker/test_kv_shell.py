@@ -37,7 +37,7 @@ def test_slot_pool_hands_out_lowest_slots_and_refuses_when_full() -> None:
     assert sorted(pool.owners()) == ["b", "c"]
 
 
-def test_fences_release_on_post_or_after_the_timeout() -> None:
+def test_a_late_fence_quarantines_its_slots_until_posted_never_a_timed_free() -> None:
     async def scenario():
         board = FenceBoard.create(2, "pddtest-fence")
         fences = Fences(board, timeout_s=0.2)
@@ -50,15 +50,39 @@ def test_fences_release_on_post_or_after_the_timeout() -> None:
         fences.watch(b, lambda: released.append("b"))
         board.post(a.index, a.ticket)
         await asyncio.sleep(0.05)
-        after_post = list(released)
-        await asyncio.sleep(0.4)  # b is never posted: given up after 0.2 s
-        out = after_post, list(released), fences.outstanding
+        after_post = (list(released), fences.stall_reason())
+        await asyncio.sleep(0.4)  # b is not posted within 0.2 s: the engine counts as stalled
+        stalled = (list(released), fences.stall_reason(), fences.outstanding)
+        board.post(b.index, b.ticket)  # the engine answers after all
+        await asyncio.sleep(0.05)
+        answered = (list(released), fences.stall_reason(), fences.outstanding)
         await fences.stop()
         board.close()
         board.unlink()
-        return out
+        return after_post, stalled, answered
 
-    assert asyncio.run(scenario()) == (["a"], ["a", "b"], 0)
+    after_post, stalled, answered = asyncio.run(scenario())
+    assert after_post == (["a"], None)
+    assert stalled[0] == ["a"] and stalled[2] == 1  # b's slots still held
+    assert stalled[1].startswith("engine core stalled: 1 KV fence(s) not posted")
+    assert answered == (["a", "b"], None, 0)
+
+
+def test_fences_of_a_gone_engine_are_released_at_stop() -> None:
+    async def scenario():
+        board = FenceBoard.create(1, "pddtest-fence")
+        fences = Fences(board, timeout_s=0.01)
+        fences.start()
+        released: list[str] = []
+        fences.watch(fences.take(), lambda: released.append("x"))
+        await asyncio.sleep(0.05)
+        before = list(released)
+        await fences.stop()  # the engine process has exited: nothing can touch the slots
+        board.close()
+        board.unlink()
+        return before, released, fences.outstanding
+
+    assert asyncio.run(scenario()) == ([], ["x"], 0)
 
 
 def test_a_stale_ticket_does_not_release_a_reused_fence() -> None:

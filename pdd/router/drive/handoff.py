@@ -23,6 +23,10 @@ Everything runs in tasks that feed one queue (RLD events, the KV state, warm-up 
 generator consumes it in order, so the decision point is exact: RLD tokens queued before the
 KV signal are emitted, the ones after it are dropped. An RLD that fails (error, abort) just
 stops; MD takes over when its KV is there. A warm-up that fails falls back to the switch.
+A WAN transfer that fails, is cancelled or times out never forces the switch (MD would
+recompute the whole prompt in a visible stall while RLD streams fine): RLD decodes to the
+end, and the record keeps the transfer's state and reason; only if RLD is gone too does MD
+take over from the prompt.
 An MD lost before the switch (its AwaitKv or warm-up broke: ``recovery.is_worker_loss``)
 leaves the request to RLD, which decodes to the end; if RLD is gone too, the switch is a
 takeover by another worker (``RequestRun.finish_on``). An MD lost after the switch is the
@@ -69,6 +73,7 @@ class RelayHandoff:
         self._tasks: list[asyncio.Task[None]] = []
         self._rld_task: asyncio.Task[None] | None = None
         self._kv_ready = False
+        self._kv_failed = False  # the WAN transfer ended without the KV: RLD goes on
         self._rld_alive = True
         self._md_lost = md_lost  # MD lost (PrepareKv, AwaitKv, a warm-up): never switch to it
         self._warming = False
@@ -124,6 +129,13 @@ class RelayHandoff:
         if kind == "kv":
             if self._md_lost:  # no KV went to a lost MD: RLD goes on (or a takeover)
                 return _Next.CONTINUE if self._rld_alive else _Next.SWITCH
+            if payload.state != "done" and self._rld_alive:
+                self._kv_failed = True
+                log.warning(
+                    "request %s: KV to %s ended %s (%s); RLD %s finishes the request",
+                    self._run.kv_id, self._md, payload.state, payload.reason, self._rld,
+                )  # fmt: skip
+                return _Next.CONTINUE
             self._kv_ready = True
             if self._run.trace.handoff is HandoffMode.ONE_SHOT or not self._rld_alive:
                 return _Next.SWITCH
@@ -155,7 +167,7 @@ class RelayHandoff:
 
     def _rld_gone(self) -> _Next:
         self._rld_alive = False
-        if self._md_lost:
+        if self._md_lost or self._kv_failed:  # nobody else will signal: switch now
             return _Next.SWITCH
         return _Next.SWITCH if self._kv_ready and not self._warming else _Next.CONTINUE
 

@@ -261,7 +261,7 @@ class RequestRun:
                 raise
             if state.state != "timeout":
                 break
-        self.trace.kv_state = state.state
+        self.trace.kv_state, self.trace.kv_reason = state.state, state.reason
         if state.state == "timeout":
             await self.give_up_kv(worker_id, state.reason)
         return state
