@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from pdd.router.auth import ApiKeys, parse_keys
+from pdd.router.http.auth import ApiKeys, parse_keys
 
 from pdd.errors import ConfigError, RateLimitedError
 from pdd.router.http.rate_limit import KeyLimiter
