@@ -84,10 +84,10 @@ def test_import_is_cheap() -> None:
 
 
 def test_resolved_path_convention() -> None:
-    cfg = ModelConfig(cache_dir=Path("/c"))
-    assert cfg.resolved_path() == Path("/c/SmolLM2-135M-Instruct-bfloat16")
-    f32 = ModelConfig(cache_dir=Path("/c"), dtype="float32")
-    assert f32.resolved_path() == Path("/c/SmolLM2-135M-Instruct-float32")
+    cfg = ModelConfig(cache_dir=Path("/c"))  # float32: the default
+    assert cfg.resolved_path() == Path("/c/SmolLM2-135M-Instruct-float32")
+    bf16 = ModelConfig(cache_dir=Path("/c"), dtype="bfloat16")
+    assert bf16.resolved_path() == Path("/c/SmolLM2-135M-Instruct-bfloat16")
 
 
 @pytest.mark.slow
