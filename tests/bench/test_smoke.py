@@ -38,7 +38,10 @@ PIPELINES = {"colocated": {"none", "colocated"}, "pd_local": {"pd"}, "pd_wan": {
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     t0 = time.monotonic()
-    code = main(["--config", CONFIG, "--short", "--out", str(out)])
+    # An SLA every machine meets, loaded or not: the smoke shows goodput is counted (a request
+    # within the SLA counts); whether this CPU meets the benchmark's real SLA is not its business.
+    sla = ["--set", "sla.ttft_s=600", "--set", "sla.tpot_s=60"]
+    code = main(["--config", CONFIG, "--short", *sla, "--out", str(out)])
     print(f"bench --short over {len(MODES)} modes took {time.monotonic() - t0:.1f}s")
     assert children_of(os.getpid()) == []
     return code, out, json.loads((out / "results.json").read_text())
