@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from pdd.router.http.auth import ApiKeys, parse_keys
 
 from pdd.errors import ConfigError, RateLimitedError
+from pdd.router.http.auth import ApiKeys, parse_keys
 from pdd.router.http.rate_limit import KeyLimiter
 from pdd.router.http.tenants import KeyGrant, parse_key_entries
 from tests.router.conftest import codec  # noqa: F401  (the session fixture)
