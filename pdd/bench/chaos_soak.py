@@ -14,7 +14,9 @@ run of the same prompt.
    (SIGSTOP for ``--pause-s``). Each answer is: correct (equal to its reference), different (a
    wrong answer: the target is 0), failed retryably (429/503, or a stream cut with an error
    event: a client can retry), or failed otherwise (the target is 0).
-3. Settle: every worker back to idle (pdd.bench.soak.settle): what is left is a leak.
+3. Settle: every worker back to idle (running requests, pinned KV slots and open transfers 0,
+   from the router's /debug/workers: in the lab the workers' own ports are inside the
+   datacenters): what is left is a leak.
 
 Writes OUT/chaos_soak.json (counts, restarts, faults, leaks, memory slope per worker since its
 last restart) and OUT/chaos_soak.png. Exit status 1 on a wrong answer, a non-retryable failure
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from pdd.bench.soak import Topology, _worker_pid, plot, rss_mib, settle, slope_mib_per_min
+from pdd.bench.soak import Topology, _worker_pid, plot, rss_mib, slope_mib_per_min
 from pdd.config import load_config
 
 VARIANTS = ({"pipeline": "p_md"}, {"pipeline": "p_rld_md", "handoff": "one_shot"},
@@ -177,6 +179,23 @@ class Run:
             self.samples.append(row)
 
 
+def settle(url: str, timeout_s: float) -> dict[str, dict[str, int]]:
+    """Poll the router's fleet view until no worker runs, pins or transfers anything (or the
+    timeout passes); the last view, worker -> the non-zero counts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = httpx.get(url.removesuffix("/v1") + "/debug/workers", timeout=10).json()["workers"]
+        view = {
+            w["id"]: {k: v for k, v in {"running": w.get("running") or 0,
+                                        **(w.get("kv_plane") or {})}.items()
+                      if k in ("running", "pinned_slots", "open_transfers") and v}
+            for w in rows
+        }  # fmt: skip
+        if not any(view.values()) or time.monotonic() > deadline:
+            return view
+        time.sleep(1.0)
+
+
 def run(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     if cfg.model.dtype != "float32":
@@ -201,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
             t.join()
         for w in topo.worker_ids:
             soak.pid(w)  # a worker killed at the end is back before the leak check
-        final = settle(topo, args.settle_s)
+        final = settle(topo.url, args.settle_s)
     finally:
         soak.stop.set()
         for pid in topo.pids.values():
@@ -214,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def report(args, soak: Run, final: dict, serve_exit: int) -> dict:
-    leaks = {w: {k: v for k, v in m.items() if v} for w, m in final.items()}
+    leaks = {w: m for w, m in final.items() if m}
     o = soak.outcomes
     failed = {k: v for k, v in o.items() if k not in ("correct", "different")}
     since = {w: [r for r in soak.samples if r["t_s"] >= soak.restarted_at.get(w, 0) and w in r]
