@@ -140,10 +140,7 @@ class DrcLanding:
                     state = "done"  # nothing to receive: everything was cached
                 blocks = self._ready_blocks(rec)
                 return await_response(state, rec.inbound.bytes_received, blocks, reason)
-        past = self._recent.get(kv_id)
-        if past is None:
-            return await_response("unknown", 0, 0, "no KV expected or received for it")
-        return await_response(past.state, past.bytes_received, past.blocks, past.reason)
+        return self._recent.response(kv_id)
 
     def cancel(self, kv_id: str, reason: str) -> bool:
         with self._lock:

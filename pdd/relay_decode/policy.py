@@ -223,10 +223,7 @@ class RelayDecodeRole:
                 state, reason = landing.inbound.outcome()
                 blocks = len(landing.loadable(len(landing.slots))) if state == "done" else 0
                 return await_response(state, landing.inbound.bytes_received, blocks, reason)
-        past = self._recent.get(key)
-        if past is None:
-            return await_response("unknown", 0, 0, "no KV expected or received for it")
-        return await_response(past.state, past.bytes_received, past.blocks, past.reason)
+        return self._recent.response(key)
 
     async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
         with self._lock:

@@ -31,11 +31,12 @@ from pdd.router.http.errors import install_error_handlers
 from pdd.router.http.limits import BodyLimitMiddleware
 from pdd.router.http.rate_limit import KeyLimiter
 from pdd.router.http.routes import router as api_routes
-from pdd.router.http.validation import ServingLimits, generation_defaults
+from pdd.router.http.validation import generation_defaults
 from pdd.router.metrics import RouterMetrics
 from pdd.router.service import RouterService
 from pdd.router.state import RouterState
 from pdd.router.text.tokenizer import TextCodec
+from pdd.router.types import ServingLimits
 
 
 def max_model_len(cfg: PddConfig) -> int:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pdd.config import PddConfig
 from pdd.router.debug import RequestLog
 from pdd.router.fleet.pool import WorkerPool
-from pdd.router.http.validation import ServingLimits
 from pdd.router.metrics import RouterMetrics
 from pdd.router.service import RouterService
 from pdd.router.text.tokenizer import TextCodec
+from pdd.router.types import ServingLimits
 
 
 @dataclass(frozen=True)

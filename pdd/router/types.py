@@ -9,7 +9,7 @@ output. ``OutputDelta`` is what the API layer formats into OpenAI chunks and res
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.protocol import HandoffMode, Pipeline
@@ -153,3 +153,13 @@ class PddSummary:
             "rld_tokens": self.rld_tokens, "handoff": self.handoff,
             "handoff_rounds": self.handoff_rounds, "p": self.p, "rld": self.rld, "md": self.md,
         }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """What the deployment serves: model ids, context length, vocabulary, default sampling."""
+
+    model_names: tuple[str, ...]  # the served name first, then accepted aliases (model path)
+    max_model_len: int
+    vocab_size: int
+    defaults: dict[str, float | int] = field(default_factory=dict)  # generation_config.json

@@ -151,6 +151,14 @@ class Recent:
     def forget(self, key: str) -> None:
         self._items.pop(key, None)
 
+    def response(self, key: str) -> pb.AwaitKvResponse:
+        """AwaitKv's answer for a request with no live record: its remembered outcome, or
+        unknown."""
+        past = self._items.get(key)
+        if past is None:
+            return await_response("unknown", 0, 0, "no KV expected or received for it")
+        return await_response(past.state, past.bytes_received, past.blocks, past.reason)
+
     def put(self, key: str, state: InboundState, blocks: int) -> None:
         st, reason = state.outcome()
         if st == "pending":

@@ -64,7 +64,11 @@ class RelayHandoff:
         self, run: RequestRun, rld: str, md: str, *, rld_kv: bool, md_kv: bool,
         md_lost: bool = False,
     ):  # fmt: skip
-        self._run = run
+        self._run = run  # its Generate and the takeover (finish_on); the halves below
+        self._stream = run.stream
+        self._kv = run.kv
+        self._trace = run.trace
+        self._pool = run.pool
         self._rld = rld
         self._md = md
         self._rld_kv = rld_kv  # KV is on its way to RLD (else it computes the short prompt)
@@ -98,9 +102,9 @@ class RelayHandoff:
                     break
             await self._stop_rld()
             run = self._run
-            run.release_kv("handed off to MD", [self._rld])  # RLD may never have loaded it
-            run.trace.handoff_rounds = self._rounds + 1
-            run.mark_switch()
+            self._kv.release("handed off to MD", [self._rld])  # RLD may never have loaded it
+            self._trace.handoff_rounds = self._rounds + 1
+            self._stream.mark_switch()
             lost = (self._md,) if self._md_lost else ()
             finish = run.finish_on(self._md, "md", kv_source="drc", await_kv=False, lost=lost)
             async for event in finish:
@@ -112,12 +116,12 @@ class RelayHandoff:
 
     def _on_rld(self, event: TokenEvent) -> tuple[TokenEvent | None, _Next]:
         ended = event.finish_reason in REAL_FINISHES
-        out = self._run.take(event, "rld", final=ended)
-        if self._run.finished:
-            self._run.trace.handoff_rounds = self._rounds  # warm-ups done before RLD ended
+        out = self._stream.take(event, "rld", final=ended)
+        if self._stream.finished:
+            self._trace.handoff_rounds = self._rounds  # warm-ups done before RLD ended
             if not self._kv_ready:
-                self._run.trace.handoff = HandoffMode.RLD_FINISHED
-            self._run.release_kv("rld_finished")
+                self._trace.handoff = HandoffMode.RLD_FINISHED
+            self._kv.release("rld_finished")
             return out, _Next.DONE
         if event.finish_reason is not None:  # abort / error: RLD is gone, MD takes over
             return out, self._rld_gone()
@@ -137,7 +141,7 @@ class RelayHandoff:
                 )  # fmt: skip
                 return _Next.CONTINUE
             self._kv_ready = True
-            if self._run.trace.handoff is HandoffMode.ONE_SHOT or not self._rld_alive:
+            if self._trace.handoff is HandoffMode.ONE_SHOT or not self._rld_alive:
                 return _Next.SWITCH
             return self._next_round()
         if kind == "kv_error":
@@ -158,9 +162,9 @@ class RelayHandoff:
         """MD was lost before the switch: RLD, if it still streams, finishes the request;
         otherwise the switch goes straight to a takeover (``RequestRun.finish_on``)."""
         self._md_lost = True
-        self._run.pool.mark_unhealthy(self._md, exc.message)
+        self._pool.mark_unhealthy(self._md, exc.message)
         log.warning(
-            "request %s: MD %s lost before the handoff (%s); %s", self._run.kv_id, self._md,
+            "request %s: MD %s lost before the handoff (%s); %s", self._kv.kv_id, self._md,
             exc.message, "RLD finishes the request" if self._rld_alive else "taking over",
         )  # fmt: skip
         return _Next.CONTINUE if self._rld_alive else _Next.SWITCH
@@ -174,22 +178,22 @@ class RelayHandoff:
     def _next_round(self) -> _Next:
         """Catch-Up: another warm-up while the gap is large, else the switch."""
         policy = self._run.policy
-        gap = len(self._run.emitted) - self._synced
+        gap = len(self._stream.emitted) - self._synced
         if gap < policy.catch_up_threshold_tokens or self._rounds >= policy.max_catch_up_rounds:
             return _Next.SWITCH
         self._rounds += 1
         self._warming = True
-        run = self._run  # the warm-up's prompt is fixed now: prompt + emitted so far
-        req = run.continuation(f"{run.kv_id}.warm{self._rounds}", max_tokens=1)
-        self._spawn(self._warm_up(req, len(run.emitted)))
+        stream = self._stream  # the warm-up's prompt is fixed now: prompt + emitted so far
+        req = stream.continuation(f"{self._kv.kv_id}.warm{self._rounds}", max_tokens=1)
+        self._spawn(self._warm_up(req, len(stream.emitted)))
         return _Next.CONTINUE
 
     # --- tasks (they only feed the queue) -------------------------------------------------
 
     async def _read_rld(self) -> None:
         run = self._run
-        kv_in = run.kv_in("transfer") if self._rld_kv else None
-        req = run.continuation(run.kv_id)
+        kv_in = self._kv.kv_in("transfer") if self._rld_kv else None
+        req = self._stream.continuation(self._kv.kv_id)
         try:
             async for event in run.generate(self._rld, req, kv_in=kv_in):
                 self._queue.put_nowait(("rld", event))
@@ -198,7 +202,7 @@ class RelayHandoff:
 
     async def _await_kv(self) -> None:
         try:
-            state = await self._run.await_kv(self._md) if self._md_kv else KvState("done")
+            state = await self._kv.await_kv(self._md) if self._md_kv else KvState("done")
         except PddError as exc:
             self._queue.put_nowait(("kv_error", exc))
             return
@@ -210,7 +214,7 @@ class RelayHandoff:
         run = self._run
         finish = None
         try:
-            async for event in run.generate(self._md, req, kv_in=run.kv_in("drc")):
+            async for event in run.generate(self._md, req, kv_in=self._kv.kv_in("drc")):
                 finish = event.finish_reason
         except PddError as exc:
             self._queue.put_nowait(("warm_failed", exc))

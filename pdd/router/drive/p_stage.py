@@ -48,7 +48,11 @@ class Target:
 
 class PStage:
     def __init__(self, run: RequestRun, p_id: str, targets: list[Target], block_size: int):
-        self._run = run
+        self._run = run  # its Generate (load tracking); the halves below are what it uses
+        self._kv = run.kv
+        self._stream = run.stream
+        self._pool = run.pool
+        self._trace = run.trace
         self._p = p_id
         self._targets = targets
         self._block_size = block_size
@@ -58,9 +62,9 @@ class PStage:
     async def prefill(self) -> TokenEvent:
         """P's first token, one merged event. Raises WorkerError if P fails the request."""
         for t in self._targets:
-            t.prepared = self._run.prepare(t.worker_id)
-        self._run.hold(self._p)
-        req = self._run.continuation(self._run.kv_id, max_tokens=1)
+            t.prepared = self._kv.prepare(t.worker_id)
+        self._kv.hold(self._p)
+        req = self._stream.continuation(self._kv.kv_id, max_tokens=1)
         tokens: list[int] = []
         logprobs = []
         last: TokenEvent | None = None
@@ -74,7 +78,7 @@ class PStage:
             reason = last.finish_reason if last else "nothing"
             raise WorkerError(f"prefill worker {self._p} ended the request with {reason!r}")
         self.staged_blocks = last.kv_staged_blocks
-        self._run.p_cached_tokens = cached
+        self._stream.p_cached_tokens = cached
         return TokenEvent(
             token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=last.finish_reason,
             num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=cached,
@@ -94,37 +98,37 @@ class PStage:
                 if not is_unreachable(exc):
                     raise
                 self.lost.add(t.worker_id)
-                self._run.pool.mark_unhealthy(t.worker_id, exc.message)
-                self._run.release_kv("PrepareKv failed", [t.worker_id])
+                self._pool.mark_unhealthy(t.worker_id, exc.message)
+                self._kv.release("PrepareKv failed", [t.worker_id])
                 continue
             first = prep.cached_blocks if t.from_cache else 0
             if t.recorded and t.from_cache and self._block_size > 0:
-                self._run.trace.md_cached_tokens = prep.cached_blocks * self._block_size
+                self._trace.md_cached_tokens = prep.cached_blocks * self._block_size
             if first < self.staged_blocks:
                 dests.append(worker_pb2.KvDestination(
                     peer=prep.address, first_block=first, landing_key=prep.landing_key))  # fmt: skip
                 receiving.append(t)
             elif not t.from_cache:  # its Generate will not name this KV: free the lease now
-                self._run.release_kv("nothing to send", [t.worker_id])
+                self._kv.release("nothing to send", [t.worker_id])
         if not dests:
-            self._run.release_kv("nothing to send", [self._p])
+            self._kv.release("nothing to send", [self._p])
             return set()
         policy = self._run.policy
-        client = self._run.pool.client(self._p)
+        client = self._pool.client(self._p)
         try:
-            sent = await client.send_kv(self._run.kv_id, dests, policy.send_kv_deadline_s)
+            sent = await client.send_kv(self._kv.kv_id, dests, policy.send_kv_deadline_s)
         except PddError as exc:
             if not is_worker_loss(exc):
                 raise
-            self._run.pool.mark_unhealthy(self._p, exc.message)
+            self._pool.mark_unhealthy(self._p, exc.message)
             log.warning(
                 "request %s: SendKv on %s failed (%s); the destinations recompute the prompt",
-                self._run.kv_id, self._p, exc.message,
+                self._kv.kv_id, self._p, exc.message,
             )  # fmt: skip
-            self._run.release_kv("SendKv failed", [self._p, *(t.worker_id for t in receiving)])
+            self._kv.release("SendKv failed", [self._p, *(t.worker_id for t in receiving)])
             return set()
-        self._run.kv_sent_at = asyncio.get_running_loop().time()
+        self._kv.sent_at = asyncio.get_running_loop().time()
         for t, n_bytes in zip(receiving, sent, strict=False):
             if t.recorded:
-                self._run.trace.wan_kv_bytes = n_bytes
+                self._trace.wan_kv_bytes = n_bytes
         return {t.worker_id for t in receiving}

@@ -62,9 +62,9 @@ class PddPipeline:
             targets = [Target(rld)] if rld is not None else []
             targets.append(Target(md, from_cache=True, recorded=True))
             stage, first = await prefill(self._pool, run, decision, targets)
-            out = run.take(first, "p", final=first.finish_reason == "stop")
+            out = run.stream.take(first, "p", final=first.finish_reason == "stop")
             if run.finished:
-                run.release_kv("finished on P")
+                run.kv.release("finished on P")
             yield out
             if run.finished:
                 return
@@ -107,8 +107,8 @@ async def prefill(
                 "request %s: prefill worker %s lost before the first token (%s); "
                 "retrying on %s", run.req.request_id, p, exc.message, nxt.id,
             )  # fmt: skip
-            run.release_kv(f"prefill worker {p} lost")
-            run.restart_kv(len(tried))
+            run.kv.release(f"prefill worker {p} lost")
+            run.kv.restart(len(tried))
             p = run.trace.p = nxt.id
 
 

@@ -41,7 +41,6 @@ from pdd.registration import (
 )
 from pdd.router.fleet.discovery import DnsDiscovery, Resolver, resolve_dns
 from pdd.router.fleet.pool import WorkerPool
-from pdd.router.state import RouterState
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +72,10 @@ class FleetRegistry:
         """The worker is leaving (its shutdown): remove it now."""
         self._last_seen.pop(worker_id, None)
         return self._pool.remove(worker_id, "deregistered")
+
+    def workers(self) -> list[dict[str, object]]:
+        """Every worker of the fleet as the pool describes it (any source)."""
+        return self._pool.describe()
 
     def expire(self) -> list[str]:
         """Remove every registered worker whose heartbeat is overdue; returns their ids."""
@@ -162,6 +165,5 @@ async def deregister_worker(worker_id: str, request: Request) -> JSONResponse:
 
 @routes.get(REGISTRATION_PATH)
 async def list_registered(request: Request) -> JSONResponse:
-    state: RouterState = request.app.state.pdd
-    return JSONResponse({"registered": _registry(request).describe(),
-                         "workers": state.pool.describe()})  # fmt: skip
+    registry = _registry(request)
+    return JSONResponse({"registered": registry.describe(), "workers": registry.workers()})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from pdd.router.http.schemas import (
     CompletionRequest,
     PddOptions,
 )
-from pdd.router.types import GenerationRequest, SamplingSpec, TextOptions
+from pdd.router.types import GenerationRequest, SamplingSpec, ServingLimits, TextOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -31,16 +30,6 @@ PIPELINE_OVERRIDES = {"auto": None, "p_md": Pipeline.P_MD, "p_rld_md": Pipeline.
 HANDOFF_OVERRIDES = {
     "auto": None, "one_shot": HandoffMode.ONE_SHOT, "catch_up": HandoffMode.CATCH_UP
 }  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class ServingLimits:
-    """What the deployment serves: model ids, context length, vocabulary, default sampling."""
-
-    model_names: tuple[str, ...]  # the served name first, then accepted aliases (model path)
-    max_model_len: int
-    vocab_size: int
-    defaults: dict[str, float | int] = field(default_factory=dict)  # generation_config.json
 
 
 def generation_defaults(folder: str | Path) -> dict[str, float | int]:

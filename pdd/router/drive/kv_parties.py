@@ -1,0 +1,129 @@
+"""The KV parties of one request: every worker that holds or expects KV for it, and the one
+place that cancels that KV.
+
+A party is P's staged blocks (``hold``) or a PrepareKv reservation / DRC lease on RLD, MD or
+D (``prepare``). ``settle()`` on a clean end (the last tier finished after its KV arrived: the
+workers release by themselves); otherwise ``release(reason)`` sends CancelKv to each, in the
+background, after its PrepareKv settled. ``close()`` releases whatever is neither settled nor
+released: every failure path and every client disconnect goes through it. ``await_kv`` polls
+AwaitKv on a destination and gives its reservation up when the KV is not coming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdd.config.router import PddPolicyConfig
+from pdd.errors import PddError, UnavailableError
+from pdd.router.decide.recovery import is_unreachable, is_worker_loss
+from pdd.router.fleet.pool import WorkerPool
+from pdd.router.fleet.workers import KvState, Prepared
+from pdd.router.record import PddTrace
+from pdd.router.types import GenerationRequest, KvIn
+
+log = logging.getLogger(__name__)
+
+SEND_DEADLINE_GRACE_S = 2.0  # AwaitKv gives up this long after P's send deadline passed
+
+
+class KvParties:
+    """Who holds or expects KV for ``req``, under the key ``kv_id`` on every worker."""
+
+    def __init__(
+        self, pool: WorkerPool, req: GenerationRequest, trace: PddTrace, policy: PddPolicyConfig
+    ) -> None:
+        self._pool = pool
+        self._req = req
+        self._trace = trace
+        self._policy = policy
+        self.kv_id = req.request_id  # the key the KV travels under on every worker
+        self.sent_at: float | None = None  # loop time SendKv returned (PStage.send)
+        self._parties: dict[str, asyncio.Task[Prepared] | None] = {}
+
+    def kv_in(self, source: str) -> KvIn:
+        return KvIn(source, self.kv_id, self._policy.kv_in_wait_s)
+
+    def prepare(self, worker_id: str) -> asyncio.Task[Prepared]:
+        """PrepareKv on a destination, in the background; it is a KV party from now on."""
+        client = self._pool.client(worker_id)
+        coro = client.prepare_kv(self.kv_id, self._req.prompt_token_ids, self._policy.kv_lease_s)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._parties[worker_id] = task
+        return task
+
+    def hold(self, worker_id: str) -> None:
+        """``worker_id`` may hold KV for the request (P staging)."""
+        self._parties.setdefault(worker_id, None)
+
+    def restart(self, attempt: int) -> None:
+        """A fresh KV id for the P stage's retry ``attempt`` (release the old parties first:
+        their CancelKv carries the old id; a dead P's leftovers never meet the new one)."""
+        assert not self._parties, "restart with KV parties still held"
+        self.kv_id = f"{self._req.request_id}.retry{attempt}"
+
+    def release(self, reason: str, worker_ids: list[str] | None = None) -> None:
+        """CancelKv on the given parties (default: all), in the background."""
+        for wid in list(self._parties if worker_ids is None else worker_ids):
+            if wid not in self._parties:
+                continue
+            after = self._parties.pop(wid)
+            self._pool.client(wid).cancel_kv_in_background(self.kv_id, reason, after)
+
+    def settle(self) -> None:
+        """Clean end: every party releases its KV by itself."""
+        self._parties.clear()
+
+    def close(self, finished: bool) -> None:
+        """The request is over: release what is neither settled nor released."""
+        self.release("finished" if finished else "aborted")
+
+    async def await_kv(self, worker_id: str) -> KvState:
+        """Poll AwaitKv until the KV landed, failed, or the wait's deadline passed.
+
+        The deadline is ``await_kv_timeout_s``, and never later than P's send deadline plus
+        ``SEND_DEADLINE_GRACE_S`` after SendKv: by then P's transfer ended one way or the
+        other, so KV still missing is not coming (e.g. P's connection was cut before the
+        first chunk, which the receiver never saw). A wait that times out gives the
+        reservation up (CancelKv, awaited), so the worker's Generate does not wait for it
+        and its landing slots are free at once.
+        """
+        client = self._pool.client(worker_id)
+        loop = asyncio.get_running_loop()
+        deadline, why = loop.time() + self._policy.await_kv_timeout_s, "await_kv_timeout_s"
+        if self.sent_at is not None:
+            send_end = self.sent_at + self._policy.send_kv_deadline_s + SEND_DEADLINE_GRACE_S
+            if send_end < deadline:
+                deadline, why = send_end, "P's send deadline"
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                state = KvState("timeout", reason=f"router: {why} passed")
+                break
+            try:
+                state = await client.await_kv(self.kv_id, min(self._policy.await_kv_poll_s, left))
+            except PddError as exc:  # the RPC itself timed out: cut off, a loss (takeover)
+                if is_unreachable(exc) and not is_worker_loss(exc):
+                    raise UnavailableError(f"{exc.message} (unreachable)") from exc
+                raise
+            if state.state != "timeout":
+                break
+        self._trace.kv_state, self._trace.kv_reason = state.state, state.reason
+        if state.state == "timeout":
+            await self.give_up(worker_id, state.reason)
+        return state
+
+    async def give_up(self, worker_id: str, reason: str) -> None:
+        """CancelKv on one party now (awaited: its next Generate must not wait for the KV)."""
+        if worker_id not in self._parties:
+            return
+        prepared = self._parties.pop(worker_id)
+        if prepared is not None:
+            await asyncio.gather(prepared, return_exceptions=True)
+        try:
+            await self._pool.client(worker_id).cancel_kv(self.kv_id, reason)
+        except PddError as exc:
+            if is_worker_loss(exc):
+                raise  # the caller's takeover handles it
+            log.warning("request %s: CancelKv on %s failed: %s (its lease ends it)",
+                        self.kv_id, worker_id, exc.message)  # fmt: skip

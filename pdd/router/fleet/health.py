@@ -1,0 +1,144 @@
+"""Health polling of every fleet member.
+
+Every ``router.health_interval_s`` each worker gets Health (and Stats when ready), with
+``router.worker_rpc_timeout_s`` deadlines. A worker is healthy after a ready Health and
+unhealthy after any failure, except that a healthy worker may miss up to
+``router.health_missed_polls - 1`` polls in a row by timing out (late, not gone); transitions
+are logged. A worker with port 0 has no known address (the launcher passes real ports with
+``--set``) and stays unhealthy. In router.mode pdd the same loop keeps each MainDecode's DRC
+view fresh (``drc_views.DrcViews``). A request that sees a worker fail marks it unhealthy at
+once (``mark_unhealthy``) until its next good poll.
+
+Lifecycle: ``start()`` inside the serving event loop, ``stop()`` at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from pdd.config.router import RouterConfig
+from pdd.errors import PddError
+from pdd.protocol import Role
+from pdd.router.fleet.drc_views import DrcViews
+from pdd.router.fleet.members import Members, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+class HealthPoller:
+    """One background task polling ``members``; the polls of slow workers never wait on
+    each other."""
+
+    def __init__(self, members: Members, cfg: RouterConfig, drc: DrcViews | None) -> None:
+        self._members = members
+        self._cfg = cfg
+        self._drc = drc
+        self._poller: asyncio.Task[None] | None = None
+        self._first_poll = asyncio.Event()
+        self._polls: set[asyncio.Task[None]] = set()  # health polls in flight
+
+    def start(self) -> None:
+        self._poller = asyncio.create_task(self._poll_forever(), name="pdd-router-health")
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        for task in list(self._polls):
+            task.cancel()
+        await asyncio.gather(*self._polls, return_exceptions=True)
+
+    async def wait_first_poll(self, timeout: float) -> None:
+        """Wait until every worker was polled once (or the timeout passes)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_poll.wait(), timeout)
+
+    def mark_unhealthy(self, worker_id: str, reason: str) -> None:
+        """A request saw the worker fail; stop routing to it until the next good poll."""
+        st = self._members.states.get(worker_id)
+        if st is not None:
+            self._set_health(st, False, reason)
+
+    def any_healthy(self) -> bool:
+        return any(st.healthy for st in self._members.states.values())
+
+    async def _poll_forever(self) -> None:
+        """Each round polls every worker not still being polled, waits for the round at most
+        ~2 RPC deadlines, then sleeps ``health_interval_s``. A poll that outlives its round (a
+        channel closed under its call) finishes, or is abandoned at ``bound``, on its own:
+        it never holds up the polls of the other workers."""
+        interval = self._cfg.health_interval_s
+        rpc = self._cfg.worker_rpc_timeout_s
+        bound = 3 * rpc + 1.0  # Health + Stats (+ DrcEvents), each with the RPC deadline
+        while True:
+            fresh = [st for st in list(self._members.states.values()) if not st.polling]
+            tasks = {asyncio.create_task(self._bounded_poll(st, bound)) for st in fresh}
+            self._polls |= tasks
+            for t in tasks:
+                t.add_done_callback(self._polls.discard)
+            if tasks:
+                await asyncio.wait(tasks, timeout=2 * rpc + 0.5)
+            self._first_poll.set()
+            await asyncio.sleep(interval)
+
+    async def _bounded_poll(self, st: WorkerState, bound_s: float) -> None:
+        st.polling = True
+        try:
+            await asyncio.wait_for(self._poll(st), bound_s)
+        except TimeoutError:
+            if not st.retired:
+                self._set_health(st, False, f"health poll stuck for {bound_s:g} s")
+        finally:
+            st.polling = False
+
+    async def _poll(self, st: WorkerState) -> None:
+        """One worker's poll. Never raises: one worker (even one retired and closed while its
+        poll was in flight) must not stop the loop that polls every other."""
+        client = st.client  # Members may take st.client away while we await
+        if client is None or st.retired:
+            return
+        try:
+            health = await client.health()
+            if not health.ready:
+                self._set_health(st, False, "worker reports not ready")
+                return
+            st.stats = await client.stats()
+        except PddError as exc:
+            self._missed(st, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. the channel closed under the call
+            if not st.retired:
+                log.warning("health poll of %s failed: %r", st.config.id, exc)
+                self._set_health(st, False, f"health poll failed: {exc!r}")
+            return
+        st.missed_polls = 0
+        if st.retired:  # removed while polled
+            return
+        self._set_health(st, True, "")
+        if self._drc is not None and st.config.role is Role.MAIN_DECODE:
+            await self._drc.refresh(st.config.id, client)
+
+    def _missed(self, st: WorkerState, exc: PddError) -> None:
+        """A failed poll: unhealthy now, unless a healthy worker is only late (a timeout) for
+        fewer than ``health_missed_polls`` polls in a row."""
+        st.missed_polls = st.missed_polls + 1 if exc.code == "timeout" else 0
+        late = 0 < st.missed_polls < self._cfg.health_missed_polls
+        if late and st.healthy:
+            log.info("worker %s missed a health poll (%d in a row): %s",
+                     st.config.id, st.missed_polls, exc.message)  # fmt: skip
+            return
+        self._set_health(st, False, exc.message)
+
+    def _set_health(self, st: WorkerState, healthy: bool, reason: str) -> None:
+        if healthy != st.healthy:
+            if healthy:
+                log.info("worker %s (%s) is healthy", st.config.id, st.client and st.client.target)
+            else:
+                log.warning("worker %s is unhealthy: %s", st.config.id, reason)
+        st.healthy = healthy
+        if reason:
+            st.last_error = reason
