@@ -34,6 +34,7 @@ import yaml
 
 from pdd.config import PddConfig, load_config
 from pdd.errors import ConfigError, PddError
+from pdd.launch.credentials import host_private
 from pdd.launch.lab_sites import LabSites, planned_sites
 from pdd.launch.placement import LocalSites, Sites, place
 from pdd.launch.topology import Topology
@@ -110,6 +111,8 @@ def main(argv: list[str]) -> int:
 def _serve(cfg: PddConfig, sites: Sites, ready_timeout_s: float, stop: threading.Event) -> int:
     """Start the topology in ``sites``, supervise it until a signal or a death, stop it."""
     placed = place(cfg, sites.sites(), sites.pick_port)
+    if isinstance(sites, LabSites):
+        placed = host_private(placed)
     with tempfile.TemporaryDirectory(prefix="pdd-serve-") as run_dir:
         topo = Topology(placed, Path(run_dir), sites.spawn_for)
         try:

@@ -11,6 +11,11 @@ effective config every child reads:
 
 and points ``security.worker_token_file``, ``security.grpc_tls`` and ``transfer.tls`` at them.
 Only paths are written into the config; the run folder goes away with the run.
+
+``host_private``: in the lab every address is a veth inside this host's own namespaces, which
+no other machine reaches, so `pdd serve` runs a lab topology with ``security.insecure``: what
+its processes lack is warned about and listed in ``/health``, never refused (configs/lab.yaml
+still turns the worker plane's credentials on with ``auto_credentials``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import os
 import secrets
 from pathlib import Path
 from typing import Any
+
+from pdd.launch.placement import Placed
 
 CERT_DAYS = 30
 
@@ -61,3 +68,12 @@ def _addresses(data: dict[str, Any]) -> list[str]:
     for w in data.get("workers") or []:
         hosts += [w.get("advertise_host") or w.get("host") or "", w.get("kv_advertise_host") or ""]
     return [h for h in hosts if h]
+
+
+def host_private(placed: Placed) -> Placed:
+    """``placed`` with ``security.insecure`` on (a lab placement: see the module docstring)."""
+    if placed.cfg.security.insecure:
+        return placed
+    security = placed.cfg.security.model_copy(update={"insecure": True})
+    cfg = placed.cfg.model_copy(update={"security": security})
+    return Placed(cfg, placed.router_dc, placed.url)

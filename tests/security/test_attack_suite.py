@@ -194,7 +194,7 @@ def test_a_forged_kv_sender_is_refused_and_the_drc_is_unchanged(fleet):
 
 def _post(fleet, key: str, **body) -> httpx.Response:
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
-            "temperature": 0, **body}  # fmt: skip
+            "temperature": 0, "ignore_eos": True, **body}  # fmt: skip
     url = fleet["served"].url + "/completions"
     return httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
 

@@ -195,3 +195,14 @@ def test_an_insecure_router_starts_warns_and_says_so_in_health():
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert "security.insecure: the router" in err and "WITHOUT API keys" in err
+
+
+def test_a_lab_placement_runs_host_private():
+    """`pdd serve` in the lab: every address is a veth of this host, so a config without
+    credentials runs (warned, listed in /health) instead of refusing."""
+    from pdd.launch.credentials import host_private
+    from pdd.launch.placement import Placed
+
+    placed = host_private(Placed(_exposed(), "dc-a", "http://10.0.0.6:8000/v1"))
+    assert placed.cfg.security.insecure and placed.url == "http://10.0.0.6:8000/v1"
+    assert check_router(placed.cfg, {}) != []  # warned about, not refused

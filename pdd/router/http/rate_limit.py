@@ -51,7 +51,9 @@ class KeyLimiter:
             self._check_tokens(seen, grant.tpm, tokens, now)
         seen.append((now, tokens))
 
-    def _check_tokens(self, seen: deque[tuple[float, int]], tpm: int, tokens: int, now: float):  # type: ignore[no-untyped-def]
+    def _check_tokens(
+        self, seen: deque[tuple[float, int]], tpm: int, tokens: int, now: float
+    ) -> None:
         if tokens > tpm:
             raise RateLimitedError(
                 f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
@@ -61,7 +63,7 @@ class KeyLimiter:
         used = sum(n for _, n in seen)
         if used + tokens <= tpm:
             return
-        freed = 0
+        freed, wait = 0, self.window_s
         for at, n in seen:  # the window has room once enough of the oldest charges expire
             freed += n
             if used - freed + tokens <= tpm:
