@@ -4,6 +4,7 @@ root prints the same report."""
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from pathlib import Path
 
@@ -11,6 +12,17 @@ import pytest
 from importlinter import cli as lint
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def loggers_left_enabled():
+    """import-linter configures logging with dictConfig, which disables every logger that
+    exists at that moment: put them back, so later tests still see their log records."""
+    existing = logging.root.manager.loggerDict
+    before = {n: lg.disabled for n, lg in existing.items() if isinstance(lg, logging.Logger)}
+    yield
+    for name, disabled in before.items():
+        existing[name].disabled = disabled
 
 
 def test_every_layering_contract_is_kept(capsys: pytest.CaptureFixture[str]) -> None:

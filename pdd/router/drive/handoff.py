@@ -137,7 +137,7 @@ class RelayHandoff:
                 self._kv_failed = True
                 log.warning(
                     "request %s: KV to %s ended %s (%s); RLD %s finishes the request",
-                    self._run.kv_id, self._md, payload.state, payload.reason, self._rld,
+                    self._kv.kv_id, self._md, payload.state, payload.reason, self._rld,
                 )  # fmt: skip
                 return _Next.CONTINUE
             self._kv_ready = True
