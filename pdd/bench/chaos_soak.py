@@ -149,34 +149,43 @@ class Run:
                 os.kill(pid, signal.SIGCONT)
 
     def pid(self, w: str) -> int:
-        """The worker's current pid: after a restart, the new process's."""
-        pid = self.topo.pids[w]
-        try:
-            os.kill(pid, 0)
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
-                return pid
-        except (ProcessLookupError, OSError):
-            pass
+        """The worker's live pid, waiting (up to 10 minutes) while it restarts."""
         deadline = time.monotonic() + 600
-        while True:
-            try:
-                self.topo.pids[w] = _worker_pid(self.topo.proc.pid, w)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
-                continue
-            if self.topo.pids[w] != pid:
-                self.restarted_at[w] = time.monotonic() - self.t0
-                return self.topo.pids[w]
+        while (pid := self.refresh(w)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {w} did not come back")
             time.sleep(1.0)
+        return pid
+
+    def refresh(self, w: str) -> int | None:
+        """The worker's live pid now, None while it restarts; notes when a new one appears."""
+        pid = self.topo.pids[w]
+        if _alive(pid):
+            return pid
+        try:
+            new = _worker_pid(self.topo.proc.pid, w)
+        except RuntimeError:
+            return None
+        if new == pid or not _alive(new):
+            return None
+        self.topo.pids[w], self.restarted_at[w] = new, time.monotonic() - self.t0
+        return new
 
     def sample(self) -> None:
         while not self.stop.wait(self.args.sample_s):
             row = {"t_s": round(time.monotonic() - self.t0, 1)}
-            for w, pid in dict(self.topo.pids).items():
-                row[w], row[f"{w}.shmem"] = (round(x, 1) for x in rss_mib(pid))
+            for w in self.topo.worker_ids:
+                pid = self.refresh(w)
+                if pid is not None:  # a worker restarting has no row
+                    row[w], row[f"{w}.shmem"] = (round(x, 1) for x in rss_mib(pid))
             self.samples.append(row)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def settle(url: str, timeout_s: float) -> dict[str, dict[str, int]]:
