@@ -78,7 +78,12 @@ def _await_ready(served: Served, marker: str, timeout_s: float) -> Served:
     while not ready.wait(0.2):
         if served.proc.poll() is not None or time.monotonic() > deadline:
             stop(served)
-            raise RuntimeError(f"{marker.strip()} never came:\n{served.log_tail()}")
+            said = [x for x in served.output if "pdd serve:" in x or "pdd.launch" in x]
+            raise RuntimeError(
+                f"{marker.strip()} never came; the launcher said:\n"
+                + "\n".join(said[-20:])
+                + f"\nlast output:\n{served.log_tail()}"
+            )
     return served
 
 

@@ -296,7 +296,7 @@ def _role(wid: str) -> str:
 def engine_core(proc) -> psutil.Process:
     """The vLLM engine-core child of a worker process (multiprocessing's spawn child)."""
     kids = psutil.Process(proc.pid).children()
-    (core,) = [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
+    (core,) = [k for k in kids if k.name().startswith("VLLM") or "EngineCore" in k.name()]
     return core
 
 
