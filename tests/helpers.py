@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdd.launch import free_port
+from pdd.launch.topology import STOP_GRACE_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,16 +88,28 @@ def _await_ready(served: Served, marker: str, timeout_s: float) -> Served:
     return served
 
 
-def stop(served: Served, timeout_s: float = 60) -> int:
+# `pdd serve` stops the router, then the workers, each stage SIGKILLed after STOP_GRACE_S at
+# worst, then takes its lab down: past this bound the launcher itself is stuck.
+STOP_TIMEOUT_S = 2 * STOP_GRACE_S + 30
+
+
+def stop(served: Served, timeout_s: float = STOP_TIMEOUT_S) -> int:
     """SIGTERM `pdd serve` and wait; it stops every child it started."""
     if served.proc.poll() is None:
+        began = time.monotonic()
         served.proc.send_signal(signal.SIGTERM)
         try:
             served.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             served.proc.kill()
             served.proc.wait()
-            raise
+            raise AssertionError(
+                f"pdd serve still running {timeout_s:.0f} s after SIGTERM; its output:\n"
+                + served.log_tail()
+            ) from None
+        served.output.append(
+            f"[test] pdd serve exited {time.monotonic() - began:.1f} s after SIGTERM"
+        )
     return served.proc.returncode
 
 

@@ -126,6 +126,7 @@ class Child:
     proc: subprocess.Popen | None = None
     ready_line: str | None = None
     signalled: bool = False  # the launcher asked it to stop (its exit status is then expected)
+    killed: bool = False  # it outlived its stop grace and got SIGKILL
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     ready: threading.Event = field(default_factory=threading.Event)
     ready_at: float | None = None  # monotonic time of the current process's ready line
@@ -157,7 +158,7 @@ class Child:
         new process gets a fresh ready event: a late line of the old one cannot set it."""
         assert not self.alive(), "restart of a running child"
         self.ready, self.ready_line, self.ready_at = threading.Event(), None, None
-        self.signalled, self._terminated_at = False, None
+        self.signalled, self.killed, self._terminated_at = False, False, None
         self.start(env)
 
     def _pump(self, proc: subprocess.Popen, ready: threading.Event) -> None:
@@ -202,7 +203,7 @@ class Child:
         try:
             self.proc.wait(timeout=max(0.0, deadline_s - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.signalled = True
+            self.signalled = self.killed = True
             self.proc.kill()
             self.proc.wait(timeout=5)
 

@@ -19,6 +19,7 @@ in the lab) and proves the router reaches every worker over its own links.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -33,6 +34,8 @@ from pdd.launch.children import Child, child_env, child_specs
 from pdd.launch.credentials import with_run_credentials
 from pdd.launch.placement import Placed, Spawn
 from pdd.launch.supervise import GaveUp, Supervisor
+
+log = logging.getLogger("pdd.launch")
 
 # SIGTERM to SIGKILL, per stage (router, then all workers). A worker needs ~4-11 s: vLLM gives
 # its engine core 10 s to exit before it kills it, and on loaded cores that happens.
@@ -116,13 +119,18 @@ class Topology:
         """Router first, then every worker at once; each gets ``grace_s`` (default
         STOP_GRACE_S) before SIGKILL."""
         grace_s = STOP_GRACE_S if grace_s is None else grace_s
+        began = time.monotonic()
         self.router.terminate()
-        self.router.wait_or_kill(time.monotonic() + grace_s)
+        self.router.wait_or_kill(began + grace_s)
+        routed = time.monotonic()
         for child in self.workers:
             child.terminate()
-        deadline = time.monotonic() + grace_s
         for child in self.workers:
-            child.wait_or_kill(deadline)
+            child.wait_or_kill(routed + grace_s)
+        log.info(
+            "stopped: router in %.1f s, workers in %.1f s%s", routed - began,
+            time.monotonic() - routed, "".join(f"; {c.name} killed" for c in self.children if c.killed),
+        )  # fmt: skip
 
     def failed(self) -> list[Child]:
         """Children that exited with an error of their own (not those already dead and
