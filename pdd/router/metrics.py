@@ -101,6 +101,12 @@ class RouterMetrics:
             "pdd_worker_requests_in_flight", "Requests this router has on the worker.",
             ["worker", "role"], registry=r,
         )  # fmt: skip
+        self.worker_restarts = Counter(
+            "pdd_worker_restarts", "Times the worker came back as a new process (its Health "
+            "instance id changed): crashes, OOM kills, restarts by pdd serve or systemd.",
+            ["worker", "role"], registry=r,
+        )  # fmt: skip
+        self._restarts_seen: dict[str, int] = {}
         self._cost_metrics(cfg, r)
 
     def _cost_metrics(self, cfg: PddConfig, r: CollectorRegistry) -> None:
@@ -178,6 +184,10 @@ class RouterMetrics:
         for w in view.workers:
             self.worker_healthy.labels(w.id, w.role.value).set(1 if w.healthy else 0)
             self.worker_in_flight.labels(w.id, w.role.value).set(w.in_flight)
+            new = w.restarts - self._restarts_seen.get(w.id, 0)
+            if new > 0:
+                self.worker_restarts.labels(w.id, w.role.value).inc(new)
+            self._restarts_seen[w.id] = w.restarts
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

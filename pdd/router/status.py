@@ -74,6 +74,7 @@ def format_status(data: dict[str, Any]) -> list[str]:
             f"in_flight={w['in_flight']} running={running} waiting={w.get('waiting', '-')}",
             f"kv={_pct(w.get('kv_cache_usage'))}",
             *_details(w),
+            *([f"restarts={w['restarts']}"] if w.get("restarts") else []),
             state,
         ]
         lines.append(" ".join(fields))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -92,6 +93,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._engine = engine
         self._worker = worker
         self._model_name = model_name
+        self._instance_id = uuid.uuid4().hex  # one per process: a restart shows as a new id
         self._metrics = metrics
         self._role = role
         self.draining = False
@@ -264,8 +266,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
         return pb.HealthResponse(
-            ready=self.ready, worker_id=self._worker.id, role=self.role, model=self._model_name
-        )
+            ready=self.ready, worker_id=self._worker.id, role=self.role, model=self._model_name,
+            instance_id=self._instance_id,
+        )  # fmt: skip
 
     async def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext

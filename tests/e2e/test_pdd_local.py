@@ -267,6 +267,8 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
     wait_until(lambda: "starting md again" in served.log_tail(400), 60, "the restart of md")
     wait_until(lambda: _healthy(served), 600, "md back and healthy")
     assert _worker_process(served, "md").pid != victim.pid
+    workers = httpx.get(served.url.removesuffix("/v1") + "/health", timeout=10).json()
+    assert {w["id"]: w["restarts"] for w in workers["workers"]} == {"p": 0, "rld": 0, "md": 1}
     for i in range(10):
         out = complete(served.url, codec.encode(f"Request {i}: the capital of France is"))
         assert out["usage"]["completion_tokens"] > 0

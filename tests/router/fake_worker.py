@@ -63,6 +63,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.wan_bandwidth_bps = 0.0
         self.script = Script()
         self.ready = True
+        self.instance_id = "first-process"  # change it to play a restarted worker
         self.health_delay_s = 0.0  # Health answers this late (a worker on a saturated host)
         self.slow_health_calls = 0
         self.prepare_delay_s = 0.0  # PrepareKv reserves, then answers this late (cut off)
@@ -197,8 +198,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.slow_health_calls += 1
             await asyncio.sleep(self.health_delay_s)
         return worker_pb2.HealthResponse(
-            ready=self.ready, worker_id=self.worker_id, role=self.role, model="fake"
-        )
+            ready=self.ready, worker_id=self.worker_id, role=self.role, model="fake",
+            instance_id=self.instance_id,
+        )  # fmt: skip
 
     async def Stats(self, request, context):  # noqa: N802
         return worker_pb2.StatsResponse(

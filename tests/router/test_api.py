@@ -229,6 +229,25 @@ def test_pdd_status_shows_the_fleet(router, capsys):
     assert out[1].endswith("healthy")
 
 
+def test_a_restarted_worker_is_counted_in_status_and_metrics(router, capsys):
+    """A worker that comes back as a new process (crash, OOM kill, redeploy) shows in
+    /debug/workers, `pdd status` and pdd_worker_restarts_total."""
+    from pdd.router import status
+
+    def restarts() -> int:
+        return httpx.get(router.root + "/debug/workers").json()["workers"][0]["restarts"]
+
+    before = restarts()
+    router.fake.instance_id = f"process-{before + 2}"
+    wait_until(lambda: restarts() == before + 1, "the router never saw the restart")
+    metric = 'pdd_worker_restarts_total{role="colocated",worker="w0"}'
+    wait_until(lambda: f"{metric} {before + 1}.0" in httpx.get(router.root + "/metrics").text,
+               "pdd_worker_restarts_total did not count the restart")  # fmt: skip
+    assert status.main(["--url", router.url]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert f"restarts={before + 1}" in line.split() and line.endswith("healthy")
+
+
 def test_colocated_record_and_header(router):
     ids = script_text(router, "ok")
     body = {"model": MODEL, "prompt": "x"}

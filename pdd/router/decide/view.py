@@ -35,6 +35,7 @@ class WorkerView:
     wan_rtt_s: float = 0.0
     served: int = 0  # requests this router has given the worker so far (balances ties)
     source: str = "config"  # config | registered | dns:NAME
+    restarts: int = 0  # times the router saw the worker come back as a new process
 
     @property
     def free_slots(self) -> float:

@@ -103,6 +103,7 @@ class HealthPoller:
             return
         try:
             health = await client.health()
+            self._note_instance(st, health.instance_id)
             if not health.ready:
                 self._set_health(st, False, "worker reports not ready")
                 return
@@ -121,6 +122,16 @@ class HealthPoller:
         self._set_health(st, True, "")
         if self._drc is not None and st.config.role is Role.MAIN_DECODE:
             await self._drc.refresh(st.config.id, client)
+
+    def _note_instance(self, st: WorkerState, instance_id: str) -> None:
+        """A new instance id at the same address is a restarted worker process."""
+        if not instance_id:  # a worker of a version that sends none
+            return
+        if st.instance_id and instance_id != st.instance_id:
+            st.restarts += 1
+            log.warning("worker %s restarted (restart %d seen by this router)",
+                        st.config.id, st.restarts)  # fmt: skip
+        st.instance_id = instance_id
 
     def _missed(self, st: WorkerState, exc: PddError) -> None:
         """A failed poll: unhealthy now, unless a healthy worker is only late (a timeout) for

@@ -43,6 +43,8 @@ class WorkerState:
     retired: bool = False  # removed from the fleet; the client closes at in_flight 0
     missed_polls: int = 0  # consecutive Health/Stats timeouts
     polling: bool = False  # a health poll of this worker is in flight
+    instance_id: str = ""  # the worker process's id from its last Health ("" before the first)
+    restarts: int = 0  # instance id changes seen: the worker restarted (crash, OOM, redeploy)
 
 
 class Members:

@@ -150,6 +150,7 @@ class WorkerPool:
                 "role": st.config.role.value,
                 "source": st.source,
                 "served": st.served,
+                "restarts": st.restarts,
                 "target": st.client.target if st.client else None,
                 "healthy": st.healthy,
                 "in_flight": st.in_flight,
@@ -184,4 +185,5 @@ def _worker_view(st: WorkerState) -> WorkerView:
         wan_rtt_s=stats.wan_rtt_s,
         served=st.served,
         source=st.source,
+        restarts=st.restarts,
     )
