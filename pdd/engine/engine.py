@@ -249,8 +249,10 @@ class Engine:
         prompt_token_ids: list[int],
         sampling: SamplingSpec,
         kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[EngineDelta]:
-        """Stream the new tokens of one request, one delta per engine step.
+        """Stream the new tokens of one request, one delta per engine step. ``cache_salt``:
+        vLLM's prefix-cache namespace (blocks cached under another salt never hit).
 
         Closing the iterator early (``aclose``, break + GC, task cancellation) aborts the request
         in the engine. Raises InvalidRequestError before the first delta for bad input,
@@ -262,6 +264,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         params = self._sampling_params(sampling, kv_transfer_params)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
         self._inflight.add(request_id)
         finished = False
         stream = llm.generate(prompt, params, request_id)

@@ -71,7 +71,7 @@ class MainDecodeRole:
         self._engine = ctx.engine
         self._plane = ctx.plane
         self._block_size = ctx.block_size
-        self._salt = model_salt(cfg.model.name, cfg.model.dtype, ctx.block_size)
+        self._model = cfg.model
         self._pin_ttl_s = cfg.cache.lease_ttl_s
         drc_slots = cfg.cache.host_slots(ctx.block_bytes)
         self.drc = drc_on_arena(cfg.cache, ctx.plane.arena, drc_slots, ctx.block_size)
@@ -82,9 +82,11 @@ class MainDecodeRole:
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
         self._ticker = Ticker(self.tick, TICK_S, "md-leases")
 
-    def hashes(self, tokens: list[int]) -> list[BlockHash]:
-        """Chain hashes of the whole blocks of ``tokens`` (the router computes the same)."""
-        return block_hashes(tokens, self._block_size, self._salt)
+    def hashes(self, tokens: list[int], cache_salt: str = "") -> list[BlockHash]:
+        """Chain hashes of the whole blocks of ``tokens`` in the prefix-cache namespace
+        ``cache_salt`` (the router computes the same)."""
+        salt = model_salt(self._model.name, self._model.dtype, self._block_size, cache_salt)
+        return block_hashes(tokens, self._block_size, salt)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -108,7 +110,7 @@ class MainDecodeRole:
             arrived = lambda: not self._landing.expecting(kv_id)  # noqa: E731
             await self._landing.waiters.wait_until(kv_id, arrived, call.kv_in.wait_s)
         owner = f"gen:{call.request_id}"
-        slots = self._pin(call.request_id, owner, call.prompt) if call.kv_in is not None else []
+        slots = self._pin(call, owner) if call.kv_in is not None else []
         if call.kv_in is not None:
             self._landing.consume(call.kv_in.kv_request_id)  # our own pins hold what we load
         output: list[int] = []
@@ -120,7 +122,7 @@ class MainDecodeRole:
             async for out in stream:
                 output.extend(out.delta.token_ids)
                 if out.delta.finish_reason in REAL_FINISHES:
-                    self._own.store(call.request_id, call.prompt + output)
+                    self._own.store(call.request_id, call.prompt + output, call.cache_salt)
                 yield out
 
     async def _plain(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
@@ -137,9 +139,9 @@ class MainDecodeRole:
             async for kv_delta in stream:
                 yield kv_delta
 
-    def _pin(self, request_id: str, owner: str, prompt: list[int]) -> list[int]:
+    def _pin(self, call: GenerateCall, owner: str) -> list[int]:
         """Pin the prompt's cached whole-block prefix for ``owner``; its slots ([] if none)."""
-        chain = self.hashes(prompt)
+        request_id, chain = call.request_id, self.hashes(call.prompt, call.cache_salt)
         cached = self.drc.match(chain).cached_blocks
         if cached == 0:
             return []
@@ -158,7 +160,7 @@ class MainDecodeRole:
 
     async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
         prompt = list(req.prompt_token_ids)
-        chain = self.hashes(prompt)
+        chain = self.hashes(prompt, req.cache_salt)
         await self._own.settle(chain)  # the previous turn's own blocks, if still landing
         keyed = kv_token() is not None  # with fleet credentials: bind it to the router's P
         res = self._landing.prepare(req.kv_request_id, chain, len(prompt), req.lease_s, keyed)

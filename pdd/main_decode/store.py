@@ -51,7 +51,7 @@ class OwnBlocks:
         drc: DecodeRadixCache,
         first_slot: int,
         num_slots: int,
-        hashes: Callable[[list[int]], list[BlockHash]],
+        hashes: Callable[[list[int], str], list[BlockHash]],
     ) -> None:
         self._engine = engine
         self._plane = plane
@@ -66,16 +66,18 @@ class OwnBlocks:
     def slots_in_use(self) -> int:
         return self._scratch.in_use
 
-    def store(self, request_id: str, tokens: list[int]) -> None:
-        """Start storing the blocks of ``tokens`` the DRC lacks (background, best effort)."""
+    def store(self, request_id: str, tokens: list[int], cache_salt: str = "") -> None:
+        """Start storing the blocks of ``tokens`` the DRC lacks (background, best effort), in
+        the prefix-cache namespace ``cache_salt``."""
         n = (len(tokens) - 1) // self._block_size
         if n == 0 or n > self._scratch.num_slots:
             return
-        chain = self._hashes(tokens[: n * self._block_size])
+        chain = self._hashes(tokens[: n * self._block_size], cache_salt)
         if self._drc.match(chain).cached_blocks >= n:
             return
         prompt = tokens[: n * self._block_size + 1]
-        task = asyncio.get_running_loop().create_task(self._store(request_id, prompt, chain))
+        store = self._store(request_id, prompt, chain, cache_salt)
+        task = asyncio.get_running_loop().create_task(store)
         self._tasks[task] = chain[0]
         task.add_done_callback(lambda t: self._tasks.pop(t, None))
 
@@ -91,7 +93,9 @@ class OwnBlocks:
             task.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def _store(self, request_id: str, prompt: list[int], chain: list[BlockHash]) -> None:
+    async def _store(
+        self, request_id: str, prompt: list[int], chain: list[BlockHash], cache_salt: str
+    ) -> None:
         owner = f"own:{request_id}"
         try:
             res = self._drc.reserve(owner, chain)
@@ -103,7 +107,7 @@ class OwnBlocks:
         except PddError:
             self._drc.release(owner)
             return
-        call = GenerateCall(f"{request_id}.own", prompt, GREEDY_ONE)
+        call = GenerateCall(f"{request_id}.own", prompt, GREEDY_ONE, cache_salt=cache_salt)
 
         def params(fence: FenceRef) -> dict:
             return wrap(export=ExportParams(slots=scratch, fence=fence))

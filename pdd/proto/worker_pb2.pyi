@@ -36,18 +36,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_STAGE_FIELD_NUMBER: _ClassVar[int]
     KV_IN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv_stage: bool
     kv_in: KvIn
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KvIn(_message.Message):
     __slots__ = ("source", "kv_request_id", "wait_s")
@@ -150,14 +152,16 @@ class SendKvResponse(_message.Message):
     def __init__(self, staged_blocks: _Optional[int] = ..., bytes_per_destination: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareKvRequest(_message.Message):
-    __slots__ = ("kv_request_id", "prompt_token_ids", "lease_s")
+    __slots__ = ("kv_request_id", "prompt_token_ids", "lease_s", "cache_salt")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
-    def __init__(self, kv_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, kv_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrepareKvResponse(_message.Message):
     __slots__ = ("cached_blocks", "reserved_blocks", "address", "landing_key")

@@ -126,9 +126,9 @@ class RouterService:
         route = RouteRequest(
             prompt_tokens=len(req.prompt_token_ids),
             max_tokens=req.sampling.max_tokens,
-            md_cached_tokens=self._pool.md_cached_tokens(req.prompt_token_ids),
-            p_cached_tokens=self._pool.p_cached_tokens(req.prompt_token_ids),
-            md_routed_tokens=self._pool.md_routed_tokens(req.prompt_token_ids),
+            md_cached_tokens=self._pool.md_cached_tokens(req.prompt_token_ids, req.cache_salt),
+            p_cached_tokens=self._pool.p_cached_tokens(req.prompt_token_ids, req.cache_salt),
+            md_routed_tokens=self._pool.md_routed_tokens(req.prompt_token_ids, req.cache_salt),
             pipeline=req.pipeline,
             handoff=req.handoff,
         )
@@ -138,7 +138,7 @@ class RouterService:
             self._metrics.rejected.labels("unavailable").inc()
             raise
         self._metrics.route_decisions.labels(decision.pipeline.value).inc()
-        self._pool.note_routed(decision, req.prompt_token_ids)
+        self._pool.note_routed(decision, req.prompt_token_ids, req.cache_salt)
         return decision
 
     def _close_record(self, record: RequestRecord, processor: OutputProcessor) -> None:

@@ -53,6 +53,7 @@ class GenerationRequest:
     arrival: float
     pipeline: Pipeline | None = None  # body "pdd": {"pipeline": ...}; None: auto
     handoff: HandoffMode | None = None  # body "pdd": {"handoff": ...}; None: auto
+    cache_salt: str = ""  # prefix-cache namespace of the caller's tenant ("": the shared one)
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,7 @@ def call_from_proto(req: pb.GenerateRequest, spec: SamplingSpec) -> GenerateCall
         sampling=spec,
         kv_stage=req.kv_stage,
         kv_in=kv_in,
+        cache_salt=req.cache_salt,
     )
 
 

@@ -53,7 +53,9 @@ async def run_with_kv(
     started = False
     never_ran = False
     try:
-        stream = engine.generate(call.request_id, call.prompt, call.sampling, params(fence))
+        stream = engine.generate(
+            call.request_id, call.prompt, call.sampling, params(fence), cache_salt=call.cache_salt
+        )
         async with aclosing(stream):  # closing it early aborts the engine request
             async for delta in stream:
                 started = True
@@ -75,7 +77,9 @@ async def run_with_kv(
 
 async def plain(engine: Engine, call: GenerateCall) -> AsyncIterator[EngineDelta]:
     """The request without KV params (closing it early aborts the engine request)."""
-    stream = engine.generate(call.request_id, call.prompt, call.sampling)
+    stream = engine.generate(
+        call.request_id, call.prompt, call.sampling, cache_salt=call.cache_salt
+    )
     async with aclosing(stream):
         async for delta in stream:
             yield delta

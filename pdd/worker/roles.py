@@ -56,6 +56,7 @@ class GenerateCall:
     sampling: SamplingSpec
     kv_stage: bool = False
     kv_in: KvInSpec | None = None
+    cache_salt: str = ""  # the prefix-cache namespace (tenant); "": the shared one
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,9 @@ class PlainRole:
         return None
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
-        stream = self._engine.generate(call.request_id, call.prompt, call.sampling)
+        stream = self._engine.generate(
+            call.request_id, call.prompt, call.sampling, cache_salt=call.cache_salt
+        )
         async with aclosing(stream):  # closing it early aborts the engine request
             async for delta in stream:
                 yield KvDelta(delta)

@@ -49,7 +49,7 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.running), 0, 0.0, 0, 0, 0, 4096, self.block_size, 8, 0)
 
-    async def generate(self, rid, prompt, sampling, kv_transfer_params=None):
+    async def generate(self, rid, prompt, sampling, kv_transfer_params=None, cache_salt=""):
         if rid in self.running:
             raise InvalidRequestError(f"request id {rid!r} is already running")
         params = RequestKvParams.parse(kv_transfer_params)

@@ -7,6 +7,8 @@ worker token, mutual TLS on router -> worker gRPC and on P -> MD KV, the challen
 - a forged KV connection to MD's KV port (no TLS, another CA's certificate, the fleet's
   certificate but no proof of the token) is closed and MD's reservation receives nothing;
 - a non-admin key gets 403 on /debug/* and on `pdd` overrides; a key over its limit 429;
+- a second tenant's identical prompt finds nothing cached (MD's DRC, P's prefix cache) while
+  the first tenant's own next turn hits;
 - both PDD pipelines still serve with everything on, and no secret reaches logs, metrics or
   /debug/config.
 One topology for the module (started once, stopped at the end)."""
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from pathlib import Path
 
 import grpc
@@ -35,6 +38,7 @@ MODEL = "SmolLM2-135M-Instruct"
 ADMIN = "sk-pdd-attack-admin-000000000001"
 CLIENT = "sk-pdd-attack-client-00000000002"
 OTHER = "sk-pdd-attack-other-000000000003"
+GAMMA = "sk-pdd-attack-gamma-000000000004"
 WORKERS = ["p", "rld", "md"]
 PROMPT_IDS = list(range(1000, 1200))  # 200 tokens: 6 whole blocks of 32
 
@@ -45,7 +49,8 @@ def fleet(tmp_path_factory):
     creds, rogue = tmp / "creds", tmp / "rogue"
     assert certs_main(["--out", str(creds), "--name", "node=127.0.0.1"]) == 0
     assert certs_main(["--out", str(rogue), "--name", "node=127.0.0.1"]) == 0  # another CA
-    (tmp / "keys").write_text(f"{ADMIN}\n{CLIENT} tenant=acme rpm=2\n{OTHER} tenant=beta\n")
+    keys = f"{ADMIN}\n{CLIENT} tenant=acme rpm=2\n{OTHER} tenant=beta\n{GAMMA} tenant=gamma\n"
+    (tmp / "keys").write_text(keys)
     node = creds / "node"
     sets = [f"router.api_keys_file={tmp / 'keys'}",
             f"security.worker_token_file={creds / 'worker-token'}",
@@ -221,6 +226,37 @@ def test_non_admin_keys_get_403_and_a_key_over_its_limit_429(fleet):
     assert _post(fleet, OTHER).status_code == 200  # another key: unaffected
 
 
+def test_a_tenant_never_hits_another_tenants_cached_prefix(fleet):
+    """beta's prompt lands in MD's DRC and P's prefix cache; beta's repeat hits them, gamma's
+    identical prompt finds nothing (the router's DRC view reports 0, P's prefix cache gives 0,
+    MD reserves every block again: the same WAN bytes as beta's cold turn), and gamma's own
+    repeat hits."""
+    prompt = "A document only beta has read: " + "the tide tables of Saint-Malo, " * 40
+
+    def turn(key: str) -> tuple[int, int, int]:  # md_cached_tokens, cached_tokens, WAN bytes
+        r = _post(fleet, key, prompt=prompt)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        usage = out["usage"]["prompt_tokens_details"]
+        return out["pdd"]["md_cached_tokens"], usage["cached_tokens"], out["pdd"]["wan_kv_bytes"]
+
+    def repeat(key: str) -> tuple[int, int, int]:  # the DRC view follows MD within a poll or two
+        deadline = time.monotonic() + 30
+        while True:
+            got = turn(key)
+            if got[0] > 0 or time.monotonic() > deadline:
+                return got
+            time.sleep(1.0)
+
+    md, cached, cold_wan = turn(OTHER)
+    assert (md, cached) == (0, 0) and cold_wan > 0
+    md, cached, _ = repeat(OTHER)
+    assert md >= 320 and cached > 0, (md, cached)  # beta's own second turn
+    assert turn(GAMMA) == (0, 0, cold_wan)  # the same prompt, another tenant: nothing of beta's
+    md, cached, _ = repeat(GAMMA)
+    assert md >= 320 and cached > 0, (md, cached)
+
+
 def test_no_secret_in_logs_metrics_or_debug_config(fleet):
     s = fleet["served"]
     root = s.url.removesuffix("/v1")
@@ -233,7 +269,7 @@ def test_no_secret_in_logs_metrics_or_debug_config(fleet):
                                       timeout=5).text for w in WORKERS},
     }  # fmt: skip
     key_pem = (fleet["creds"] / "node/tls.key").read_text().splitlines()[1]
-    secrets = [ADMIN, CLIENT, OTHER, _token(fleet), key_pem]
+    secrets = [ADMIN, CLIENT, OTHER, GAMMA, _token(fleet), key_pem]
     for where, text in texts.items():
         for secret in secrets:
             assert secret not in text, f"a secret leaked into {where}"

@@ -149,3 +149,19 @@ def test_a_key_over_its_limit_gets_429_and_others_are_served(served):
     assert 1 <= int(r.headers["retry-after"]) <= 60
     other = httpx.post(served.url + "/completions", json=BODY, headers=bearer(OTHER), timeout=30)
     assert other.status_code == 200, other.text
+
+
+def test_each_tenant_has_its_own_prefix_cache_namespace_unless_it_shares_one():
+    text = f"{ADMIN}\n{CLIENT} tenant=acme\n{OTHER} tenant=beta cache=docs\nk tenant=g cache=docs"
+    salts = [grant.cache_salt for _, grant in parse_key_entries(text, "f")]
+    assert salts == ["", "tenant:acme", "cache:docs", "cache:docs"]  # default: unsalted
+    with pytest.raises(ConfigError, match="^f:1: bad key attribute 'cache'"):
+        parse_key_entries("k cache=a/b", "f")
+
+
+def test_every_worker_call_carries_the_callers_cache_salt(served):
+    for key, salt in ((OTHER, "tenant:beta"), (ADMIN, "")):
+        served.fake.requests.clear()
+        r = httpx.post(served.url + "/completions", json=BODY, headers=bearer(key), timeout=10)
+        assert r.status_code == 200, r.text
+        assert [g.cache_salt for g in served.fake.requests] == [salt]

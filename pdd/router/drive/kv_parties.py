@@ -47,7 +47,10 @@ class KvParties:
     def prepare(self, worker_id: str) -> asyncio.Task[Prepared]:
         """PrepareKv on a destination, in the background; it is a KV party from now on."""
         client = self._pool.client(worker_id)
-        coro = client.prepare_kv(self.kv_id, self._req.prompt_token_ids, self._policy.kv_lease_s)
+        req = self._req
+        coro = client.prepare_kv(
+            self.kv_id, req.prompt_token_ids, self._policy.kv_lease_s, req.cache_salt
+        )
         task = asyncio.get_running_loop().create_task(coro)
         self._parties[worker_id] = task
         return task

@@ -141,7 +141,7 @@ class RequestRun:
         """The worker that continues after ``worker_id`` was lost; raises ``exc`` if none."""
         self.pool.mark_unhealthy(worker_id, exc.message)  # suspect until a good health poll
         self.kv.release(f"worker {worker_id} lost", [worker_id])
-        cached = self.pool.md_cached_tokens(self.req.prompt_token_ids)
+        cached = self.pool.md_cached_tokens(self.req.prompt_token_ids, self.req.cache_salt)
         nxt = takeover(self.pool.view(), excluded, cached)
         if nxt is None:
             log.error(

@@ -9,7 +9,8 @@ worker's health.
 
 ``cached_tokens(prompt)`` answers, per MD, the prompt tokens its DRC holds (whole blocks of
 the prefix). Block names are pdd.cache.hashing chains salted with
-``model_salt(model.name, model.dtype, block_size)`` (the MD side must salt the same way).
+``model_salt(model.name, model.dtype, block_size, cache_salt)`` (the MD side must salt the same
+way; ``cache_salt`` is the request's tenant namespace, pdd.router.http.tenants).
 Hashing a prompt costs ~1 us per block (pdd.cache.hashing), done once per request.
 """
 
@@ -74,8 +75,11 @@ class DrcViews:
             return True
         return view.apply_events(DrcEventBatch.model_validate_json(resp.json))
 
-    def cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
-        """Per MD, prompt tokens its DRC holds (0 for a view never synced)."""
+    def cached_tokens(
+        self, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> dict[str, int]:
+        """Per MD, prompt tokens its DRC holds under ``cache_salt`` (0 for a view never
+        synced)."""
         hashes: dict[int, list[BlockHash]] = {}
         out: dict[str, int] = {}
         for md_id, view in self._views.items():
@@ -84,7 +88,7 @@ class DrcViews:
                 out[md_id] = 0
                 continue
             if size not in hashes:
-                salt = model_salt(self._model.name, self._model.dtype, size)
+                salt = model_salt(self._model.name, self._model.dtype, size, cache_salt)
                 hashes[size] = block_hashes(prompt_token_ids, size, salt)
             out[md_id] = view.cached_tokens(hashes[size])
         return out

@@ -112,26 +112,38 @@ class WorkerPool:
         workers = tuple(_worker_view(st) for st in self._members.states.values())
         return FleetView(self._cfg.router.mode, workers, self._cfg.router.pdd)
 
-    def md_cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
-        """Per MainDecode, prompt tokens its DRC holds (router's replica; empty outside pdd)."""
-        return {} if self.drc is None else self.drc.cached_tokens(prompt_token_ids)
+    # ``cache_salt``: the caller's prefix-cache namespace; blocks of another never count.
 
-    def md_routed_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+    def md_cached_tokens(
+        self, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> dict[str, int]:
+        """Per MainDecode, prompt tokens its DRC holds (router's replica; empty outside pdd)."""
+        return {} if self.drc is None else self.drc.cached_tokens(prompt_token_ids, cache_salt)
+
+    def md_routed_tokens(
+        self, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> dict[str, int]:
         """Per MainDecode, prompt tokens of the prefix the router recently routed there (the
         affinity hint for turns that come before the DRC replica caught up)."""
         if self.drc is None:
             return {}
-        return self.routed.cached_tokens(prompt_token_ids, self._block_sizes(Role.MAIN_DECODE))
+        sizes = self._block_sizes(Role.MAIN_DECODE)
+        return self.routed.cached_tokens(prompt_token_ids, sizes, cache_salt)
 
-    def p_cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+    def p_cached_tokens(
+        self, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> dict[str, int]:
         """Per Prefill, prompt tokens of the prefix the router recently sent it."""
-        return self.routed.cached_tokens(prompt_token_ids, self._block_sizes(Role.PREFILL))
+        sizes = self._block_sizes(Role.PREFILL)
+        return self.routed.cached_tokens(prompt_token_ids, sizes, cache_salt)
 
     def _block_sizes(self, role: Role) -> dict[str, int]:
         return {i: st.stats.block_size if st.stats else 0 for i, st in self._members.states.items()
                 if st.config.role is role}  # fmt: skip
 
-    def note_routed(self, decision: Decision, prompt_token_ids: Sequence[int]) -> None:
+    def note_routed(
+        self, decision: Decision, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> None:
         """After a decision: count it per worker; remember the prompt on its P and MD."""
         for role, worker_id in decision.assignments:
             st = self._members.states.get(worker_id)
@@ -140,7 +152,7 @@ class WorkerPool:
             st.served += 1
             remembered = role is Role.PREFILL or (role is Role.MAIN_DECODE and self.drc)
             if remembered and st.stats is not None:
-                self.routed.record(worker_id, prompt_token_ids, st.stats.block_size)
+                self.routed.record(worker_id, prompt_token_ids, st.stats.block_size, cache_salt)
 
     def describe(self) -> list[dict[str, object]]:
         """Per-worker status for /health and /debug endpoints."""

@@ -38,14 +38,16 @@ class RoutedPrefixes:
         """Drop a worker's view (it left the fleet)."""
         self._lru.pop(worker_id, None)
 
-    def hashes(self, prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    def hashes(
+        self, prompt_token_ids: Sequence[int], block_size: int, cache_salt: str = ""
+    ) -> list[BlockHash]:
         if block_size <= 0 or self._capacity <= 0:
             return []
-        salt = model_salt(self._model.name, self._model.dtype, block_size)
+        salt = model_salt(self._model.name, self._model.dtype, block_size, cache_salt)
         return block_hashes(prompt_token_ids, block_size, salt)
 
     def cached_tokens(
-        self, prompt_token_ids: Sequence[int], block_sizes: dict[str, int]
+        self, prompt_token_ids: Sequence[int], block_sizes: dict[str, int], cache_salt: str = ""
     ) -> dict[str, int]:
         """Per worker id (with its block size), prompt tokens of the prefix it was recently sent."""
         out: dict[str, int] = {}
@@ -56,7 +58,7 @@ class RoutedPrefixes:
                 out[worker_id] = 0
                 continue
             if size not in by_size:
-                by_size[size] = self.hashes(prompt_token_ids, size)
+                by_size[size] = self.hashes(prompt_token_ids, size, cache_salt)
             n = 0
             for h in by_size[size]:
                 if h not in lru:
@@ -65,10 +67,12 @@ class RoutedPrefixes:
             out[worker_id] = n * size
         return out
 
-    def record(self, worker_id: str, prompt_token_ids: Sequence[int], block_size: int) -> None:
+    def record(
+        self, worker_id: str, prompt_token_ids: Sequence[int], block_size: int, cache_salt: str = ""
+    ) -> None:
         """The worker was sent this prompt: its blocks become the most recently used (the oldest
         are evicted, deepest first)."""
-        hashes = self.hashes(prompt_token_ids, block_size)
+        hashes = self.hashes(prompt_token_ids, block_size, cache_salt)
         if not hashes:
             return
         lru = self._lru.setdefault(worker_id, OrderedDict())

@@ -151,12 +151,18 @@ class WorkerClient:
         return min(self._request_timeout, max(MIN_DEADLINE_S, left))
 
     async def prepare_kv(
-        self, kv_request_id: str, prompt_token_ids: Sequence[int], lease_s: float
+        self,
+        kv_request_id: str,
+        prompt_token_ids: Sequence[int],
+        lease_s: float,
+        cache_salt: str = "",
     ) -> Prepared:
-        """Reserve landing slots for the prompt blocks this worker lacks; get its address."""
+        """Reserve landing slots for the prompt blocks this worker lacks (in the prefix-cache
+        namespace ``cache_salt``); get its address."""
         msg = worker_pb2.PrepareKvRequest(
-            kv_request_id=kv_request_id, prompt_token_ids=list(prompt_token_ids), lease_s=lease_s
-        )
+            kv_request_id=kv_request_id, prompt_token_ids=list(prompt_token_ids),
+            lease_s=lease_s, cache_salt=cache_salt,
+        )  # fmt: skip
         resp = await self._call(self._stub.PrepareKv, msg, "PrepareKv")
         return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address, resp.landing_key)
 
@@ -278,6 +284,7 @@ def request_to_proto(
         prompt_token_ids=list(req.prompt_token_ids),
         sampling=sampling,
         kv_stage=kv_stage,
+        cache_salt=req.cache_salt,
     )
     if kv_in is not None:
         msg.kv_in.CopyFrom(

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,7 +33,7 @@ from pdd.router.http.sse import (
     cancel_on_disconnect,
     sse_event,
 )
-from pdd.router.http.tenants import check_overrides
+from pdd.router.http.tenants import check_overrides, grant_of
 from pdd.router.http.validation import (
     build_chat_request,
     build_completion_request,
@@ -67,6 +68,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompt_ids = await asyncio.to_thread(st.codec.encode_chat, messages)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    req = _in_tenant_cache(request, req)
     _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
     return await _respond(request, st, req, ChatFormat(ctx), stream=body.stream)
@@ -87,9 +89,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = list(prompt)
     rid = new_request_id("cmpl")
     req = build_completion_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    req = _in_tenant_cache(request, req)
     _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs is not None)
     return await _respond(request, st, req, CompletionFormat(ctx), stream=body.stream)
+
+
+def _in_tenant_cache(request: Request, req: GenerationRequest) -> GenerationRequest:
+    """The request in its key's prefix-cache namespace (pdd.router.http.tenants)."""
+    return replace(req, cache_salt=grant_of(request.scope).cache_salt)
 
 
 def _charge(request: Request, req: GenerationRequest) -> None:

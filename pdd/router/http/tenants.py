@@ -6,11 +6,19 @@ Key file lines (``router.api_keys_file``; ``#`` starts a comment):
     sk-def...  tenant=acme                      a client key of tenant acme (not admin)
     sk-ghi...  tenant=acme rpm=60 tpm=40000     with limits per minute (pdd.router.http.rate_limit)
     sk-jkl...  tenant=ops admin                 an admin key
+    sk-mno...  tenant=beta cache=docs           tenant beta, sharing the prefix cache "docs"
 
 A key alone keeps the meaning it had before tenants (it could do everything): admin, tenant
 ``default``. So does ``$PDD_API_KEY`` (the operator's key). Admin keys alone reach ``/debug/*``
 and the ``pdd`` routing overrides in request bodies; other keys get 403 in OpenAI's error
 shape. With authentication off (no keys at all: local use) every request counts as admin.
+
+Prefix caches are namespaced by tenant: every request carries its tenant's ``cache_salt`` to
+P's, RLD's and MD's vLLM prefix caches (vLLM's own ``cache_salt``), MD's DRC block hashes and
+the router's views of both, so one tenant's blocks are never a hit for another and
+``md_cached_tokens`` / cached-token usage only ever count the caller's own. Tenants that share
+a corpus opt in with the same ``cache=NAME``. Tenant ``default`` keeps the unsalted namespace
+(single-tenant fleets and local use are unchanged).
 """
 
 from __future__ import annotations
@@ -33,6 +41,14 @@ class KeyGrant:
     admin: bool = True
     rpm: int | None = None
     tpm: int | None = None
+    cache: str | None = None  # a shared prefix-cache namespace (None: the tenant's own)
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache namespace of this key's requests ("": the unsalted one)."""
+        if self.cache is not None:
+            return f"cache:{self.cache}"
+        return "" if self.tenant == DEFAULT_TENANT else f"tenant:{self.tenant}"
 
 
 OPEN = KeyGrant()  # authentication off: local use, everything allowed
@@ -49,15 +65,20 @@ def parse_grant(words: list[str], where: str) -> KeyGrant:
             fields["admin"] = True
         elif not eq:
             raise ConfigError(f"{where}: an API key cannot contain whitespace")
-        elif name == "tenant" and value and value.replace("-", "").replace("_", "").isalnum():
-            fields["tenant"] = value
+        elif name in ("tenant", "cache") and _is_name(value):
+            fields[name] = value
         elif name in ("rpm", "tpm") and value.isdigit() and int(value) > 0:
             fields[name] = int(value)
         else:
             raise ConfigError(
-                f"{where}: bad key attribute {name!r} (tenant=NAME, admin, rpm=N, tpm=N)"
+                f"{where}: bad key attribute {name!r} (tenant=NAME, admin, rpm=N, tpm=N, "
+                "cache=NAME)"
             )
     return KeyGrant(**fields)  # type: ignore[arg-type]
+
+
+def _is_name(value: str) -> bool:
+    return bool(value) and value.replace("-", "").replace("_", "").isalnum()
 
 
 def parse_key_entries(text: str, source: str) -> list[tuple[str, KeyGrant]]:
