@@ -27,7 +27,7 @@ from pdd.errors import ConfigError
 from pdd.plan import report
 from pdd.plan.fleet import ROLES, SHORT, Fleet, Group
 from pdd.plan.profile import ChipProfile, load_profiles
-from pdd.plan.search import SearchResult, Searcher
+from pdd.plan.search import Searcher, SearchResult
 from pdd.plan.sim import SimSettings, Wan
 from pdd.plan.stats import Sla
 from pdd.plan.workload import AgenticWorkload, Workload, agentic, load_trace
@@ -124,9 +124,7 @@ def _mode(text: str) -> RouterMode:
     try:
         return RouterMode(text.strip())
     except ValueError:
-        raise ConfigError(
-            f"mode {text!r} is not one of {[m.value for m in RouterMode]}"
-        ) from None
+        raise ConfigError(f"mode {text!r} is not one of {[m.value for m in RouterMode]}") from None
 
 
 def _chip(name: str, profiles: dict[str, ChipProfile], what: str) -> str:
@@ -156,11 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profiles", nargs="+", type=Path, required=True, help="chip profiles")
     ap.add_argument("--wan", required=True, help="BANDWIDTH,RTT[,PRICE_PER_GB]")
     ap.add_argument("--sla", required=True, help="ttft=S,tpot=S[,attainment=0.9]")
-    ap.add_argument("--workload", default="agentic", help="agentic[:k=v,...] | FILE.yaml | TRACE.jsonl")
+    ap.add_argument(
+        "--workload", default="agentic", help="agentic[:k=v,...] | FILE.yaml | TRACE.jsonl"
+    )
     ap.add_argument("--prices", default="", help="CHIP=PRICE_PER_HOUR,... (overrides profiles)")
     ap.add_argument("--modes", default="pdd,pd_local,pd_wan,colocated")
     ap.add_argument("--chips", default=None, help="chip kinds per role, e.g. P=A,RLD=A,MD=A|B")
-    ap.add_argument("--fleet", default=None, help="simulate this fleet only: pdd:P=A*4,RLD=A*1,MD=B*4")
+    ap.add_argument(
+        "--fleet", default=None, help="simulate this fleet only: pdd:P=A*4,RLD=A*1,MD=B*4"
+    )
     ap.add_argument("--policy", default="", help="router.pdd fields, e.g. ttft_budget_s=0.5")
     ap.add_argument("--baseline-routing", choices=("affinity", "least_loaded"), default="affinity")
     ap.add_argument("--exact-cache", action="store_true", help="RadixIndex per block (slow)")
@@ -215,8 +217,14 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(report.table(results))
         best = report.best_overall(results)
-        print("\nbest: " + (f"{best.label}: {best.best.fleet}, BCR {best.best.bcr:.4g}"  # type: ignore[union-attr]
-                            if best else "no fleet meets the SLA (see the reasons above)"))
+        print(
+            "\nbest: "
+            + (
+                f"{best.label}: {best.best.fleet}, BCR {best.best.bcr:.4g}"  # type: ignore[union-attr]
+                if best
+                else "no fleet meets the SLA (see the reasons above)"
+            )
+        )
     return 0 if report.best_overall(results) else 1
 
 

@@ -153,7 +153,6 @@ class DecodeServer:
         self._reschedule()
 
 
-
 @dataclass(eq=False, slots=True)
 class Transfer:
     nbytes: int

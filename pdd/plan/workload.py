@@ -167,7 +167,9 @@ def load_trace(path: Path) -> Workload:
     t0 = min(p.timestamp for p in parsed)
     groups: dict[object, list[_TraceLine]] = {}
     for i, p in enumerate(parsed):
-        groups.setdefault(p.conversation_id if p.conversation_id is not None else ("#", i), []).append(p)
+        groups.setdefault(
+            p.conversation_id if p.conversation_id is not None else ("#", i), []
+        ).append(p)
     convs = []
     for lines_of in groups.values():
         lines_of.sort(key=lambda p: p.timestamp)
