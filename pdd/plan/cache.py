@@ -120,18 +120,21 @@ class ConversationLruCache:
             self.used_blocks += add
 
     def _evict(self, n: int) -> None:
-        for conv in list(self._blocks):
+        gone = []
+        for conv, blocks in self._blocks.items():  # LRU first; stops once n are freed
             if n <= 0:
-                return
-            floor = max(self._pins.get(conv) or [0])
-            take = min(self._blocks[conv] - floor, n)
+                break
+            floor = max(self._pins[conv]) if conv in self._pins else 0
+            take = min(blocks - floor, n)
             if take <= 0:
                 continue
-            self._blocks[conv] -= take
+            self._blocks[conv] = blocks - take  # same key: iteration stays valid
             self.used_blocks -= take
             n -= take
-            if self._blocks[conv] == 0:
-                del self._blocks[conv]
+            if blocks == take:
+                gone.append(conv)
+        for conv in gone:
+            del self._blocks[conv]
 
     def pin(self, conv: int, tokens: int) -> object:
         n = self.cached_tokens(conv, tokens) // self.block_size

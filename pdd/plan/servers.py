@@ -54,7 +54,7 @@ class DecodeServer:
     _extra: float = 0.0
     _step: float = 0.0
     _t: float = 0.0
-    _gen: int = 0
+    _due: float = -1.0  # when the armed timer fires (-1: none armed)
 
     def add(self, seq: Seq, extra_s: float = 0.0) -> None:
         """Queue ``seq``; ``extra_s`` is its one-off forward (extend-decode), run before it
@@ -127,19 +127,24 @@ class DecodeServer:
         self.tokens += n * len(self.running)
 
     def _reschedule(self) -> None:
-        self._gen += 1
+        """Arm the timer for the next finish. An armed timer due no later is kept (it wakes,
+        finds nothing done and re-arms): most joins and leaves then cost no new event."""
         if not self.running:
             self._extra = 0.0
             return
         self._step = self.profile.decode_step_s(len(self.running), self._ctx)
         soonest = min(s.remaining for s in self.running)
-        gen = self._gen
-        ev = self.env.timeout(self._extra + max(soonest, 0.0) * self._step)
-        ev.callbacks.append(lambda _e: self._on_timer(gen))
-
-    def _on_timer(self, gen: int) -> None:
-        if gen != self._gen:
+        due = self.env.now + self._extra + max(soonest, 0.0) * self._step
+        if self.env.now <= self._due <= due:
             return
+        self._due = due
+        ev = self.env.timeout(due - self.env.now)
+        ev.callbacks.append(lambda _e: self._on_timer(due))
+
+    def _on_timer(self, due: float) -> None:
+        if due != self._due:
+            return  # superseded by an earlier timer
+        self._due = -1.0
         self.advance()
         finished = [s for s in self.running if s.remaining <= 1e-6]
         for s in finished:

@@ -108,6 +108,7 @@ class SimResult:
     rld_starved: float  # fraction of requests the policy wanted on RLD but none had a slot
     p_wait_p90_s: float
     sim_wall_s: float
+    sim_cpu_s: float  # CPU time of the run (wall time on a shared machine varies with load)
     events: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,7 +125,7 @@ def _pct(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def summarize(sim: Simulation, wall_s: float) -> SimResult:
+def summarize(sim: Simulation, wall_s: float, cpu_s: float = 0.0) -> SimResult:
     log, sla, env = sim.log, sim.sla, sim.env
     last = max(log.arrival) if log.arrival else 0.0
     start = last * sim.settings.warmup_fraction
@@ -172,5 +173,5 @@ def summarize(sim: Simulation, wall_s: float) -> SimResult:
         utilisation=util, fail_ttft=bad_ttft / max(measured, 1),
         fail_tpot=bad_tpot / max(measured, 1), rld_starved=sim.starved / max(len(log.arrival), 1),
         p_wait_p90_s=_pct([log.p_wait[i] for i in idx], 90),
-        sim_wall_s=wall_s, events=next(env._eid),  # simpy's event counter (private)
+        sim_wall_s=wall_s, sim_cpu_s=cpu_s, events=next(env._eid),  # simpy's event counter (private)
     )  # fmt: skip
