@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import ConfigError
-from pdd.plan import report
+from pdd.plan import bathtub, report
 from pdd.plan.fleet import ROLES, SHORT, Fleet, Group
 from pdd.plan.profile import ChipProfile, load_profiles
 from pdd.plan.search import Searcher, SearchResult
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-sims", type=int, default=60)
     ap.add_argument("--out", type=Path, default=None, help="write plan.json, plan.md, plan.png")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--bathtub", default=None,
+                    help="hit rates, e.g. 0,0.2,0.5,0.9: search again at each (agentic only); "
+                    "writes bathtub.json/.md/.png under --out")  # fmt: skip
     return ap
 
 
@@ -204,6 +207,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_dict(), indent=2, default=str))
         return 0 if res.meets_sla else 1
     modes = [_mode(m) for m in args.modes.split(",") if m]
+    if args.bathtub:
+        return _bathtub(args, searcher, profiles, modes, inputs)
     results: list[SearchResult] = []
     for mode, chips in candidates(modes, args.chips, profiles):
         results.append(searcher.search(mode, chips))
@@ -226,6 +231,28 @@ def _run(args: argparse.Namespace) -> int:
             )
         )
     return 0 if report.best_overall(results) else 1
+
+
+def _bathtub(args: argparse.Namespace, searcher: Searcher, profiles: dict[str, ChipProfile],
+             modes: list[RouterMode], inputs: dict) -> int:  # fmt: skip
+    if args.out is None:
+        raise ConfigError("--bathtub needs --out DIR")
+    if args.workload.endswith(".jsonl"):
+        raise ConfigError("--bathtub needs a synthetic workload (agentic:... or a YAML of it)")
+    try:
+        hits = [float(h) for h in args.bathtub.split(",") if h]
+    except ValueError:
+        raise ConfigError(f"--bathtub: {args.bathtub!r} is not a list of numbers") from None
+    if not hits or any(not 0 <= h < 1 for h in hits):
+        raise ConfigError("--bathtub: hit rates must be in [0, 1)")
+    base = (_agentic(_kv(args.workload.partition(":")[2], "--workload"), "--workload")
+            if args.workload.startswith("agentic")
+            else _agentic(yaml.safe_load(Path(args.workload).read_text()) or {}, "--workload"))  # fmt: skip
+    points = bathtub.sweep(searcher, base, hits, candidates(modes, args.chips, profiles))
+    for path in bathtub.write(args.out, points, inputs):
+        print(f"wrote {path}", file=sys.stderr)
+    print((args.out / "bathtub.md").read_text())
+    return 0
 
 
 def _price(chip: str, value: str, profiles: dict[str, ChipProfile]) -> float:

@@ -87,6 +87,7 @@ class Simulation:
         self.link = Link(self.env, wan.bandwidth_bps, wan.rtt_s)
         self.log = RequestLog()
         self.starved = 0
+        self.conversation_spans: list[float] = []  # first arrival -> last turn's end
         self.workers: dict[str, Worker] = {}
         self._views: dict[str, WorkerView] = {}
         mean_final = _mean_final_context(workload)
@@ -185,6 +186,7 @@ class Simulation:
             elif turn.think_s:
                 yield self.env.timeout(turn.think_s)
             yield from self._request(conv.id, turn)  # inline: no process per request
+        self.conversation_spans.append(self.env.now - conv.start_s)
 
     def _request(self, conv: int, turn: Turn):  # noqa: ANN202
         arrival = self.env.now

@@ -3,8 +3,9 @@
 Definitions are pdd's (DESIGN.md, pdd.bench.serve.metrics): TTFT = arrival -> first token;
 TPOT = (E2E - TTFT) / (output tokens - 1) (a one-token answer meets any TPOT); a request is
 good when TTFT <= sla.ttft_s and TPOT <= sla.tpot_s; SLA goodput = good requests per second of
-the measured window; BCR = goodput / cost per hour. The measured window drops requests that
-arrived in the first ``warmup_fraction`` of the arrival span (caches fill, queues settle). A
+the measured window; BCR = goodput / cost per hour. The measured window is the steady state
+(``measure_window``): requests that arrived after conversations had time to overlap and
+before the last conversation started (caches filled, queues settled, load not yet draining). A
 fleet *meets* the SLA when at least ``sla.attainment`` of the measured requests are good.
 Cost per hour = the chips' prices + the WAN's price per GB x the GB it carried per hour.
 """
@@ -125,11 +126,24 @@ def _pct(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def measure_window(sim: Simulation) -> tuple[float, float]:
+    """The steady state: from when conversations have had time to overlap (the mean
+    conversation's span, at most half-way) to the start of the last conversation (later,
+    load only drains). Falls back to the whole arrival span for one-turn traces."""
+    convs = sim.workload.conversations
+    last_start = max((c.start_s for c in convs), default=0.0)
+    spans = sim.conversation_spans
+    ramp = sum(spans) / len(spans) if spans else 0.0
+    last = max(sim.log.arrival) if sim.log.arrival else 0.0
+    if last_start <= 0 or last_start < 0.2 * last:
+        return last * sim.settings.warmup_fraction, last
+    return min(max(ramp, last_start * sim.settings.warmup_fraction), last_start / 2), last_start
+
+
 def summarize(sim: Simulation, wall_s: float, cpu_s: float = 0.0) -> SimResult:
     log, sla, env = sim.log, sim.sla, sim.env
-    last = max(log.arrival) if log.arrival else 0.0
-    start = last * sim.settings.warmup_fraction
-    idx = [i for i, a in enumerate(log.arrival) if a >= start]
+    start, last = measure_window(sim)
+    idx = [i for i, a in enumerate(log.arrival) if start <= a <= last]
     window = max(last - start, 1e-9)
     ttft, tpot, good, out_tokens, bad_ttft, bad_tpot = [], [], 0, 0, 0, 0
     for i in idx:

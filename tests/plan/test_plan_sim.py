@@ -33,7 +33,7 @@ def _run(fleet: Fleet, profiles, workload, **settings):
 
 def test_a_short_plan_run_reports_every_figure(profiles) -> None:
     res = _run(_pdd(), profiles, _work())
-    assert res.requests == 120 and res.measured > 100
+    assert res.requests == 120 and res.measured > 50  # the steady-state window
     assert res.meets_sla and res.goodput_rps > 0 and res.bcr > 0
     assert res.cost_per_hour > res.hardware_cost_per_hour  # the WAN's GB are priced
     assert res.pipelines.get("p_md", 0) + res.pipelines.get("p_rld_md", 0) == 120
@@ -86,7 +86,7 @@ def test_baselines_run(profiles, mode: RouterMode) -> None:
     groups = ((Group(Role.COLOCATED, "A", 3),) if mode is RouterMode.COLOCATED
               else (Group(Role.PREFILL, "A", 2), Group(Role.MAIN_DECODE, "A", 2)))  # fmt: skip
     res = _run(Fleet(mode, groups), profiles, _work(requests=60))
-    assert res.measured > 40 and res.ttft_p50_s > 0
+    assert res.measured > 20 and res.ttft_p50_s > 0
     assert (res.wan_gb > 0) == (mode is RouterMode.PD_WAN)
     assert res.rld_token_share == 0
 
