@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pdd.plan.servers import Seq
 from pdd.plan.workload import Turn
-from pdd.protocol import HandoffMode, Pipeline, Role
+from pdd.protocol import HandoffMode, Role
 
 if TYPE_CHECKING:
     from pdd.plan.sim import Simulation, Worker, _Record
@@ -100,6 +100,3 @@ def _finish(md: Worker, conv: int, tokens: int, pin: object) -> None:
     assert md.cache is not None
     md.cache.unpin(pin)
     md.cache.store(conv, tokens)
-
-
-__all__ = ["Pipeline", "run_pdd"]

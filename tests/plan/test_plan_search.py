@@ -147,3 +147,14 @@ def test_bad_trace_lines_are_listed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_trace(trace)
     assert "line 2: not JSON" in str(err.value) and "line 3: prompt_tokens" in str(err.value)
+
+
+def test_cli_bathtub_writes_a_point_per_hit_rate(capsys, tmp_path: Path) -> None:
+    code, out, _ = _main(capsys, *BASE, "--workload", SMALL, "--modes", "pdd",
+                         "--chips", "P=A,RLD=A,MD=B", "--bathtub", "0,0.8",
+                         "--out", str(tmp_path))  # fmt: skip
+    assert code == 0, out
+    points = json.loads((tmp_path / "bathtub.json").read_text())["points"]
+    assert [p["hit_rate"] for p in points] == [0.0, 0.8]
+    assert all(p["bcr"] and p["fleet"] for p in points)
+    assert (tmp_path / "bathtub.png").exists() and "| 0.80 | pdd" in out
