@@ -10,7 +10,9 @@ For one mode and one chip per role:
      Over the SLA's allowance: infeasible, that resource named.
   2. Grow: from one instance per role, simulate; while the SLA is missed, grow the role that
      binds (the most loaded of the roles on the failing metric: TTFT -> P (pd: P or D),
-     TPOT -> MD or RLD (RLD when p_rld_md was due but no RLD had a slot)) by half.
+     TPOT -> MD or RLD (RLD when p_rld_md was due but no RLD had a slot)) by half; a role
+     whose growth did not help twice in a row (attainment, median TTFT or TPOT) is set
+     aside for the next one; when every role is set aside, no fleet is found.
   3. Shrink: for each role, the fewest instances that still meet the SLA (bisection).
 Fewer instances at the same goodput is a higher BCR: the answer is the met fleet after 3.
 """
@@ -117,30 +119,38 @@ class Searcher:
 
         fleet = Fleet(mode, tuple(Group(r, chips[r], 1) for r in ROLES[mode]))
         res = run(fleet)
-        best_att, stale = res.attainment, 0
+        best_att, stale, stuck = res.attainment, 0, set()
         while not res.meets_sla:
-            role = binding_role(mode, res)
-            if role is None:
+            order = binding_roles(mode, res)
+            if order is None:
                 out.infeasible = (f"WAN bandwidth ({self.wan.bandwidth_bps / 1e9:g} Gbit/s, "
                                   f"{res.wan_utilisation:.0%} busy) at {res.fleet}")  # fmt: skip
                 return out
-            n = fleet.count(role)
+            live = [r for r in order if r not in stuck]
             total = sum(g.count for g in fleet.groups)
+            if not live:
+                out.infeasible = (f"growing any role stopped helping: attainment stuck at "
+                                  f"{best_att:.0%} (TTFT over the limit {res.fail_ttft:.0%}, "
+                                  f"TPOT {res.fail_tpot:.0%}); binds: {order[0].value} "
+                                  f"at {res.fleet}")  # fmt: skip
+                return out
+            role = live[0]
             if total >= self.max_instances or len(seen) >= self.max_sims:
                 out.infeasible = (f"not met within {self.max_instances} instances / "
                                   f"{self.max_sims} runs; binds: {role.value} "
                                   f"(at {res.fleet}: attainment {res.attainment:.0%})")  # fmt: skip
                 return out
-            if stale >= 4:
-                out.infeasible = (f"growing the fleet stopped helping: attainment stuck at "
-                                  f"{best_att:.0%} (TTFT over the limit {res.fail_ttft:.0%}, "
-                                  f"TPOT {res.fail_tpot:.0%}); binds: {role.value} "
-                                  f"at {res.fleet}")  # fmt: skip
-                return out
+            n = fleet.count(role)
             fleet = fleet.with_count(role, min(max(n + 1, math.ceil(n * 1.5)),
                                                n + self.max_instances - total))  # fmt: skip
             prev, res = res, run(fleet)
-            stale = 0 if _progress(prev, res) else stale + 1
+            if _progress(prev, res):
+                stale, stuck = 0, set()
+            else:  # two growths of one role without progress: grow the next role instead
+                stale += 1
+                if stale >= 2:
+                    stuck.add(role)
+                    stale = 0
             best_att = max(best_att, res.attainment)
         for role in sorted(ROLES[mode], key=lambda r: -self._price(fleet, r)):
             lo, hi = 1, fleet.count(role)  # hi meets
@@ -166,19 +176,26 @@ def _progress(before: SimResult, after: SimResult) -> bool:
             or after.tpot_p50_s < 0.9 * before.tpot_p50_s)  # fmt: skip
 
 
-def binding_role(mode: RouterMode, res: SimResult) -> Role | None:
-    """The role to grow for a missed SLA; None when the WAN is what binds."""
+def binding_roles(mode: RouterMode, res: SimResult) -> list[Role] | None:
+    """The roles to grow for a missed SLA, the likeliest first (the most loaded of those on
+    the failing metric, then the rest by load); None when the WAN is what binds."""
     util = res.utilisation
+    roles = list(ROLES[mode])
+    first: list[Role]
     if mode is RouterMode.COLOCATED:
-        return Role.COLOCATED
+        return [Role.COLOCATED]
     if res.fail_ttft >= res.fail_tpot:
         if mode is RouterMode.PD_WAN and res.wan_utilisation > 0.9:
             return None
-        cands = [Role.PREFILL] + ([Role.MAIN_DECODE] if mode is not RouterMode.PDD else [])
+        first = [Role.PREFILL] + ([Role.MAIN_DECODE] if mode is not RouterMode.PDD else [])
     else:
-        if mode is RouterMode.PDD and res.rld_starved > 0.02:
-            return Role.RELAY_DECODE
         if res.wan_utilisation > 0.95 and util.get("main_decode", 0) < 0.9:
             return None
-        cands = [Role.MAIN_DECODE]
-    return max(cands, key=lambda r: util.get(r.value, 0.0))
+        first = [Role.MAIN_DECODE]
+        if mode is RouterMode.PDD and res.rld_starved > 0.02:
+            first = [Role.RELAY_DECODE, Role.MAIN_DECODE]
+    by_load = sorted(roles, key=lambda r: -util.get(r.value, 0.0))
+    head = sorted(first, key=lambda r: -util.get(r.value, 0.0)) if len(first) > 1 else first
+    if mode is RouterMode.PDD and first[0] is Role.RELAY_DECODE:
+        head = first
+    return head + [r for r in by_load if r not in head]
