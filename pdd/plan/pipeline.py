@@ -19,17 +19,17 @@ from pdd.plan.workload import Turn
 from pdd.protocol import HandoffMode, Role
 
 if TYPE_CHECKING:
-    from pdd.plan.sim import Simulation, Worker, _Record
+    from pdd.plan.sim import Record, Simulation, Worker
 
 
-def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: _Record):  # noqa: ANN201 (simpy)
+def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN201 (simpy)
     d = rec.decision
     p, md = sim.workers[d.worker(Role.PREFILL)], sim.workers[d.worker(Role.MAIN_DECODE)]
     rld_id = d.maybe_worker(Role.RELAY_DECODE)
     env, n, out = sim.env, turn.prompt_tokens, turn.output_tokens
-    yield from sim._prefill(p, conv, turn, rec)
+    yield from sim.prefill_stage(p, conv, turn, rec)
     rec.first_at = env.now  # P's token is emitted at once
-    sim._release(rec, p)
+    sim.release(rec, p)
     assert md.cache is not None and md.decode is not None
     bs, kvb = md.profile.block_size, md.profile.kv_bytes_per_token
     have = md.cache.cached_tokens(conv, n)  # what MD holds when the send starts
@@ -41,12 +41,12 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: _Record):  # noqa: ANN2
         rec.wan_bytes = nbytes
         pin = _land(md, conv, n)
         yield env.timeout(sim.wan.rtt_s)  # the router's Generate reaches MD
-        yield from sim._decode(md, n + 1, out - 1, md.profile.extend_s(tail + 1))
+        yield from sim.decode(md, n + 1, out - 1, md.profile.extend_s(tail + 1))
         _finish(md, conv, n + out, pin)
         return
     rld = sim.workers[rld_id]
     assert rld.decode is not None
-    yield env.timeout(sim._local_s(n * p.profile.kv_bytes_per_token))
+    yield env.timeout(sim.local_s(n * p.profile.kv_bytes_per_token))
     seq = Seq(float(out - 1), n + 1, env.event())
     rld.decode.add(seq, rld.profile.extend_s(tail + 1))
     yield transfer.landed | seq.done
@@ -55,7 +55,7 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: _Record):  # noqa: ANN2
         rec.wan_bytes = int(transfer.sent)
         rec.rld_tokens = out - 1
         rec.handoff = HandoffMode.RLD_FINISHED.value
-        sim._release(rec, rld)
+        sim.release(rec, rld)
         return
     rec.wan_bytes = nbytes
     pin = _land(md, conv, n)
@@ -64,16 +64,16 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: _Record):  # noqa: ANN2
     if d.handoff is HandoffMode.CATCH_UP:
         known = yield from _catch_up(sim, rld, md, seq, rec)
     emitted = rld.decode.remove(seq) if not seq.done.triggered else out - 1
-    sim._release(rec, rld)
+    sim.release(rec, rld)
     rec.rld_tokens = emitted
     rec.handoff = d.handoff.value
     left = out - 1 - emitted
     extend = md.profile.extend_s(tail + 1 + emitted - known)
-    yield from sim._decode(md, n + 1 + emitted, left, extend)
+    yield from sim.decode(md, n + 1 + emitted, left, extend)
     _finish(md, conv, n + out, pin)
 
 
-def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: _Record):  # noqa: ANN202
+def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: Record):  # noqa: ANN202
     """MD warms up on what RLD emitted while RLD goes on; returns the tokens MD has."""
     policy, known = sim.settings.policy, 0
     assert rld.decode is not None and md.decode is not None

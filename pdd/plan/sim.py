@@ -96,7 +96,7 @@ class Simulation:
             for i in range(g.count):
                 self._add_worker(f"{g.role.value}-{g.chip}-{i}", g.role, prof, mean_final)
         self._view_tuple = tuple(self._views.values())  # the same objects, updated in place
-        self._by_role = {r: [w for w in self.workers.values() if w.role is r] for r in Role}
+        self.by_role = {r: [w for w in self.workers.values() if w.role is r] for r in Role}
 
     def _add_worker(self, wid: str, role: Role, prof: ChipProfile, mean_final: float) -> None:
         mem = prof.memory
@@ -144,9 +144,9 @@ class Simulation:
     def route(self, conv: int, turn: Turn) -> Decision:
         """``routing.choose`` on this instant's snapshot (load, DRC and P-cache contents)."""
         n = turn.prompt_tokens
-        md_cached = _cached(self._by_role[Role.MAIN_DECODE], conv, n)
+        md_cached = _cached(self.by_role[Role.MAIN_DECODE], conv, n)
         p_role = Role.COLOCATED if self.fleet.mode is RouterMode.COLOCATED else Role.PREFILL
-        p_cached = _cached(self._by_role[p_role], conv, n)
+        p_cached = _cached(self.by_role[p_role], conv, n)
         view = FleetView(self.fleet.mode, self._view_tuple, self.settings.policy)
         req = RouteRequest(n, turn.output_tokens, md_cached, p_cached)
         decision = routing.choose(view, req)
@@ -198,7 +198,7 @@ class Simulation:
         workers = [self.workers[wid] for _, wid in decision.assignments]
         for w in workers:
             self._bump(w, +1)
-        rec = _Record(arrival, decision)
+        rec = Record(arrival, decision)
         if decision.pipeline is Pipeline.COLOCATED:
             yield from self._colocated(conv, turn, rec)
         elif decision.pipeline is Pipeline.PD:
@@ -211,12 +211,12 @@ class Simulation:
         self.log.add(arrival, rec.first_at, self.env.now, turn.output_tokens,
                      rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait)  # fmt: skip
 
-    def _release(self, rec: _Record, w: Worker) -> None:
+    def release(self, rec: Record, w: Worker) -> None:
         if rec.released.get(w.id) is None:
             rec.released[w.id] = self.env.now
             self._bump(w, -1)
 
-    def _prefill(self, p: Worker, conv: int, turn: Turn, rec: _Record):  # noqa: ANN202
+    def prefill_stage(self, p: Worker, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         assert p.prefill is not None and p.cache is not None
         t0 = self.env.now
         with p.prefill.request() as slot:
@@ -230,15 +230,15 @@ class Simulation:
             p.prefill_busy_s += seconds
             p.cache.store(conv, turn.prompt_tokens)
 
-    def _colocated(self, conv: int, turn: Turn, rec: _Record):  # noqa: ANN202
+    def _colocated(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         c = self.workers[rec.decision.worker(Role.COLOCATED)]
-        yield from self._prefill(c, conv, turn, rec)
+        yield from self.prefill_stage(c, conv, turn, rec)
         rec.first_at = self.env.now
-        yield from self._decode(c, turn.prompt_tokens + 1, turn.output_tokens - 1, 0.0)
+        yield from self.decode(c, turn.prompt_tokens + 1, turn.output_tokens - 1, 0.0)
         assert c.cache is not None
         c.cache.store(conv, turn.prompt_tokens + turn.output_tokens)
 
-    def _decode(self, w: Worker, context: int, tokens: float, extra_s: float):  # noqa: ANN202
+    def decode(self, w: Worker, context: int, tokens: float, extra_s: float):  # noqa: ANN202
         """Run ``tokens`` more on ``w``'s batch; returns the Seq (``first_at`` set)."""
         assert w.decode is not None
         seq = Seq(max(tokens, 0.0), context, self.env.event())
@@ -249,12 +249,12 @@ class Simulation:
         yield seq.done
         return seq
 
-    def _pd(self, conv: int, turn: Turn, rec: _Record):  # noqa: ANN202
+    def _pd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         """pd_wan / pd_local: every block to D, D emits every token."""
         p = self.workers[rec.decision.worker(Role.PREFILL)]
         d = self.workers[rec.decision.decoder]
-        yield from self._prefill(p, conv, turn, rec)
-        self._release(rec, p)
+        yield from self.prefill_stage(p, conv, turn, rec)
+        self.release(rec, p)
         n, prof = turn.prompt_tokens, p.profile
         nbytes = n // prof.block_size * prof.block_size * prof.kv_bytes_per_token
         if self.fleet.mode is RouterMode.PD_WAN:
@@ -262,7 +262,7 @@ class Simulation:
             yield t.landed
             rec.wan_bytes = nbytes
         else:
-            yield self.env.timeout(self._local_s(nbytes))
+            yield self.env.timeout(self.local_s(nbytes))
         tail = d.profile.extend_s(n % prof.block_size) if n % prof.block_size else 0.0
         assert d.decode is not None
         seq = Seq(float(turn.output_tokens), n, self.env.event())
@@ -270,15 +270,15 @@ class Simulation:
         yield seq.done
         rec.first_at = seq.first_at
 
-    def _local_s(self, nbytes: int) -> float:
+    def local_s(self, nbytes: int) -> float:
         return self.settings.local_rtt_s / 2 + nbytes * 8 / self.settings.local_bandwidth_bps
 
-    def _pdd(self, conv: int, turn: Turn, rec: _Record):  # noqa: ANN202
+    def _pdd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         yield from run_pdd(self, conv, turn, rec)
 
 
 @dataclass(eq=False)
-class _Record:
+class Record:
     arrival: float
     decision: Decision
     first_at: float | None = None

@@ -165,7 +165,7 @@ def summarize(sim: Simulation, wall_s: float, cpu_s: float = 0.0) -> SimResult:
     goodput = good / window
     tokens_per_h = out_tokens / window * 3600
     util: dict[str, float] = {}
-    for role, workers in sim._by_role.items():
+    for role, workers in sim.by_role.items():
         if workers:
             busy = sum(w.prefill_busy_s if w.decode is None else w.decode.occupancy_s
                        for w in workers)  # fmt: skip
