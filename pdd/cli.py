@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "benchmarks: transfer | serve | overhead | handoff-gap | soak | chaos-soak | dashboard | gpu-kv-copy",
     ),
+    "plan": ("pdd.plan.cli", "main", "size a fleet: simulate pdd's routing over chip profiles"),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
     "certs": ("pdd.certs", "main", "make a fleet's CA, certificates, worker token and API key"),
 }

@@ -1,0 +1,158 @@
+"""Prefix caches of the simulated fleet: P's prefix cache, MD's DRC, a colocated worker's.
+
+A conversation is one token stream (pdd.plan.workload), so its block i is named by
+(conversation, i). Two implementations of one small interface:
+
+``RadixPrefixCache`` (exact): pdd's own ``pdd.cache.radix.RadixIndex``, the index MainDecode's
+DRC runs: prefix-closed, pins protect ancestors, leaf-first LRU eviction. One index operation
+per block.
+
+``ConversationLruCache`` (fast, the default): O(1) per request. It is the same policy for
+chain-shaped workloads (every conversation a chain of blocks, no prefix shared between
+conversations): RadixIndex touches a chain root side first with one tick per block, so a
+conversation's blocks carry consecutive ticks, its last block is its only leaf and the newest;
+the LRU leaf is then the tail of the least recently touched conversation, and eviction eats that
+conversation from its tail until it is gone or reaches a pinned block (then the next
+conversation). ``tests/plan/test_plan_cache.py`` checks both give the same hits and evictions.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from pdd.cache.radix import RadixIndex
+
+
+class PrefixCache(Protocol):
+    block_size: int
+
+    def cached_tokens(self, conv: int, tokens: int) -> int:
+        """Tokens of the first ``tokens`` of the stream held as whole blocks (pure)."""
+
+    def store(self, conv: int, tokens: int) -> None:
+        """Hold the first ``tokens`` (whole blocks) of the stream, most recently used; evicts
+        LRU blocks for room, stores only what fits."""
+
+    def pin(self, conv: int, tokens: int) -> object:
+        """Protect the cached prefix of the first ``tokens``; returns the handle to unpin."""
+
+    def unpin(self, handle: object) -> None: ...
+
+
+def _key(conv: int, block: int) -> bytes:
+    return (conv << 24 | block).to_bytes(8, "little")
+
+
+class RadixPrefixCache:
+    """Exact: pdd's RadixIndex, block by block."""
+
+    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.capacity = capacity_tokens // block_size
+        self.index = RadixIndex()
+
+    def _chain(self, conv: int, tokens: int) -> list[bytes]:
+        return [_key(conv, i) for i in range(tokens // self.block_size)]
+
+    def cached_tokens(self, conv: int, tokens: int) -> int:
+        return self.index.match(self._chain(conv, tokens)).num_blocks * self.block_size
+
+    def store(self, conv: int, tokens: int) -> None:
+        chain = self._chain(conv, tokens)
+        have = self.index.touch(chain)
+        need = len(chain) - have - (self.capacity - len(self.index))
+        if need > 0:
+            self.index.evict(need)
+            have = self.index.match(chain).num_blocks
+        room = self.capacity - len(self.index)
+        new = chain[have : have + max(room, 0)]
+        if new:
+            self.index.insert(new, [0] * len(new), chain[have - 1] if have else None)
+
+    def pin(self, conv: int, tokens: int) -> object:
+        n = self.cached_tokens(conv, tokens) // self.block_size
+        if n == 0:
+            return None
+        h = _key(conv, n - 1)
+        self.index.pin(h)
+        return h
+
+    def unpin(self, handle: object) -> None:
+        if handle is not None:
+            self.index.unpin(handle)  # type: ignore[arg-type]
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self.index)
+
+
+class ConversationLruCache:
+    """Fast: a block count per conversation and an LRU of conversations (module docstring)."""
+
+    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.capacity = capacity_tokens // block_size
+        self.used_blocks = 0
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # LRU first
+        self._pins: dict[int, list[int]] = {}  # conv -> pinned prefix lengths (blocks)
+
+    def cached_tokens(self, conv: int, tokens: int) -> int:
+        return min(self._blocks.get(conv, 0), tokens // self.block_size) * self.block_size
+
+    def store(self, conv: int, tokens: int) -> None:
+        want = tokens // self.block_size
+        have = self._blocks.get(conv, 0)
+        if conv in self._blocks:
+            self._blocks.move_to_end(conv)
+        elif want:
+            self._blocks[conv] = 0
+        if want <= have:
+            return
+        short = want - have - (self.capacity - self.used_blocks)
+        if short > 0:
+            self._evict(short)
+            have = self._blocks.get(conv, 0)
+        add = min(want - have, self.capacity - self.used_blocks)
+        if add > 0:
+            self._blocks[conv] = have + add
+            self._blocks.move_to_end(conv)
+            self.used_blocks += add
+
+    def _evict(self, n: int) -> None:
+        gone = []
+        for conv, blocks in self._blocks.items():  # LRU first; stops once n are freed
+            if n <= 0:
+                break
+            floor = max(self._pins[conv]) if conv in self._pins else 0
+            take = min(blocks - floor, n)
+            if take <= 0:
+                continue
+            self._blocks[conv] = blocks - take  # same key: iteration stays valid
+            self.used_blocks -= take
+            n -= take
+            if blocks == take:
+                gone.append(conv)
+        for conv in gone:
+            del self._blocks[conv]
+
+    def pin(self, conv: int, tokens: int) -> object:
+        n = self.cached_tokens(conv, tokens) // self.block_size
+        if n == 0:
+            return None
+        self._pins.setdefault(conv, []).append(n)
+        return (conv, n)
+
+    def unpin(self, handle: object) -> None:
+        if handle is None:
+            return
+        conv, n = handle  # type: ignore[misc]
+        pins = self._pins[conv]
+        pins.remove(n)
+        if not pins:
+            del self._pins[conv]
+
+
+def make_cache(exact: bool, capacity_tokens: int, block_size: int) -> PrefixCache:
+    cls = RadixPrefixCache if exact else ConversationLruCache
+    return cls(capacity_tokens, block_size)

@@ -1,0 +1,102 @@
+"""router.mode pdd as the drivers run it (pdd.router.drive.pdd_pipeline), in simulated time.
+
+Steps of one request, after ``routing.choose`` picked the pipeline, workers and handoff:
+
+    P prefill ──> t1 (TTFT) ──┬─ WAN: blocks MD lacks (FIFO link) ──> landed ──> MD
+                              └─ p_rld_md: all blocks over the local link ──> RLD decodes
+    p_md:      MD Generate(prompt + [t1]) after landing + one RTT: extend(tail + 1), decode.
+    p_rld_md:  landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes
+               the rest; RLD ends first -> CancelKv (anomaly filter), handoff rld_finished.
+    end:       MD's DRC stores prompt + answer (what MD re-exports when a request ends).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdd.plan.servers import Seq
+from pdd.plan.workload import Turn
+from pdd.protocol import HandoffMode, Role
+
+if TYPE_CHECKING:
+    from pdd.plan.sim import Record, Simulation, Worker
+
+
+def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN201 (simpy)
+    d = rec.decision
+    p, md = sim.workers[d.worker(Role.PREFILL)], sim.workers[d.worker(Role.MAIN_DECODE)]
+    rld_id = d.maybe_worker(Role.RELAY_DECODE)
+    env, n, out = sim.env, turn.prompt_tokens, turn.output_tokens
+    yield from sim.prefill_stage(p, conv, turn, rec)
+    rec.first_at = env.now  # P's token is emitted at once
+    sim.release(rec, p)
+    assert md.cache is not None and md.decode is not None
+    bs, kvb = md.profile.block_size, md.profile.kv_bytes_per_token
+    have = md.cache.cached_tokens(conv, n)  # what MD holds when the send starts
+    nbytes = (n // bs * bs - have) * kvb
+    transfer = sim.link.send(nbytes)
+    tail = n % bs
+    if rld_id is None or out <= 1:
+        yield transfer.landed
+        rec.wan_bytes = nbytes
+        pin = _land(md, conv, n)
+        yield env.timeout(sim.wan.rtt_s)  # the router's Generate reaches MD
+        yield from sim.decode(md, n + 1, out - 1, md.profile.extend_s(tail + 1))
+        _finish(md, conv, n + out, pin)
+        return
+    rld = sim.workers[rld_id]
+    assert rld.decode is not None
+    yield env.timeout(sim.local_s(n * p.profile.kv_bytes_per_token))
+    seq = Seq(float(out - 1), n + 1, env.event())
+    rld.decode.add(seq, rld.profile.extend_s(tail + 1))
+    yield transfer.landed | seq.done
+    if seq.done.triggered:  # RLD finished before MD's KV: cut the WAN transfer
+        sim.link.cancel(transfer)
+        rec.wan_bytes = int(transfer.sent)
+        rec.rld_tokens = out - 1
+        rec.handoff = HandoffMode.RLD_FINISHED.value
+        sim.release(rec, rld)
+        return
+    rec.wan_bytes = nbytes
+    pin = _land(md, conv, n)
+    yield env.timeout(sim.wan.rtt_s)
+    known = 0
+    if d.handoff is HandoffMode.CATCH_UP:
+        known = yield from _catch_up(sim, rld, md, seq, rec)
+    emitted = rld.decode.remove(seq) if not seq.done.triggered else out - 1
+    sim.release(rec, rld)
+    rec.rld_tokens = emitted
+    rec.handoff = d.handoff.value
+    left = out - 1 - emitted
+    extend = md.profile.extend_s(tail + 1 + emitted - known)
+    yield from sim.decode(md, n + 1 + emitted, left, extend)
+    _finish(md, conv, n + out, pin)
+
+
+def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: Record):  # noqa: ANN202
+    """MD warms up on what RLD emitted while RLD goes on; returns the tokens MD has."""
+    policy, known = sim.settings.policy, 0
+    assert rld.decode is not None and md.decode is not None
+    for _ in range(policy.max_catch_up_rounds):
+        rld.decode.advance()
+        gap = int(seq.generated) - known
+        if gap < policy.catch_up_threshold_tokens or seq.done.triggered:
+            break
+        seconds = md.profile.extend_s(gap)
+        md.decode.add_extra(seconds)  # the warm-up forward shares MD's batch
+        known += gap
+        yield sim.env.timeout(seconds + sim.wan.rtt_s)
+    return known
+
+
+def _land(md: Worker, conv: int, tokens: int) -> object:
+    """The WAN blocks committed into MD's DRC; the request's lease pins its prefix."""
+    assert md.cache is not None
+    md.cache.store(conv, tokens)
+    return md.cache.pin(conv, tokens)
+
+
+def _finish(md: Worker, conv: int, tokens: int, pin: object) -> None:
+    assert md.cache is not None
+    md.cache.unpin(pin)
+    md.cache.store(conv, tokens)

@@ -1,0 +1,142 @@
+"""Chip profiles: what one worker of a chip kind costs in time, memory and money.
+
+A profile is a YAML (or JSON) file, one chip kind running one model, written from published
+figures or measured (``pdd profile``, a later step, will write the same schema). The planner
+reads only these numbers; every time model is a small closed form so a profile can be written
+by hand and checked by eye::
+
+    prefill(new, cached)  = ceil(new / chunk_tokens) * chunk_overhead_s     (one forward per
+                            + new * per_token_s                               chunk: a tail
+                            + new * (cached + new / 2) * per_token_context_s  chunk pays it too)
+    decode_step(batch, ctx) = step_fixed_s + batch * per_seq_s + ctx * per_context_token_s
+                            (ctx: KV tokens the batch reads this step, summed over sequences)
+    extend(tokens)        = fixed_s + tokens * per_token_s    (one multi-token forward on MD)
+
+Memory: ``kv_capacity_tokens`` of device KV (running sequences' context must fit), at most
+``max_batch`` sequences, and ``host_cache_tokens`` of host-memory KV tier (MainDecode's DRC;
+on P and colocated workers the prefix cache is the device KV only).
+
+Errors: ``load_profile`` raises ConfigError naming the file and each missing or bad field.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+from pydantic import Field, ValidationError
+
+from pdd.config.base import Section
+from pdd.errors import ConfigError
+
+
+class PrefillProfile(Section):
+    """Prefill time against new (computed) and cached (prefix-hit) tokens."""
+
+    chunk_tokens: int = Field(..., gt=0, description="Chunked-prefill chunk size (tokens).")
+    chunk_overhead_s: float = Field(
+        ..., ge=0, description="Fixed cost of one prefill forward (kernel launches, weights read)."
+    )
+    per_token_s: float = Field(..., ge=0, description="Linear cost per new token (GEMMs).")
+    per_token_context_s: float = Field(
+        ..., ge=0, description="Attention cost per new token per context token it attends to."
+    )
+
+
+class DecodeProfile(Section):
+    """Decode step time against batch size and the KV the batch reads."""
+
+    step_fixed_s: float = Field(..., ge=0, description="Per step, independent of the batch.")
+    per_seq_s: float = Field(..., ge=0, description="Per sequence in the batch, per step.")
+    per_context_token_s: float = Field(
+        ..., ge=0, description="Per KV token read per step (memory bandwidth bound)."
+    )
+
+
+class ExtendProfile(Section):
+    """Extend-decode: recomputing handed-off tokens in one multi-token forward on MD."""
+
+    fixed_s: float = Field(..., ge=0, description="Cost of the extra forward.")
+    per_token_s: float = Field(..., ge=0, description="Per handed-off token recomputed.")
+
+
+class MemoryProfile(Section):
+    kv_capacity_tokens: int = Field(
+        ..., gt=0, description="Device KV cache in tokens (all running sequences' context)."
+    )
+    max_batch: int = Field(..., gt=0, description="Largest decode batch (sequences).")
+    host_cache_tokens: int = Field(
+        ..., ge=0, description="Host-memory KV tier in tokens (MainDecode's DRC capacity)."
+    )
+
+
+class ChipProfile(Section):
+    """One chip kind running one model (see the module docstring for the formulas)."""
+
+    name: str = Field(..., min_length=1, description="Chip kind, e.g. A or B.")
+    description: str = Field("", description="What this chip is and where the numbers come from.")
+    model: str = Field(..., min_length=1, description="The model the figures are for.")
+    price_per_hour: float = Field(..., ge=0, description="Cost of one instance per hour.")
+    kv_bytes_per_token: int = Field(..., gt=0, description="KV bytes per token, all layers.")
+    block_size: int = Field(..., gt=0, description="Tokens per KV block (prefix-cache unit).")
+    prefill: PrefillProfile
+    decode: DecodeProfile
+    extend: ExtendProfile
+    memory: MemoryProfile
+    assumptions: list[str] = Field(
+        default_factory=list, description="Every assumption behind the figures, with sources."
+    )
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        if new_tokens <= 0:
+            return self.prefill.chunk_overhead_s  # the one forward that emits the first token
+        p = self.prefill
+        chunks = math.ceil(new_tokens / p.chunk_tokens)
+        attention = new_tokens * (cached_tokens + new_tokens / 2) * p.per_token_context_s
+        return chunks * p.chunk_overhead_s + new_tokens * p.per_token_s + attention
+
+    def decode_step_s(self, batch: int, context_tokens: float) -> float:
+        d = self.decode
+        return d.step_fixed_s + batch * d.per_seq_s + context_tokens * d.per_context_token_s
+
+    def extend_s(self, tokens: int) -> float:
+        return self.extend.fixed_s + tokens * self.extend.per_token_s
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "missing":
+            parts.append(f"missing field {where!r}")
+        else:
+            parts.append(f"field {where!r}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def load_profile(path: Path) -> ChipProfile:
+    """Read one profile (YAML or JSON). Raises ConfigError naming the file and the field."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"profile {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"profile {path}: not YAML/JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile {path}: expected a mapping of fields at the top level")
+    try:
+        return ChipProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"profile {path}: {_explain(exc)}") from None
+
+
+def load_profiles(paths: list[Path]) -> dict[str, ChipProfile]:
+    """Profiles by chip name; two files naming the same chip are refused."""
+    out: dict[str, ChipProfile] = {}
+    for path in paths:
+        prof = load_profile(path)
+        if prof.name in out:
+            raise ConfigError(f"profile {path}: chip name {prof.name!r} is given twice")
+        out[prof.name] = prof
+    return out

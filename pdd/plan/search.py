@@ -1,0 +1,201 @@
+"""Fleet search: the instance counts per role (for given chips) with the highest BCR meeting
+the SLA, and, when none does, which resource binds.
+
+For one mode and one chip per role:
+
+  1. Bounds no fleet size can move (``bounds``): the share of requests whose TTFT or TPOT is
+     over the limit even on an idle instance with a perfect prefix cache (prefill of the turn's
+     new tokens, one decode step at batch 1), and the WAN the mode needs (pd_wan: every prompt
+     block; pdd: at least the blocks no cache can hold, the new tokens) against its bandwidth.
+     Over the SLA's allowance: infeasible, that resource named.
+  2. Grow: from one instance per role, simulate; while the SLA is missed, grow the role that
+     binds (the most loaded of the roles on the failing metric: TTFT -> P (pd: P or D),
+     TPOT -> MD or RLD (RLD when p_rld_md was due but no RLD had a slot)) by half; a role
+     whose growth did not help twice in a row (attainment, median TTFT or TPOT) is set
+     aside for the next one; when every role is set aside, no fleet is found.
+  3. Shrink: for each role, the fewest instances that still meet the SLA (bisection).
+Fewer instances at the same goodput is a higher BCR: the answer is the met fleet after 3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdd.plan.fleet import ROLES, SHORT, Fleet, Group
+from pdd.plan.profile import ChipProfile
+from pdd.plan.sim import SimResult, SimSettings, Simulation, Wan
+from pdd.plan.stats import Sla
+from pdd.plan.workload import Workload
+from pdd.protocol import Role, RouterMode
+
+
+@dataclass
+class SearchResult:
+    mode: RouterMode
+    chips: dict[Role, str]
+    best: SimResult | None
+    infeasible: str | None = None  # why no fleet meets the SLA (the binding resource)
+    tried: list[SimResult] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode.value} " + ",".join(f"{SHORT[r]}:{c}" for r, c in self.chips.items())
+
+
+def bounds(mode: RouterMode, chips: dict[Role, str], profiles: dict[str, ChipProfile],
+           wan: Wan, workload: Workload, sla: Sla) -> str | None:  # fmt: skip
+    """Why no fleet of these chips can meet ``sla`` (None: a large enough one might)."""
+    pre = profiles[chips[Role.COLOCATED if mode is RouterMode.COLOCATED else Role.PREFILL]]
+    dec = profiles[chips[Role.COLOCATED if mode is RouterMode.COLOCATED else Role.MAIN_DECODE]]
+    slow_ttft = slow_tpot = total = 0
+    need_bits = 0.0
+    span = 0.0
+    for conv in workload.conversations:
+        prev = 0
+        for turn in conv.turns:
+            total += 1
+            n = turn.prompt_tokens
+            cached = min(prev, n) // pre.block_size * pre.block_size
+            slow_ttft += pre.prefill_s(n - cached, cached) > sla.ttft_s
+            slow_tpot += dec.decode_step_s(1, n) > sla.tpot_s
+            blocks = n // dec.block_size * dec.block_size
+            new = blocks if mode is RouterMode.PD_WAN else max(0, n - prev - turn.output_tokens)
+            if mode in (RouterMode.PD_WAN, RouterMode.PDD):
+                need_bits += new * dec.kv_bytes_per_token * 8
+            prev = n + turn.output_tokens
+            span = max(span, turn.at_s or 0.0)
+    allowed = (1 - sla.attainment) * total
+    if slow_ttft > allowed:
+        return (f"prefill compute of chip {pre.name}: {slow_ttft} of {total} requests take "
+                f"longer than ttft={sla.ttft_s}s to prefill on an idle instance")  # fmt: skip
+    if slow_tpot > allowed:
+        return (f"decode step of chip {dec.name}: {slow_tpot} of {total} requests need more "
+                f"than tpot={sla.tpot_s}s per token at batch 1")  # fmt: skip
+    rate = _offered_rate(workload)
+    if rate and need_bits and mode is RouterMode.PD_WAN:
+        gbps = need_bits / total * rate / 1e9
+        if gbps > wan.bandwidth_bps / 1e9:
+            return (f"WAN bandwidth: pd_wan needs {gbps:.1f} Gbit/s of KV at "
+                    f"{rate:.2f} req/s, the link has {wan.bandwidth_bps / 1e9:.1f}")  # fmt: skip
+    return None
+
+
+def _offered_rate(workload: Workload) -> float:
+    starts = [c.start_s for c in workload.conversations]
+    if len(starts) < 2 or max(starts) <= 0:
+        return 0.0
+    per_conv = workload.requests / len(starts)
+    return (len(starts) - 1) / max(starts) * per_conv
+
+
+class Searcher:
+    def __init__(self, profiles: dict[str, ChipProfile], wan: Wan, workload: Workload,
+                 sla: Sla, settings: SimSettings, max_instances: int = 512,
+                 max_sims: int = 60, prices: dict[str, float] | None = None) -> None:  # fmt: skip
+        self.profiles, self.wan, self.workload, self.sla = profiles, wan, workload, sla
+        self.settings, self.max_instances, self.max_sims = settings, max_instances, max_sims
+        self.prices = prices or {}
+
+    def simulate(self, fleet: Fleet) -> SimResult:
+        sim = Simulation(fleet, self.profiles, self.wan, self.workload, self.sla, self.settings)
+        sim.prices.update(self.prices)
+        return sim.run()
+
+    def search(self, mode: RouterMode, chips: dict[Role, str]) -> SearchResult:
+        out = SearchResult(mode, chips, None)
+        why = bounds(mode, chips, self.profiles, self.wan, self.workload, self.sla)
+        if why:
+            out.infeasible = why
+            return out
+        seen: dict[tuple[int, ...], SimResult] = {}
+
+        def run(f: Fleet) -> SimResult:
+            key = tuple(g.count for g in f.groups)
+            if key not in seen:
+                seen[key] = self.simulate(f)
+                out.tried.append(seen[key])
+            return seen[key]
+
+        fleet = Fleet(mode, tuple(Group(r, chips[r], 1) for r in ROLES[mode]))
+        res = run(fleet)
+        best_att, stale, stuck = res.attainment, 0, set()
+        while not res.meets_sla:
+            order = binding_roles(mode, res)
+            if order is None:
+                out.infeasible = (f"WAN bandwidth ({self.wan.bandwidth_bps / 1e9:g} Gbit/s, "
+                                  f"{res.wan_utilisation:.0%} busy) at {res.fleet}")  # fmt: skip
+                return out
+            live = [r for r in order if r not in stuck]
+            total = sum(g.count for g in fleet.groups)
+            if not live:
+                out.infeasible = (f"growing any role stopped helping: attainment stuck at "
+                                  f"{best_att:.0%} (TTFT over the limit {res.fail_ttft:.0%}, "
+                                  f"TPOT {res.fail_tpot:.0%}); binds: {order[0].value} "
+                                  f"at {res.fleet}")  # fmt: skip
+                return out
+            role = live[0]
+            if total >= self.max_instances or len(seen) >= self.max_sims:
+                out.infeasible = (f"not met within {self.max_instances} instances / "
+                                  f"{self.max_sims} runs; binds: {role.value} "
+                                  f"(at {res.fleet}: attainment {res.attainment:.0%})")  # fmt: skip
+                return out
+            n = fleet.count(role)
+            fleet = fleet.with_count(role, min(max(n + 1, math.ceil(n * 1.5)),
+                                               n + self.max_instances - total))  # fmt: skip
+            prev, res = res, run(fleet)
+            if _progress(prev, res):
+                stale, stuck = 0, set()
+            else:  # two growths of one role without progress: grow the next role instead
+                stale += 1
+                if stale >= 2:
+                    stuck.add(role)
+                    stale = 0
+            best_att = max(best_att, res.attainment)
+        for role in sorted(ROLES[mode], key=lambda r: -self._price(fleet, r)):
+            lo, hi = 1, fleet.count(role)  # hi meets
+            while lo < hi and len(seen) < self.max_sims:
+                mid = (lo + hi) // 2
+                if run(fleet.with_count(role, mid)).meets_sla:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            fleet = fleet.with_count(role, hi)
+        out.best = run(fleet)
+        return out
+
+    def _price(self, fleet: Fleet, role: Role) -> float:
+        chip = next(g.chip for g in fleet.groups if g.role is role)
+        return self.prices.get(chip, self.profiles[chip].price_per_hour) * fleet.count(role)
+
+
+def _progress(before: SimResult, after: SimResult) -> bool:
+    """Growing helped: more requests met the SLA, or the median TTFT or TPOT fell by 10%."""
+    return (after.attainment > before.attainment + 0.005
+            or after.ttft_p50_s < 0.9 * before.ttft_p50_s
+            or after.tpot_p50_s < 0.9 * before.tpot_p50_s)  # fmt: skip
+
+
+def binding_roles(mode: RouterMode, res: SimResult) -> list[Role] | None:
+    """The roles to grow for a missed SLA, the likeliest first (the most loaded of those on
+    the failing metric, then the rest by load); None when the WAN is what binds."""
+    util = res.utilisation
+    roles = list(ROLES[mode])
+    first: list[Role]
+    if mode is RouterMode.COLOCATED:
+        return [Role.COLOCATED]
+    if res.fail_ttft >= res.fail_tpot:
+        if mode is RouterMode.PD_WAN and res.wan_utilisation > 0.9:
+            return None
+        first = [Role.PREFILL] + ([Role.MAIN_DECODE] if mode is not RouterMode.PDD else [])
+    else:
+        if res.wan_utilisation > 0.95 and util.get("main_decode", 0) < 0.9:
+            return None
+        first = [Role.MAIN_DECODE]
+        if mode is RouterMode.PDD and res.rld_starved > 0.02:
+            first = [Role.RELAY_DECODE, Role.MAIN_DECODE]
+    by_load = sorted(roles, key=lambda r: -util.get(r.value, 0.0))
+    head = sorted(first, key=lambda r: -util.get(r.value, 0.0)) if len(first) > 1 else first
+    if mode is RouterMode.PDD and first[0] is Role.RELAY_DECODE:
+        head = first
+    return head + [r for r in by_load if r not in head]

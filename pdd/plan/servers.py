@@ -1,0 +1,234 @@
+"""Simulated machinery: a decode batch, a FIFO link, a serial prefill queue (simpy).
+
+``DecodeServer`` advances its whole batch between events instead of per token: the step time
+``decode_step(batch, context)`` is held constant from one event (a sequence joins, leaves or
+finishes) to the next and recomputed at each, so a request costs a handful of events however
+many tokens it has (the documented approximation: context growth inside one such interval is
+counted at its end). One-off forwards (extend-decode on MD, a colocated prefill) stall the
+whole batch through ``add_extra``. Sequences are admitted FIFO while the batch has a free slot
+and their whole final context fits the device KV.
+
+``Link`` is first-in-first-out like pdd's TCP sender: one transfer serializes at the link rate,
+then lands after half the RTT; ``cancel`` drops a queued transfer or cuts the running one.
+Everything runs on simpy event callbacks, no process per server.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import simpy
+
+from pdd.plan.profile import ChipProfile
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    """One request's stretch on one decoder."""
+
+    remaining: float  # tokens still to generate here
+    context: float  # KV tokens it reads per step
+    done: simpy.Event
+    reserve: float = 0.0  # device KV reserved at admission (final context)
+    generated: float = 0.0
+    first_at: float = -1.0  # when its first token here was out (-1: not yet)
+    extra_s: float = 0.0  # its one-off forward (extend-decode), run when it is admitted
+    admitted_at: float = -1.0
+
+
+@dataclass(eq=False)
+class DecodeServer:
+    env: simpy.Environment
+    id: str
+    profile: ChipProfile
+    max_seqs: int
+    running: list[Seq] = field(default_factory=list)
+    waiting: deque[Seq] = field(default_factory=deque)
+    in_flight: int = 0  # the router's count (routing -> the request leaves this worker)
+    tokens: float = 0.0  # generated here in all
+    busy_s: float = 0.0  # time with a non-empty batch
+    occupancy_s: float = 0.0  # integral of (running + waiting) / max_seqs over time
+    _ctx: float = 0.0
+    _kv: float = 0.0
+    _extra: float = 0.0
+    _step: float = 0.0
+    _t: float = 0.0
+    _due: float = -1.0  # when the armed timer fires (-1: none armed)
+
+    def add(self, seq: Seq, extra_s: float = 0.0) -> None:
+        """Queue ``seq``; ``extra_s`` is its one-off forward (extend-decode), run before it
+        joins the batch's steps. ``seq.done`` fires when it has generated ``remaining``."""
+        self.advance()
+        seq.reserve = seq.context + seq.remaining
+        seq.extra_s = extra_s
+        self.waiting.append(seq)
+        self._admit()
+        self._reschedule()
+
+    def remove(self, seq: Seq) -> int:
+        """Take ``seq`` out (handoff, abort); returns the whole tokens it generated here."""
+        self.advance()
+        if seq in self.running:
+            self.running.remove(seq)
+            self._ctx -= seq.context
+            self._kv -= seq.reserve
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._admit()
+        self._reschedule()
+        return int(seq.generated)
+
+    def add_extra(self, seconds: float) -> None:
+        """A one-off forward that stalls the batch (a Catch-Up round, a colocated prefill)."""
+        self.advance()
+        self._extra += seconds
+        self._reschedule()
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def _admit(self) -> None:
+        cap = self.profile.memory.kv_capacity_tokens
+        while self.waiting and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if self.running and self._kv + seq.reserve > cap:
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._ctx += seq.context
+            self._kv += seq.reserve
+            self._extra += seq.extra_s
+            seq.admitted_at = self.env.now
+
+    def advance(self) -> None:
+        now = self.env.now
+        dt, self._t = now - self._t, now
+        if not self.running or dt <= 0:
+            return
+        self.busy_s += dt
+        self.occupancy_s += dt * (len(self.running) + len(self.waiting)) / self.max_seqs
+        used = min(dt, self._extra)
+        self._extra -= used
+        if self._step <= 0:
+            return
+        n = (dt - used) / self._step
+        if n <= 0:
+            return
+        for s in self.running:
+            take = min(n, s.remaining)
+            s.generated += take
+            s.remaining -= take
+            s.context += take
+            if s.first_at < 0 and s.generated >= 1 - 1e-9:
+                s.first_at = now - (s.generated - 1) * self._step
+        self._ctx += n * len(self.running)
+        self.tokens += n * len(self.running)
+
+    def _reschedule(self) -> None:
+        """Arm the timer for the next finish. An armed timer due no later is kept (it wakes,
+        finds nothing done and re-arms): most joins and leaves then cost no new event."""
+        if not self.running:
+            self._extra = 0.0
+            return
+        self._step = self.profile.decode_step_s(len(self.running), self._ctx)
+        soonest = min(s.remaining for s in self.running)
+        due = self.env.now + self._extra + max(soonest, 0.0) * self._step
+        if self.env.now <= self._due <= due:
+            return
+        self._due = due
+        ev = self.env.timeout(due - self.env.now)
+        ev.callbacks.append(lambda _e: self._on_timer(due))
+
+    def _on_timer(self, due: float) -> None:
+        if due != self._due:
+            return  # superseded by an earlier timer
+        self._due = -1.0
+        self.advance()
+        finished = [s for s in self.running if s.remaining <= 1e-6]
+        for s in finished:
+            self.running.remove(s)
+            self._ctx -= s.context
+            self._kv -= s.reserve
+            if s.first_at < 0:
+                s.first_at = self.env.now
+            s.done.succeed()
+        self._admit()
+        self._reschedule()
+
+
+@dataclass(eq=False, slots=True)
+class Transfer:
+    nbytes: int
+    landed: simpy.Event
+    sent: float = 0.0  # bytes that crossed (less than nbytes if cancelled)
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Link:
+    """A FIFO link: ``bandwidth_bps``, one-way delay ``rtt_s / 2`` (module docstring)."""
+
+    env: simpy.Environment
+    bandwidth_bps: float
+    rtt_s: float
+    queue: deque[Transfer] = field(default_factory=deque)
+    busy_s: float = 0.0
+    bytes_sent: float = 0.0
+    _current: Transfer | None = None
+    _started: float = 0.0
+    _gen: int = 0
+
+    def send(self, nbytes: int) -> Transfer:
+        """Queue ``nbytes``; ``landed`` fires when the last byte arrived."""
+        t = Transfer(nbytes, self.env.event())
+        if nbytes <= 0:
+            self.env.timeout(self.rtt_s / 2).callbacks.append(lambda _e: t.landed.succeed())
+            return t
+        self.queue.append(t)
+        if self._current is None:
+            self._next()
+        return t
+
+    def cancel(self, t: Transfer) -> None:
+        """Drop it from the queue, or cut it now (the bytes already sent stay counted)."""
+        if t.landed.triggered or t.cancelled:
+            return
+        t.cancelled = True
+        if t is self._current:
+            self._account()
+            self._current = None
+            self._next()
+        elif t in self.queue:
+            self.queue.remove(t)
+
+    def _account(self) -> None:
+        dt = self.env.now - self._started
+        assert self._current is not None
+        self._current.sent = min(self._current.nbytes, dt * self.bandwidth_bps / 8)
+        self.busy_s += dt
+        self.bytes_sent += self._current.sent
+
+    def _next(self) -> None:
+        self._gen += 1
+        if not self.queue:
+            return
+        self._current, self._started, gen = self.queue.popleft(), self.env.now, self._gen
+        ev = self.env.timeout(self._current.nbytes * 8 / self.bandwidth_bps)
+        ev.callbacks.append(lambda _e: self._done(gen))
+
+    def _done(self, gen: int) -> None:
+        if gen != self._gen or self._current is None:
+            return
+        t = self._current
+        self._account()
+        self._current = None
+        self.env.timeout(self.rtt_s / 2).callbacks.append(
+            lambda _e: None if t.cancelled else t.landed.succeed()
+        )
+        self._next()
+
+    def utilisation(self, duration_s: float) -> float:
+        busy = self.busy_s + (self.env.now - self._started if self._current else 0.0)
+        return busy / duration_s if duration_s > 0 else 0.0

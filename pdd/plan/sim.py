@@ -1,0 +1,311 @@
+"""The discrete-event simulation of one fleet serving one workload (simpy).
+
+Routing is pdd's own: every request builds the ``FleetView`` / ``RouteRequest`` the router
+builds and calls ``pdd.router.decide.routing.choose`` (the pure function ``pdd router`` runs),
+so the pipeline (p_md or p_rld_md), the P, RLD and MD picked and the handoff mode are the
+router's decisions. The simulator only plays out what the drivers then do:
+
+    pdd       P prefills (its prefix cache) -> first token (TTFT). Blocks MD lacks cross the WAN
+              link (FIFO); p_md: MD starts when they landed, recomputing the tail block and the
+              token (extend-decode). p_rld_md: every block goes to RLD over the local link, RLD
+              decodes; when the WAN KV landed, One-Shot (RLD stops, MD extends all emitted
+              tokens) or Catch-Up (MD extends what RLD emitted, in rounds, while RLD goes on, until
+              fewer than catch_up_threshold_tokens are missing or max_catch_up_rounds). RLD
+              finishing first cancels the WAN transfer (anomaly filter) and MD learns nothing.
+              MD's DRC (host tier, LRU) stores prompt and answer when the request ends.
+    pd_wan    P prefills, every block crosses the WAN, D decodes every token (TTFT on D).
+    pd_local  the same over the local link.
+    colocated one worker prefills (stalling its decode batch) and decodes.
+
+What is simplified is in the servers' docstring (pdd.plan.servers) and docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import simpy
+
+from pdd.config.router import PddPolicyConfig
+from pdd.errors import UnavailableError
+from pdd.plan.cache import PrefixCache, make_cache
+from pdd.plan.fleet import Fleet
+from pdd.plan.pipeline import run_pdd
+from pdd.plan.profile import ChipProfile
+from pdd.plan.servers import DecodeServer, Link, Seq
+from pdd.plan.stats import RequestLog, SimResult, Sla, summarize
+from pdd.plan.workload import Conversation, Turn, Workload
+from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
+from pdd.router.decide import policy, routing
+from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class Wan:
+    bandwidth_bps: float
+    rtt_s: float
+    price_per_gb: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimSettings:
+    policy: PddPolicyConfig = field(default_factory=PddPolicyConfig)
+    local_bandwidth_bps: float = 400e9  # P -> RLD / pd_local D: RDMA inside dc-a
+    local_rtt_s: float = 10e-6
+    exact_cache: bool = False  # RadixIndex per block instead of the per-conversation LRU
+    warmup_fraction: float = 0.1
+    # pdd's router routes the baselines' P (and colocated workers) least-loaded, with no
+    # prefix affinity; True gives them pdd's P scorer (policy.pick_p) as a KV-aware router
+    # would (vLLM production-stack, Dynamo), False plays pdd's router exactly.
+    baseline_affinity: bool = True
+
+
+@dataclass(eq=False)
+class Worker:
+    """One simulated instance: a prefill queue and/or a decode batch, and a prefix cache."""
+
+    id: str
+    role: Role
+    profile: ChipProfile
+    cache: PrefixCache | None
+    decode: DecodeServer | None = None
+    prefill: simpy.Resource | None = None
+    in_flight: int = 0
+    prefill_busy_s: float = 0.0
+
+
+class Simulation:
+    """One run: ``Simulation(fleet, profiles, wan, workload, sla).run() -> SimResult``."""
+
+    def __init__(self, fleet: Fleet, profiles: dict[str, ChipProfile], wan: Wan,
+                 workload: Workload, sla: Sla, settings: SimSettings | None = None) -> None:  # fmt: skip
+        self.fleet, self.wan, self.workload, self.sla = fleet, wan, workload, sla
+        self.settings = settings or SimSettings()
+        self.prices = {name: p.price_per_hour for name, p in profiles.items()}
+        self.env = simpy.Environment()
+        self.link = Link(self.env, wan.bandwidth_bps, wan.rtt_s)
+        self.log = RequestLog()
+        self.starved = 0
+        self.conversation_spans: list[float] = []  # first arrival -> last turn's end
+        self.workers: dict[str, Worker] = {}
+        self._views: dict[str, WorkerView] = {}
+        mean_final = _mean_final_context(workload)
+        for g in fleet.groups:
+            prof = profiles[g.chip]
+            for i in range(g.count):
+                self._add_worker(f"{g.role.value}-{g.chip}-{i}", g.role, prof, mean_final)
+        self._view_tuple = tuple(self._views.values())  # the same objects, updated in place
+        self.by_role = {r: [w for w in self.workers.values() if w.role is r] for r in Role}
+
+    def _add_worker(self, wid: str, role: Role, prof: ChipProfile, mean_final: float) -> None:
+        mem = prof.memory
+        max_seqs = max(1, min(mem.max_batch, int(mem.kv_capacity_tokens // max(mean_final, 1))))
+        exact = self.settings.exact_cache
+        cache = {
+            Role.PREFILL: make_cache(exact, mem.kv_capacity_tokens, prof.block_size),
+            Role.COLOCATED: make_cache(exact, mem.kv_capacity_tokens, prof.block_size),
+            Role.MAIN_DECODE: make_cache(exact, mem.host_cache_tokens, prof.block_size)
+            if self.fleet.mode is RouterMode.PDD else None,
+            Role.RELAY_DECODE: None,
+        }[role]  # fmt: skip
+        w = Worker(wid, role, prof, cache)
+        if role is not Role.PREFILL:
+            w.decode = DecodeServer(self.env, wid, prof, max_seqs)
+        if role in (Role.PREFILL, Role.COLOCATED):
+            w.prefill = simpy.Resource(self.env, 1)
+        self.workers[wid] = w
+        self._views[wid] = WorkerView(
+            id=wid, role=role, healthy=True, datacenter=self.fleet.datacenter(role),
+            max_num_seqs=max_seqs if role is not Role.PREFILL else 0,
+            block_size=prof.block_size, kv_block_bytes=prof.block_size * prof.kv_bytes_per_token,
+            wan_bandwidth_bps=self.wan.bandwidth_bps if role is Role.PREFILL else 0.0,
+            wan_rtt_s=self.wan.rtt_s if role is Role.PREFILL else 0.0,
+        )  # fmt: skip
+
+    def profile_price(self, chip: str) -> float:
+        return self.prices[chip]
+
+    # --- routing: the router's own function over the snapshot it would see ------------------
+
+    def _bump(self, w: Worker, delta: int) -> None:
+        """The router's live count of requests on ``w`` (and how many it was given).
+
+        The views are this simulation's own snapshot objects, never shared with a router and
+        not kept by ``choose`` beyond one call, so they are updated in place: a
+        ``dataclasses.replace`` per change was a tenth of the run time at a million requests.
+        """
+        w.in_flight += delta
+        v = self._views[w.id]
+        object.__setattr__(v, "in_flight", w.in_flight)
+        if delta > 0:
+            object.__setattr__(v, "served", v.served + delta)
+
+    def route(self, conv: int, turn: Turn) -> Decision:
+        """``routing.choose`` on this instant's snapshot (load, DRC and P-cache contents)."""
+        n = turn.prompt_tokens
+        md_cached = _cached(self.by_role[Role.MAIN_DECODE], conv, n)
+        p_role = Role.COLOCATED if self.fleet.mode is RouterMode.COLOCATED else Role.PREFILL
+        p_cached = _cached(self.by_role[p_role], conv, n)
+        view = FleetView(self.fleet.mode, self._view_tuple, self.settings.policy)
+        req = RouteRequest(n, turn.output_tokens, md_cached, p_cached)
+        decision = routing.choose(view, req)
+        if self.settings.baseline_affinity and decision.pipeline in _AFFINE:
+            decision = self._with_affine_p(decision, view, req)
+        wanted_rld = decision.eta_s > self.settings.policy.ttft_budget_s
+        if decision.pipeline is Pipeline.P_MD and wanted_rld:
+            self.starved += 1  # p_rld_md was due, no RLD had a slot: degraded to p_md
+        return decision
+
+    def _with_affine_p(self, d: Decision, view: FleetView, req: RouteRequest) -> Decision:
+        """Baselines with prefix affinity: the first worker (P, or the colocated one) chosen
+        by the router's own pdd scorer (``policy.pick_p``: hit - p_load_weight * load)
+        instead of least-loaded (see ``SimSettings.baseline_affinity``)."""
+        role = d.assignments[0][0]
+        pool = view.healthy(role)
+        best = policy.pick_p(pool, req.p_cached_tokens, req.prompt_tokens,
+                             view.policy.p_load_weight)  # fmt: skip
+        assert best is not None  # choose() found one in the same pool
+        return replace(d, assignments=((role, best.id), *d.assignments[1:]))
+
+    # --- the run -----------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        started, cpu = time.perf_counter(), time.process_time()
+        for conv in self.workload.conversations:
+            self.env.process(self._conversation(conv))
+        self.env.run()
+        wall = time.perf_counter() - started
+        return summarize(self, wall, time.process_time() - cpu)
+
+    def _conversation(self, conv: Conversation):  # noqa: ANN202 (a simpy process)
+        yield self.env.timeout(conv.start_s)
+        for turn in conv.turns:
+            if turn.at_s is not None and turn.at_s > self.env.now:
+                yield self.env.timeout(turn.at_s - self.env.now)
+            elif turn.think_s:
+                yield self.env.timeout(turn.think_s)
+            yield from self._request(conv.id, turn)  # inline: no process per request
+        self.conversation_spans.append(self.env.now - conv.start_s)
+
+    def _request(self, conv: int, turn: Turn):  # noqa: ANN202
+        arrival = self.env.now
+        try:
+            decision = self.route(conv, turn)
+        except UnavailableError:
+            self.log.add(arrival, None, None, turn.output_tokens, "unavailable")
+            return
+        workers = [self.workers[wid] for _, wid in decision.assignments]
+        for w in workers:
+            self._bump(w, +1)
+        rec = Record(arrival, decision)
+        if decision.pipeline is Pipeline.COLOCATED:
+            yield from self._colocated(conv, turn, rec)
+        elif decision.pipeline is Pipeline.PD:
+            yield from self._pd(conv, turn, rec)
+        else:
+            yield from self._pdd(conv, turn, rec)
+        for w in workers:
+            if w.in_flight and rec.released.get(w.id) is None:
+                self._bump(w, -1)
+        self.log.add(arrival, rec.first_at, self.env.now, turn.output_tokens,
+                     rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait)  # fmt: skip
+
+    def release(self, rec: Record, w: Worker) -> None:
+        if rec.released.get(w.id) is None:
+            rec.released[w.id] = self.env.now
+            self._bump(w, -1)
+
+    def prefill_stage(self, p: Worker, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
+        assert p.prefill is not None and p.cache is not None
+        t0 = self.env.now
+        with p.prefill.request() as slot:
+            yield slot
+            rec.p_wait = self.env.now - t0
+            cached = p.cache.cached_tokens(conv, turn.prompt_tokens)
+            seconds = p.profile.prefill_s(turn.prompt_tokens - cached, cached)
+            if p.decode is not None:  # colocated: the prefill stalls its decode batch
+                p.decode.add_extra(seconds)
+            yield self.env.timeout(seconds)
+            p.prefill_busy_s += seconds
+            p.cache.store(conv, turn.prompt_tokens)
+
+    def _colocated(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
+        c = self.workers[rec.decision.worker(Role.COLOCATED)]
+        yield from self.prefill_stage(c, conv, turn, rec)
+        rec.first_at = self.env.now
+        yield from self.decode(c, turn.prompt_tokens + 1, turn.output_tokens - 1, 0.0)
+        assert c.cache is not None
+        c.cache.store(conv, turn.prompt_tokens + turn.output_tokens)
+
+    def decode(self, w: Worker, context: int, tokens: float, extra_s: float):  # noqa: ANN202
+        """Run ``tokens`` more on ``w``'s batch; returns the Seq (``first_at`` set)."""
+        assert w.decode is not None
+        seq = Seq(max(tokens, 0.0), context, self.env.event())
+        if tokens <= 0:
+            seq.first_at = self.env.now
+            return seq
+        w.decode.add(seq, extra_s)
+        yield seq.done
+        return seq
+
+    def _pd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
+        """pd_wan / pd_local: every block to D, D emits every token."""
+        p = self.workers[rec.decision.worker(Role.PREFILL)]
+        d = self.workers[rec.decision.decoder]
+        yield from self.prefill_stage(p, conv, turn, rec)
+        self.release(rec, p)
+        n, prof = turn.prompt_tokens, p.profile
+        nbytes = n // prof.block_size * prof.block_size * prof.kv_bytes_per_token
+        if self.fleet.mode is RouterMode.PD_WAN:
+            t = self.link.send(nbytes)
+            yield t.landed
+            rec.wan_bytes = nbytes
+        else:
+            yield self.env.timeout(self.local_s(nbytes))
+        tail = d.profile.extend_s(n % prof.block_size) if n % prof.block_size else 0.0
+        assert d.decode is not None
+        seq = Seq(float(turn.output_tokens), n, self.env.event())
+        d.decode.add(seq, tail)
+        yield seq.done
+        rec.first_at = seq.first_at
+
+    def local_s(self, nbytes: int) -> float:
+        return self.settings.local_rtt_s / 2 + nbytes * 8 / self.settings.local_bandwidth_bps
+
+    def _pdd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
+        yield from run_pdd(self, conv, turn, rec)
+
+
+@dataclass(eq=False)
+class Record:
+    arrival: float
+    decision: Decision
+    first_at: float | None = None
+    rld_tokens: int = 0
+    wan_bytes: int = 0
+    p_wait: float = 0.0
+    handoff: str = HandoffMode.NONE.value
+    released: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def pipeline(self) -> str:
+        return self.decision.pipeline.value
+
+
+_AFFINE = (Pipeline.PD, Pipeline.COLOCATED)
+
+
+def _cached(workers: list[Worker], conv: int, tokens: int) -> dict[str, int]:
+    out = {}
+    for w in workers:
+        if w.cache is not None:
+            n = w.cache.cached_tokens(conv, tokens)
+            if n:
+                out[w.id] = n
+    return out
+
+
+def _mean_final_context(workload: Workload) -> float:
+    turns = [t for c in workload.conversations for t in c.turns]
+    return sum(t.prompt_tokens + t.output_tokens for t in turns) / max(len(turns), 1)

@@ -1,0 +1,48 @@
+"""The O(1) conversation LRU makes the same choices as pdd's RadixIndex on chain workloads."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdd.plan.cache import ConversationLruCache, RadixPrefixCache
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_cache_matches_radix_index(seed: int) -> None:
+    rng = random.Random(seed)
+    bs, cap = 4, 4 * 60
+    exact, fast = RadixPrefixCache(cap, bs), ConversationLruCache(cap, bs)
+    length = {c: 0 for c in range(8)}
+    pins: list[tuple[object, object]] = []
+    for _ in range(400):
+        conv = rng.randrange(8)
+        op = rng.random()
+        if op < 0.6:  # a turn: the conversation grows, the cache stores it
+            length[conv] += rng.randrange(1, 30)
+            exact.store(conv, length[conv])
+            fast.store(conv, length[conv])
+        elif op < 0.8 and len(pins) < 3:
+            pins.append((exact.pin(conv, length[conv]), fast.pin(conv, length[conv])))
+        elif pins:
+            e, f = pins.pop(rng.randrange(len(pins)))
+            exact.unpin(e)
+            fast.unpin(f)
+        for c in range(8):
+            assert exact.cached_tokens(c, length[c]) == fast.cached_tokens(c, length[c]), c
+        assert exact.used_blocks == fast.used_blocks <= cap // bs
+
+
+def test_eviction_is_lru_by_conversation_and_spares_pins() -> None:
+    for cache in (RadixPrefixCache(40, 4), ConversationLruCache(40, 4)):
+        cache.store(1, 16)  # 4 blocks
+        cache.store(2, 16)
+        pin = cache.pin(1, 16)
+        cache.store(3, 24)  # needs 6 blocks, 2 free: conversation 1 is older but pinned
+        assert cache.cached_tokens(1, 16) == 16
+        assert cache.cached_tokens(2, 16) == 0
+        assert cache.cached_tokens(3, 24) == 24
+        cache.unpin(pin)
+        cache.store(4, 16)  # now 1 is the oldest
+        assert cache.cached_tokens(1, 16) == 0

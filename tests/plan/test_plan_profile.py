@@ -1,0 +1,70 @@
+"""Chip profiles: the examples load, the formulas, and errors that name the file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdd.errors import ConfigError
+from pdd.plan.profile import load_profile, load_profiles
+from tests.plan.conftest import PROFILES
+
+
+def test_example_profiles_load_and_b_is_the_dearer_decode_chip(profiles) -> None:
+    a, b = profiles["A"], profiles["B"]
+    assert 1.2 <= b.price_per_hour / a.price_per_hour <= 1.3  # the report's premium
+    assert b.decode_step_s(16, 16 * 65536) < a.decode_step_s(16, 16 * 65536)
+    assert b.memory.kv_capacity_tokens > a.memory.kv_capacity_tokens
+    assert a.assumptions and b.assumptions
+
+
+def test_prefill_formula_counts_chunks_tokens_and_attention(profiles) -> None:
+    a = profiles["A"]
+    p = a.prefill
+    assert a.prefill_s(8192, 0) == pytest.approx(
+        p.chunk_overhead_s + 8192 * p.per_token_s + 8192 * 4096 * p.per_token_context_s
+    )
+    # one more token past a chunk boundary pays a whole forward's overhead (a tail chunk)
+    assert a.prefill_s(8193, 0) - a.prefill_s(8192, 0) > p.chunk_overhead_s
+    assert a.prefill_s(0, 1000) == p.chunk_overhead_s
+    assert a.prefill_s(100, 60000) > a.prefill_s(100, 0)  # attention over the cached prefix
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "chip.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_missing_field_names_the_field_and_the_file(tmp_path: Path) -> None:
+    data = yaml.safe_load(PROFILES[0].read_text())
+    del data["decode"]["per_context_token_s"]
+    path = _write(tmp_path, data)
+    with pytest.raises(ConfigError) as err:
+        load_profile(path)
+    assert str(path) in str(err.value)
+    assert "missing field 'decode.per_context_token_s'" in str(err.value)
+
+
+def test_bad_value_and_unknown_field_are_named(tmp_path: Path) -> None:
+    data = yaml.safe_load(PROFILES[0].read_text())
+    data["memory"]["max_batch"] = 0
+    data["tflops"] = 5
+    with pytest.raises(ConfigError) as err:
+        load_profile(_write(tmp_path, data))
+    assert "memory.max_batch" in str(err.value) and "tflops" in str(err.value)
+
+
+def test_unreadable_or_not_a_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_profile(tmp_path / "absent.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_profile(tmp_path / "list.yaml")
+
+
+def test_two_profiles_of_one_chip_are_refused() -> None:
+    with pytest.raises(ConfigError, match="given twice"):
+        load_profiles([PROFILES[0], PROFILES[0]])

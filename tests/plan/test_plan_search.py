@@ -1,0 +1,160 @@
+"""The fleet search, and `pdd plan`'s answers to bad input and to SLAs no fleet can meet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdd.errors import ConfigError
+from pdd.plan import cli
+from pdd.plan.search import Searcher
+from pdd.plan.sim import SimSettings, Wan
+from pdd.plan.stats import Sla
+from pdd.plan.workload import AgenticWorkload, agentic, load_trace
+from pdd.protocol import Role, RouterMode
+from tests.plan.conftest import PROFILES
+
+SMALL = "agentic:requests=150,rate=1,context_tokens=16384,output_tokens=128"
+WAN = Wan(10e9, 0.04)
+PDD = {Role.PREFILL: "A", Role.RELAY_DECODE: "A", Role.MAIN_DECODE: "B"}
+
+
+def _searcher(profiles, sla: Sla, wan: Wan = WAN) -> Searcher:
+    work = agentic(AgenticWorkload(requests=150, rate=1, context_tokens=16384, output_tokens=128))
+    return Searcher(profiles, wan, work, sla, SimSettings(), max_sims=30)
+
+
+def test_search_finds_the_smallest_fleet_that_meets_the_sla(profiles) -> None:
+    s = _searcher(profiles, Sla(5.0, 0.05))
+    res = s.search(RouterMode.PDD, PDD)
+    assert res.infeasible is None and res.best is not None and res.best.meets_sla
+    # one fewer of any role no longer meets it (or the role is at its minimum of one)
+    fleet = cli.parse_fleet("pdd:" + ",".join(
+        f"{k}={v.split(':')[1]}*{v.split(' ')[0]}" for k, v in zip(
+            ("P", "RLD", "MD"), res.best.fleet.split(" + "), strict=True)), profiles)  # fmt: skip
+    assert fleet.label() == res.best.fleet
+    for g in fleet.groups:
+        if g.count > 1:
+            assert not s.simulate(fleet.with_count(g.role, g.count - 1)).meets_sla, g.role
+
+
+def test_an_sla_below_one_prefill_is_infeasible_and_names_prefill(profiles) -> None:
+    res = _searcher(profiles, Sla(0.01, 0.05)).search(RouterMode.PDD, PDD)
+    assert res.best is None and "prefill compute of chip A" in (res.infeasible or "")
+
+
+def test_a_tpot_below_one_decode_step_names_the_decode_chip(profiles) -> None:
+    res = _searcher(profiles, Sla(5.0, 0.001)).search(
+        RouterMode.PD_LOCAL, {Role.PREFILL: "A", Role.MAIN_DECODE: "B"}
+    )
+    assert res.best is None and "decode step of chip B" in (res.infeasible or "")
+
+
+def test_pd_wan_over_a_thin_link_names_the_wan(profiles) -> None:
+    res = _searcher(profiles, Sla(5.0, 0.05), Wan(0.5e9, 0.04)).search(
+        RouterMode.PD_WAN, {Role.PREFILL: "A", Role.MAIN_DECODE: "A"})  # fmt: skip
+    assert res.best is None and "WAN bandwidth" in (res.infeasible or "")
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main([*args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+BASE = ("--profiles", *map(str, PROFILES), "--wan", "10Gbps,40ms,0.01", "--sla", "ttft=5,tpot=0.05")
+
+
+def test_cli_plans_and_writes_table_json_and_plot(capsys, tmp_path: Path) -> None:
+    code, out, _ = _main(capsys, *BASE, "--workload", SMALL, "--modes", "pdd",
+                         "--chips", "P=A,RLD=A,MD=B", "--out", str(tmp_path))  # fmt: skip
+    assert code == 0, out
+    assert "| pdd | prefill=A relay_decode=A main_decode=B |" in out and "best: pdd" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["best"]["meets_sla"] and plan["candidates"][0]["chips"]["main_decode"] == "B"
+    assert (tmp_path / "plan.md").exists()
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+def test_cli_says_when_no_fleet_meets_the_sla(capsys) -> None:
+    code, out, _ = _main(capsys, "--profiles", *map(str, PROFILES), "--wan", "10Gbps,40ms",
+                         "--sla", "ttft=0.01,tpot=0.05", "--workload", SMALL, "--modes", "pdd",
+                         "--chips", "P=A,RLD=A,MD=B")  # fmt: skip
+    assert code == 1
+    assert "no fleet meets the SLA: prefill compute of chip A" in out
+
+
+def test_cli_one_fleet(capsys) -> None:
+    code, out, _ = _main(capsys, *BASE, "--workload", SMALL, "--fleet", "pdd:P=A*2,RLD=A*1,MD=B*2")
+    assert code == 0 and json.loads(out)["fleet"] == "2 P:A + 1 RLD:A + 2 MD:B"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--wan", "fast,40ms"), "--wan: bandwidth 'fast'"),
+        (("--wan", "10Gbps"), "BANDWIDTH,RTT"),
+        (("--sla", "ttft=5"), "--sla: missing tpot"),
+        (("--sla", "ttft=5,tpot=0.05,p99=1"), "unknown key 'p99'"),
+        (("--workload", "agentic:hit_rate=1.5"), "hit_rate"),
+        (("--workload", "agentic:turns=2,hit_rate=0.95"), "out of reach with turns 2"),
+        (("--prices", "Z=3"), "chip 'Z' has no profile"),
+        (("--chips", "MD=C"), "chip 'C' has no profile"),
+        (("--modes", "pdq"), "mode 'pdq'"),
+        (("--fleet", "pdd:P=A*2,MD=B*2"), "needs at least one worker of each"),
+        (("--policy", "ttft_budget_s=-1"), "--policy"),
+    ],
+)
+def test_cli_bad_input_is_a_clear_error(capsys, args: tuple[str, ...], message: str) -> None:
+    argv = list(BASE) + ["--workload", SMALL]
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    code, _, err = _main(capsys, *argv)
+    assert code == 2 and message in err, err
+
+
+def test_cli_profile_missing_a_field(capsys, tmp_path: Path) -> None:
+    bad = tmp_path / "chip-c.yaml"
+    bad.write_text(PROFILES[0].read_text().replace("name: A", "name: C").replace(
+        "kv_bytes_per_token: 57344", ""))  # fmt: skip
+    code, _, err = _main(capsys, "--profiles", str(bad), "--wan", "10Gbps,40ms",
+                         "--sla", "ttft=5,tpot=0.05")  # fmt: skip
+    assert code == 2 and str(bad) in err and "missing field 'kv_bytes_per_token'" in err
+
+
+def test_trace_workload(tmp_path: Path, profiles) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [{"timestamp": 10 + i, "conversation_id": f"c{i % 3}", "prompt_tokens": 4000 + 500 * i,
+              "output_tokens": 64} for i in range(9)]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    work = load_trace(trace)
+    assert work.requests == 9 and len(work.conversations) == 3
+    assert work.conversations[0].turns[0].at_s == 0.0
+    s = Searcher(profiles, Wan(10e9, 0.04), work, Sla(5, 0.05), SimSettings())
+    res = s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
+    assert res.requests == 9 and res.ttft_p50_s > 0
+
+
+def test_bad_trace_lines_are_listed(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 1, "prompt_tokens": 10, "output_tokens": 2}\nnot json\n'
+                     '{"timestamp": 2, "prompt_tokens": -1, "output_tokens": 2}\n')  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_trace(trace)
+    assert "line 2: not JSON" in str(err.value) and "line 3: prompt_tokens" in str(err.value)
+
+
+def test_cli_bathtub_writes_a_point_per_hit_rate(capsys, tmp_path: Path) -> None:
+    code, out, _ = _main(capsys, *BASE, "--workload", SMALL, "--modes", "pdd",
+                         "--chips", "P=A,RLD=A,MD=B", "--bathtub", "0,0.8",
+                         "--out", str(tmp_path))  # fmt: skip
+    assert code == 0, out
+    points = json.loads((tmp_path / "bathtub.json").read_text())["points"]
+    assert [p["hit_rate"] for p in points] == [0.0, 0.8]
+    assert all(p["bcr"] and p["fleet"] for p in points)
+    assert (tmp_path / "bathtub.png").exists() and "| 0.80 | pdd" in out

@@ -1,0 +1,99 @@
+"""The simulator runs pdd's own routing: a policy change in the router changes its choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.config.router import PddPolicyConfig
+from pdd.plan.fleet import Fleet, Group
+from pdd.plan.sim import SimSettings, Simulation, Wan
+from pdd.plan.stats import Sla
+from pdd.plan.workload import AgenticWorkload, agentic
+from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
+from pdd.router.decide import policy as router_policy
+from pdd.router.decide import routing
+
+WAN = Wan(10e9, 0.04, 0.01)
+SLA = Sla(5.0, 0.05)
+
+
+def _pdd(p: int = 2, rld: int = 1, md: int = 2) -> Fleet:
+    return Fleet(RouterMode.PDD, (Group(Role.PREFILL, "A", p), Group(Role.RELAY_DECODE, "A", rld),
+                                  Group(Role.MAIN_DECODE, "B", md)))  # fmt: skip
+
+
+def _work(**kw) -> object:
+    base = {"requests": 120, "rate": 1.0, "context_tokens": 16384, "output_tokens": 128}
+    return agentic(AgenticWorkload(**{**base, **kw}))
+
+
+def _run(fleet: Fleet, profiles, workload, **settings):
+    return Simulation(fleet, profiles, WAN, workload, SLA, SimSettings(**settings)).run()
+
+
+def test_a_short_plan_run_reports_every_figure(profiles) -> None:
+    res = _run(_pdd(), profiles, _work())
+    assert res.requests == 120 and res.measured > 50  # the steady-state window
+    assert res.meets_sla and res.goodput_rps > 0 and res.bcr > 0
+    assert res.cost_per_hour > res.hardware_cost_per_hour  # the WAN's GB are priced
+    assert res.pipelines.get("p_md", 0) + res.pipelines.get("p_rld_md", 0) == 120
+    assert 0 < res.wan_utilisation < 1 and res.wan_gb > 0
+    assert res.ttft_p50_s > 0 and res.tpot_p50_s > 0
+
+
+def test_the_ttft_budget_of_router_pdd_moves_requests_between_pipelines(profiles) -> None:
+    work = _work(hit_rate=0.5)
+    lax = _run(_pdd(), profiles, work, policy=PddPolicyConfig(ttft_budget_s=100.0))
+    tight = _run(_pdd(rld=4), profiles, work, policy=PddPolicyConfig(ttft_budget_s=0.001))
+    assert lax.pipelines == {"p_md": 120} and lax.rld_token_share == 0
+    assert tight.pipelines.get("p_rld_md", 0) > 100 and tight.rld_token_share > 0
+
+
+def test_the_simulator_calls_the_routers_choose(profiles, monkeypatch) -> None:
+    """Patch the router's policy function: the simulated choice follows it."""
+    calls = []
+    real = router_policy.choose_pdd
+
+    def forced(view, request):
+        calls.append(request.prompt_tokens)
+        return real(view, request.__class__(**{**_fields(request), "pipeline": Pipeline.P_RLD_MD,
+                                               "handoff": HandoffMode.ONE_SHOT}))  # fmt: skip
+
+    monkeypatch.setattr(routing, "choose_pdd", forced)
+    res = _run(_pdd(), profiles, _work(requests=40))
+    assert len(calls) == 40
+    assert res.pipelines == {"p_rld_md": 40}
+    assert set(res.handoffs) <= {"one_shot", "rld_finished"}
+
+
+def _fields(request) -> dict:
+    return {f: getattr(request, f) for f in request.__dataclass_fields__}
+
+
+def test_rld_finishing_first_cancels_the_wan_transfer(profiles) -> None:
+    """Short answers on a slow link: RLD ends before the KV lands (the anomaly filter)."""
+    slow = Wan(0.2e9, 0.04)
+    work = _work(requests=30, hit_rate=0.0, output_tokens=8, context_tokens=32768)
+    res = Simulation(_pdd(rld=2), profiles, slow, work, SLA,
+                     SimSettings(policy=PddPolicyConfig(ttft_budget_s=0.01))).run()  # fmt: skip
+    assert res.handoffs.get("rld_finished", 0) > 20
+    full = 30 * (32768 // 128 * 128) * 57344 / 1e9
+    assert res.wan_gb < 0.5 * full  # cut transfers carry only what crossed
+
+
+@pytest.mark.parametrize("mode", [RouterMode.PD_LOCAL, RouterMode.PD_WAN, RouterMode.COLOCATED])
+def test_baselines_run(profiles, mode: RouterMode) -> None:
+    groups = ((Group(Role.COLOCATED, "A", 3),) if mode is RouterMode.COLOCATED
+              else (Group(Role.PREFILL, "A", 2), Group(Role.MAIN_DECODE, "A", 2)))  # fmt: skip
+    res = _run(Fleet(mode, groups), profiles, _work(requests=60))
+    assert res.measured > 20 and res.ttft_p50_s > 0
+    assert (res.wan_gb > 0) == (mode is RouterMode.PD_WAN)
+    assert res.rld_token_share == 0
+
+
+def test_exact_radix_cache_gives_the_same_run(profiles) -> None:
+    work = _work(requests=60)
+    fast = _run(_pdd(), profiles, work)
+    exact = _run(_pdd(), profiles, work, exact_cache=True)
+    assert exact.wan_gb == pytest.approx(fast.wan_gb)
+    assert exact.ttft_p50_s == pytest.approx(fast.ttft_p50_s)
