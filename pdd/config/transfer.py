@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+Codec = Literal["none", "zstd", "lz4", "int8", "int8+zstd"]
+
 from pdd.config.base import Section
 
 
@@ -79,6 +81,19 @@ class TransferConfig(Section):
             "(zlib, ~6 GiB/s), each falling back to the next if its package is missing; none "
             "only to measure the check's cost."
         ),
+    )
+    wan_codec: Codec = Field(
+        "none",
+        description=(
+            "Codec of KV sent over TCP (the WAN, P -> MD): none, zstd or lz4 (lossless, "
+            "byte-shuffled), int8 (lossy: an absmax scale per token, head and K/V; about half "
+            "of bfloat16), int8+zstd. The receiver decodes whatever each chunk header names. "
+            "UCX (P -> RLD) always sends raw."
+        ),
+    )
+    wan_codec_peers: dict[str, Codec] = Field(
+        default_factory=dict,
+        description="Per-receiver override of wan_codec, keyed by the peer's 'host:port'.",
     )
     ucx_progress_timeout_ms: int = Field(
         1,

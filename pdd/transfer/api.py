@@ -93,6 +93,7 @@ class SendRequest:
     request_id: str
     segments: Sequence[KVSegment]
     deadline_s: float | None = None  # None: the transport's configured default
+    codec: str | None = None  # pdd.transfer.codec name; None: the transport's default for the peer
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,13 @@ class ReceiverHooks:
 
 @dataclass
 class FaultHooks:
-    """Test hooks on the sender: `corrupt(header) -> bool` flips one payload byte on the wire."""
+    """Test hooks on the sender: `corrupt(header) -> bool` flips one payload byte on the wire;
+    `shorten(header) -> bool` sends only the first half of an encoded (codec != none) payload,
+    with a matching wire size and checksum: a truncated codec frame that passes the transport's
+    integrity check, so only decoding can catch it."""
 
     corrupt: Callable[[ChunkHeader], bool] | None = None
+    shorten: Callable[[ChunkHeader], bool] | None = None
 
 
 class TransferHandle:

@@ -8,6 +8,7 @@ thread -> close(), which fails what is still open, then joins every thread it st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -16,7 +17,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 
 from pdd.config.transfer import TransferConfig
-from pdd.errors import TransferError
+from pdd.errors import InvalidRequestError, TransferError
 from pdd.transfer.api import (
     FaultHooks,
     InboundResult,
@@ -31,10 +32,20 @@ from pdd.transfer.api import (
     TransportStats,
 )
 from pdd.transfer.ledger import InboundLedger, OutboundLedger, OutRecord, Reaper
-from pdd.transfer.wire import CancelReason, default_checksum_algo, plan_chunks
+from pdd.transfer.codec import CodecId, codec_id
+from pdd.transfer.wire import (
+    CancelReason,
+    Chunk,
+    ChunkHeader,
+    default_checksum_algo,
+    encode_chunk,
+    plan_chunks,
+)
 
 
 class BaseTransport(Transport):
+    supports_codecs = True  # False: only raw payloads (a codec in a SendRequest is refused)
+
     def __init__(
         self,
         config: TransferConfig | None = None,
@@ -87,8 +98,9 @@ class BaseTransport(Transport):
     def send(self, peer: PeerAddress, request: SendRequest) -> TransferHandle:
         if not self._started or self._closed:
             raise TransferError(f"{self.kind} transport is not running")
+        codec = self._codec_for(peer, request)
         tid = next(self._ids)
-        chunks = plan_chunks(tid, request, self._chunk_bytes(peer), self.checksum_algo)
+        chunks = plan_chunks(tid, request, self._chunk_bytes(peer), self.checksum_algo, codec)
         deadline_s = request.deadline_s or self.config.deadline_s
         rec = OutRecord(
             transfer_id=tid,
@@ -102,6 +114,38 @@ class BaseTransport(Transport):
         self.outbound.open(rec)
         self._submit(peer, rec)
         return TransferHandle(self, tid, request.request_id)
+
+    def _codec_for(self, peer: PeerAddress, request: SendRequest) -> CodecId:
+        """The request's codec, else `transfer.wan_codec_peers[peer]`, else `wan_codec`."""
+        name = request.codec
+        if name is None:
+            if not self.supports_codecs:
+                return CodecId.NONE
+            name = self.config.wan_codec_peers.get(peer.key(), self.config.wan_codec)
+        try:
+            codec = codec_id(name)
+        except TransferError as exc:
+            raise InvalidRequestError(str(exc), param="codec") from None
+        if codec is not CodecId.NONE and not self.supports_codecs:
+            raise InvalidRequestError(
+                f"the {self.kind} transport sends raw KV only (codec {name!r})", param="codec"
+            )
+        return codec
+
+    def _wire_payload(self, chunk: Chunk) -> tuple[ChunkHeader, memoryview, memoryview]:
+        """(header as sent, the payload to checksum, the payload to send): encoded on the
+        calling transport thread; the last differs only under the fault hooks."""
+        header, payload = encode_chunk(chunk)
+        sent = payload
+        shorten = self.faults.shorten
+        if header.codec != CodecId.NONE and shorten is not None and shorten(header):
+            payload = sent = payload[: payload.nbytes // 2]
+            header = dataclasses.replace(header, wire_nbytes=payload.nbytes)
+        corrupt = self.faults.corrupt
+        if corrupt is not None and header.nbytes and corrupt(header):
+            sent = memoryview(bytearray(payload))  # fault injection: flip one byte
+            sent[0] ^= 0xFF
+        return header, payload, sent
 
     def poll(self, transfer_id: int) -> TransferStatus:
         return self.outbound.poll(transfer_id)

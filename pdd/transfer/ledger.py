@@ -26,7 +26,8 @@ from typing import Any
 
 from pdd.errors import PddError, TransferError
 from pdd.transfer.api import InboundResult, ReceiverHooks, TransferState, TransferStatus
-from pdd.transfer.wire import AckStatus, CancelReason, Chunk, ChunkHeader
+from pdd.transfer.codec import CodecError, CodecId
+from pdd.transfer.wire import AckStatus, CancelReason, Chunk, ChunkHeader, decode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,7 @@ def _ack_reason(status: AckStatus) -> str:
         AckStatus.REFUSED: "receiver refused a chunk (allocator)",
         AckStatus.GONE: "receiver no longer has the transfer (cancelled, expired or failed)",
         AckStatus.INTERNAL: "receiver hit an internal error (see its log)",
+        AckStatus.CODEC: "integrity check failed: a chunk did not decode (corrupt codec frame)",
     }.get(status, f"receiver answered {status.name}")
 
 
@@ -345,6 +347,21 @@ class InboundLedger:
         """(open inbound transfers, buffers lent by the allocator and not yet reported)."""
         with self._lock:
             return len(self._open), sum(r.lent for r in self._open.values())
+
+
+def land_chunk(
+    inbound: InboundLedger, header: ChunkHeader, payload: Any, dest: memoryview
+) -> AckStatus:
+    """End a chunk whose wire payload passed its checksum: decode it into `dest` (a no-op
+    for raw chunks, which landed there already). A payload that does not decode fails the
+    transfer (AckStatus.CODEC): its buffers are released like any failure's and never used."""
+    if header.codec != CodecId.NONE:
+        try:
+            decode_chunk(header, payload, dest)
+        except CodecError as exc:
+            reason = f"integrity check failed: chunk {header.chunk_index} does not decode: {exc}"
+            return inbound.end_chunk(header.transfer_id, 0, AckStatus.CODEC, reason)
+    return inbound.end_chunk(header.transfer_id, header.nbytes)
 
 
 def cancel_outcome(reason: CancelReason) -> tuple[TransferState, str]:
