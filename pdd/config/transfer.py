@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-Codec = Literal["none", "zstd", "lz4", "int8", "int8+zstd"]
-
 from pdd.config.base import Section
+
+Codec = Literal["none", "zstd", "lz4", "int8", "int8+zstd"]
 
 
 class TransferConfig(Section):

@@ -105,7 +105,8 @@ class TransferStatus:
     state: TransferState
     reason: str = ""
     bytes_total: int = 0
-    bytes_acked: int = 0
+    bytes_acked: int = 0  # raw KV bytes the receiver confirmed
+    wire_bytes: int = 0  # payload bytes put on the wire (encoded; raw transports: bytes_acked)
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,10 @@ class Transport(ABC):
     @abstractmethod
     def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
         """Live bandwidth/RTT toward `peer`, or None before any traffic."""
+
+    def wire_ratio(self, peer: PeerAddress | None = None) -> float:
+        """Learned wire/raw byte ratio of what this transport sends to `peer` (1.0: raw)."""
+        return 1.0
 
     def link_estimates(self) -> dict[str, LinkEstimate]:
         """Every peer's estimate keyed by `PeerAddress.key()`, for export (router, metrics)."""

@@ -31,11 +31,10 @@ from pdd.transfer.api import (
     Transport,
     TransportStats,
 )
+from pdd.transfer.codec import CodecId, WireRatios, codec_id
 from pdd.transfer.ledger import InboundLedger, OutboundLedger, OutRecord, Reaper
-from pdd.transfer.codec import CodecId, codec_id
 from pdd.transfer.wire import (
     CancelReason,
-    Chunk,
     ChunkHeader,
     default_checksum_algo,
     encode_chunk,
@@ -61,6 +60,7 @@ class BaseTransport(Transport):
         self.sender_id = random.getrandbits(63)
         self._ids = itertools.count((random.getrandbits(31) << 32) + 1)
         self.checksum_algo = default_checksum_algo(self.config.checksum)
+        self.wire_ratios = WireRatios()
         self.outbound = OutboundLedger(on_finished)
         self.inbound = InboundLedger(hooks, self.config.inbound_grace_s) if hooks else None
         self._reaper = Reaper(self.kind, self._tick)
@@ -132,10 +132,14 @@ class BaseTransport(Transport):
             )
         return codec
 
-    def _wire_payload(self, chunk: Chunk) -> tuple[ChunkHeader, memoryview, memoryview]:
-        """(header as sent, the payload to checksum, the payload to send): encoded on the
-        calling transport thread; the last differs only under the fault hooks."""
-        header, payload = encode_chunk(chunk)
+    def _wire_payload(
+        self, rec: OutRecord, index: int
+    ) -> tuple[ChunkHeader, memoryview, memoryview]:
+        """(header as sent, the payload to checksum, the payload to send) of chunk `index`:
+        encoded on the calling transport thread (inside begin_chunk/end_chunk: the source is
+        pinned); the last differs from the second only under the fault hooks."""
+        header, payload = encode_chunk(rec.chunks[index])
+        self.wire_ratios.observe(CodecId(header.codec), header.nbytes, payload.nbytes)
         sent = payload
         shorten = self.faults.shorten
         if header.codec != CodecId.NONE and shorten is not None and shorten(header):
@@ -145,7 +149,17 @@ class BaseTransport(Transport):
         if corrupt is not None and header.nbytes and corrupt(header):
             sent = memoryview(bytearray(payload))  # fault injection: flip one byte
             sent[0] ^= 0xFF
+        self.outbound.count_wire(rec.transfer_id, header.wire_nbytes)
         return header, payload, sent
+
+    def wire_ratio(self, peer: PeerAddress | None = None) -> float:
+        """Learned wire/raw byte ratio of the codec `peer` (else the default) gets: 1.0 raw."""
+        if not self.supports_codecs:
+            return 1.0
+        name = self.config.wan_codec
+        if peer is not None:
+            name = self.config.wan_codec_peers.get(peer.key(), name)
+        return self.wire_ratios.ratio(codec_id(name))
 
     def poll(self, transfer_id: int) -> TransferStatus:
         return self.outbound.poll(transfer_id)

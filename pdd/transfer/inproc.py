@@ -96,7 +96,7 @@ class InprocTransport(BaseTransport):
                 self.outbound.stop(rec.transfer_id, TransferState.FAILED, "peer unreachable")
                 return False
             left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
-            header, clean, payload = self._wire_payload(rec.chunks[index])
+            header, clean, payload = self._wire_payload(rec, index)
             header = dataclasses.replace(
                 header, checksum=checksum(header.checksum_algo, clean), deadline_ms=left_ms
             )

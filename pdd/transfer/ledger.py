@@ -47,6 +47,7 @@ class OutRecord:
     state: TransferState = TransferState.PENDING
     reason: str = ""
     bytes_acked: int = 0
+    wire_bytes: int = 0  # encoded payload bytes sent so far (0: the transport counts none)
     acked: int = 0
     busy: int = 0
     stop_state: TransferState | None = None
@@ -60,6 +61,7 @@ class OutRecord:
             self.reason,
             self.bytes_total,
             self.bytes_acked,
+            self.wire_bytes or self.bytes_acked,
         )
 
 
@@ -95,6 +97,13 @@ class OutboundLedger:
 
     def end_chunk(self, transfer_id: int) -> None:
         self._settle(transfer_id, lambda rec: setattr(rec, "busy", rec.busy - 1))
+
+    def count_wire(self, transfer_id: int, nbytes: int) -> None:
+        """A chunk of `nbytes` wire bytes is about to be sent (what the link will carry)."""
+        with self._cond:
+            rec = self._open.get(transfer_id)
+            if rec is not None:
+                rec.wire_bytes += nbytes
 
     def ack(self, transfer_id: int, status: AckStatus, nbytes: int) -> None:
         """The receiver confirmed (or rejected) one chunk."""

@@ -237,7 +237,7 @@ class SenderStream:
             return
         try:
             left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
-            header, clean, payload = transport._wire_payload(rec.chunks[index])
+            header, clean, payload = transport._wire_payload(rec, index)
             wire = header.wire_size
             self.link.estimator.on_send(wire, time.monotonic())
             hasher = Hasher(header.checksum_algo)

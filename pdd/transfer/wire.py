@@ -440,6 +440,8 @@ def encode_chunk(chunk: Chunk) -> tuple[ChunkHeader, memoryview]:
         return header, chunk.view
     data = encode(CodecId(header.codec), chunk.view, header.dtype, header.shape)
     payload = memoryview(data).cast("B")
+    if payload.nbytes >= header.nbytes:  # incompressible: raw is never worse
+        return dataclasses.replace(header, codec=CodecId.NONE), chunk.view
     return dataclasses.replace(header, wire_nbytes=payload.nbytes), payload
 
 

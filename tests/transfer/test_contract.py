@@ -319,10 +319,13 @@ def test_codec_delivers_raw_kv_and_fewer_wire_bytes(coded_kind, codec, make_pair
     assert sum(h.wire_nbytes for h in headers) < bound * kv.data.nbytes
     if codec in ("zstd", "lz4"):
         assert bytes(landed) == kv.data.tobytes()  # lossless: exact
-    else:  # int8: within half a quantization step of each token-head's absmax
-        want = to_float32(kv.data.tobytes(), "bfloat16").reshape(-1, 64)
-        got = to_float32(bytes(landed), "bfloat16").reshape(-1, 64)
-        step = np.abs(want).max(axis=1, keepdims=True) / 127
+    else:  # int8: keys within half a step of their channel's absmax, values of their token's
+        want = to_float32(kv.data.tobytes(), "bfloat16").reshape(-1, 128, 128)
+        got = to_float32(bytes(landed), "bfloat16").reshape(-1, 128, 128)
+        k_step = np.abs(want[..., :64]).max(axis=1, keepdims=True) / 127
+        v_step = np.abs(want[..., 64:]).max(axis=2, keepdims=True) / 127
+        step = np.concatenate([np.broadcast_to(k_step, want[..., :64].shape),
+                               np.broadcast_to(v_step, want[..., 64:].shape)], axis=-1)  # fmt: skip
         assert np.all(np.abs(got - want) <= 0.5 * step * 1.01 + np.abs(want) / 128)
 
 
