@@ -21,6 +21,7 @@ import grpc
 import psutil
 import pytest
 
+from pdd.launch import free_port
 from pdd.proto import worker_pb2 as pb
 from tests.roles.support import (
     BLOCK,
@@ -45,6 +46,10 @@ IDS = ["p", "rld", "md"]
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("roles")
+    md_kv_port = free_port()
+    # P -> MD runs zstd-encoded (a per-link codec: transfer.wan_codec_peers); P -> RLD (UCX)
+    # stays raw. zstd is lossless, so every oracle equality below holds through it.
+    transfer = {"deadline_s": 30.0, "wan_codec_peers": {f"127.0.0.1:{md_kv_port}": "zstd"}}
     config = write_config(
         tmp,
         [
@@ -52,8 +57,9 @@ def workers(tmp_path_factory) -> Iterator[dict]:
              "kv_stage_lease_s": STAGE_LEASE_S},
             {"id": "rld", "role": "relay_decode", "kv_staging_gib": 0.15},
             {"id": "md", "role": "main_decode", "kv_staging_gib": 0.1, "datacenter": "dc-b",
-             "kv_fence_timeout_s": FENCE_TIMEOUT_S},
+             "kv_fence_timeout_s": FENCE_TIMEOUT_S, "kv_port": md_kv_port},
         ],
+        transfer=transfer,
     )  # fmt: skip
     procs = start_workers(config, IDS, tmp)
     try:
@@ -145,6 +151,29 @@ def test_p_rld_md_equals_a_single_engine(workers) -> None:
     assert turn["await"].bytes_received == 9 * BLOCK_BYTES
     assert turn["md"][0].kv_loaded_tokens == 288  # MD loaded them from the DRC
     assert turn["md"][0].num_cached_tokens >= 288
+
+
+def test_p_md_with_zstd_on_the_wan_equals_none(workers) -> None:
+    """p_md: P's blocks cross to MD zstd-encoded (fewer wire bytes), MD decodes them into its
+    DRC, and MD's greedy tokens equal P's own run of the prompt (codec none, no transfer)."""
+    prompt = prompt_of(9, 200)  # 6 whole blocks + an 8-token tail
+
+    async def scenario(c: Client):
+        t1, staged, _, prep_md = await p_stage(c, "z1", prompt)
+        await c.stub["rld"].CancelKv(pb.CancelKvRequest(kv_request_id="z1"), timeout=10)
+        sent = await send(c, "z1", [(prep_md.address, 0)])
+        done = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="z1", timeout_s=30))
+        md = await c.generate("md", "z1", prompt + t1, 11, kv_in=kv_in(pb.KvIn.DRC, "z1"))
+        want = await oracle(c, "z1-oracle", prompt, 12)
+        return t1 + tokens(md), want, staged, sent, done, md
+
+    got, want, staged, sent, done, md = run(workers, scenario)
+    assert got == want
+    assert (staged, done.state) == (6, "done")
+    assert md[0].kv_loaded_tokens == 6 * BLOCK  # MD loaded the decoded blocks from its DRC
+    assert list(sent.bytes_per_destination) == [6 * BLOCK_BYTES]
+    (wire,) = sent.wire_bytes_per_destination  # expected: raw x the learned zstd ratio
+    assert 0 < wire < 6 * BLOCK_BYTES
 
 
 def test_second_turn_sends_only_the_new_blocks(workers) -> None:
