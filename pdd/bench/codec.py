@@ -48,8 +48,9 @@ def prompts(n: int, tokenizer) -> list[tuple[str, list[int]]]:
     while len(out) < n:
         kind = ("chat", "code", "doc")[i % 3]
         if kind == "chat":
-            turns = [{"role": "user", "content": QUESTIONS[(i // 3 + j) % 5]} for j in range(4)]
-            msgs = [m for t in turns for m in (t, {"role": "assistant", "content": "Sure."})]
+            turns = [{"role": "user", "content": QUESTIONS[(i // 3 + j) % 5]} for j in range(6)]
+            reply = {"role": "assistant", "content": " ".join(QUESTIONS[::-1]).replace("?", ".")}
+            msgs = [m for t in turns for m in (t, reply)]
             text = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
         else:
             files = code if kind == "code" else docs

@@ -317,6 +317,7 @@ def test_codec_delivers_raw_kv_and_fewer_wire_bytes(coded_kind, codec, make_pair
     assert sum(h.nbytes for h in headers) == kv.data.nbytes
     bound = 0.55 if codec.startswith("int8") else 0.95  # random values: little to squeeze
     assert sum(h.wire_nbytes for h in headers) < bound * kv.data.nbytes
+    assert status.wire_bytes == sum(h.wire_nbytes for h in headers)  # what crossed
     if codec in ("zstd", "lz4"):
         assert bytes(landed) == kv.data.tobytes()  # lossless: exact
     else:  # int8: keys within half a step of their channel's absmax, values of their token's
@@ -350,6 +351,15 @@ def test_bad_coded_chunk_is_never_decoded_into_the_buffer(coded_kind, fault, mak
     (landed,) = pair.zone.take(handle.transfer_id)
     bad = next(h for h in pair.zone.seen(handle.transfer_id) if h.chunk_index == 1)
     assert not np.asarray(landed)[bad.offset : bad.offset + bad.nbytes].any()  # untouched
+
+
+def test_unknown_codec_is_a_bad_request(make_pair):
+    from pdd.errors import InvalidRequestError
+
+    pair = make_pair("inproc")
+    with pytest.raises(InvalidRequestError, match="unknown codec") as err:
+        pair.sender.send(pair.receiver.address, SendRequest("u", [kv_segment(14)], codec="gz"))
+    assert err.value.param == "codec"
 
 
 def test_ucx_refuses_a_codec_and_sends_raw_by_default(make_pair):
