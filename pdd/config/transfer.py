@@ -93,7 +93,10 @@ class TransferConfig(Section):
     )
     wan_codec_peers: dict[str, Codec] = Field(
         default_factory=dict,
-        description="Per-receiver override of wan_codec, keyed by the peer's 'host:port'.",
+        description=(
+            "Per-receiver override of wan_codec, keyed by the receiver's PeerAddress key: its "
+            "worker id for pdd workers (e.g. an MD's id), else 'host:port'."
+        ),
     )
     ucx_progress_timeout_ms: int = Field(
         1,
