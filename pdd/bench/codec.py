@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -160,6 +161,7 @@ def run(args) -> dict:
             base = out if c is CodecId.NONE else base
             qual[c].append(quality(base, out) if base is not None else None)
         kinds.append(kind)
+        print(f"prompt {len(kinds)}: {kind}, {n_blocks} blocks", file=sys.stderr, flush=True)
     return summarize(args, codecs, stats, qual, kinds)
 
 
