@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from pdd.config.base import Section
 
+Codec = Literal["none", "zstd", "lz4", "int8", "int8+zstd"]
+
 
 class TransferConfig(Section):
     """Settings of every transport (UCX inside a datacenter, TCP across the WAN, in-process)."""
@@ -78,6 +80,22 @@ class TransferConfig(Section):
             "Per-chunk integrity check: xxh3 (~32 GiB/s), crc32c (hardware, ~15 GiB/s), crc32 "
             "(zlib, ~6 GiB/s), each falling back to the next if its package is missing; none "
             "only to measure the check's cost."
+        ),
+    )
+    wan_codec: Codec = Field(
+        "none",
+        description=(
+            "Codec of KV sent over TCP (the WAN, P -> MD): none, zstd or lz4 (lossless, "
+            "byte-shuffled), int8 (lossy: an absmax scale per token, head and K/V; about half "
+            "of bfloat16), int8+zstd. The receiver decodes whatever each chunk header names. "
+            "UCX (P -> RLD) always sends raw."
+        ),
+    )
+    wan_codec_peers: dict[str, Codec] = Field(
+        default_factory=dict,
+        description=(
+            "Per-receiver override of wan_codec, keyed by the receiver's PeerAddress key: its "
+            "worker id for pdd workers (e.g. an MD's id), else 'host:port'."
         ),
     )
     ucx_progress_timeout_ms: int = Field(

@@ -108,7 +108,9 @@ ROUTER_METRICS = (
        "Output tokens given to clients, by the tier that produced them (p, rld, md, d, "
        "colocated)."),
     _m("pdd_wan_kv_bytes_total", C, "bytes", P, ROUTER,
-       "KV bytes P queued for MD over the WAN (pd baselines: for D)."),
+       "KV bytes P queued for MD over the WAN, after P's codec (pd baselines: for D)."),
+    _m("pdd_wan_kv_raw_bytes_total", C, "bytes", P, ROUTER,
+       "The same KV before P's WAN codec (raw)."),
     _m("pdd_worker_healthy", G, "bool", ("worker", "role"), ROUTER,
        "1 if the worker's last health poll succeeded."),
     _m("pdd_worker_requests_in_flight", G, "requests", ("worker", "role"), ROUTER,
@@ -158,6 +160,8 @@ WORKER_METRICS = (
     # Per transport (ucx: P to RLD inside datacenter A; tcp: P to MD across the WAN).
     _m("pdd_kv_transfer_bytes_total", C, "bytes", ("role", "transport"), PREFILL,
        "KV bytes sent and acknowledged, by transport."),
+    _m("pdd_kv_wire_bytes_total", C, "bytes", ("role", "transport"), PREFILL,
+       "KV payload bytes put on the wire, after the WAN codec (raw transports: as acked)."),
     _m("pdd_kv_transfer_seconds", H, "seconds", ("role", "transport"), PREFILL,
        "Duration of each finished outbound KV transfer, by transport."),
     _m("pdd_worker_kv_internal_errors_total", C, "transfers", R, {RELAY_DECODE, MAIN_DECODE},

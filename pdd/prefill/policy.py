@@ -33,6 +33,7 @@ from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
 from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
+from pdd.worker.layout import block_shape_of
 from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
@@ -68,6 +69,9 @@ class PrefillRole:
         self._plane = ctx.plane
         self._worker = ctx.worker
         self._block_size = ctx.block_size
+        # What every sent slot holds, named in each chunk header (a lossy WAN codec needs it).
+        self._kv_dtype = ctx.config.model.dtype
+        self._kv_shape = block_shape_of(ctx.config.model, ctx.block_size)
         self._pool = SlotPool(ctx.plane.arena.num_slots)
         self._stages: dict[str, _Stage] = {}
         self._generating: dict[str, str | None] = {}  # kv id -> why it was cancelled
@@ -153,29 +157,44 @@ class PrefillRole:
             plan.append((transport, dest))
         deadline_s = req.deadline_s if req.deadline_s > 0 else None
         sent: list[int] = []
+        wire: list[int] = []  # expected on the wire: raw x the codec's learned ratio
         for transport, dest in plan:
             segments = self._segments(stage, dest.first_block)
             if not segments:
                 sent.append(0)
+                wire.append(0)
                 continue
             request = SendRequest(
                 _wire_id(stage.kv_id, dest.landing_key), segments, deadline_s=deadline_s
             )
-            handle = transport.send(to_peer(dest.peer), request)
+            peer = to_peer(dest.peer)
+            handle = transport.send(peer, request)
             self._plane.started(handle.transfer_id)
             stage.sends[handle.transfer_id] = handle
             self._by_transfer[handle.transfer_id] = stage.kv_id
             sent.append(len(segments) * self._plane.arena.slot_bytes)
+            ratio = self._plane.wire_ratio(dest.peer.transport, peer)
+            wire.append(round(sent[-1] * ratio))
         lease = (deadline_s or self._plane.transfer_deadline_s) + SEND_GRACE_S
         stage.deadline = max(stage.deadline, time.monotonic() + lease)
         if not stage.sends:
             self._release(stage)  # nothing to send: the router is done with it
-        return pb.SendKvResponse(staged_blocks=stage.staged, bytes_per_destination=sent)
+        return pb.SendKvResponse(
+            staged_blocks=stage.staged,
+            bytes_per_destination=sent,
+            wire_bytes_per_destination=wire,
+        )
 
     def _segments(self, stage: _Stage, first: int) -> list[KVSegment]:
         arena = self._plane.arena
         return [
-            KVSegment(arena.view(stage.slots[i]), block_start=i, block_end=i + 1)
+            KVSegment(
+                arena.view(stage.slots[i]),
+                block_start=i,
+                block_end=i + 1,
+                dtype=self._kv_dtype,
+                shape=self._kv_shape,
+            )
             for i in range(first, stage.staged)
         ]
 
@@ -243,6 +262,8 @@ class PrefillRole:
             wan_bandwidth_bps=est.bandwidth_bps if est else 0.0,
             wan_rtt_s=est.rtt_s if est else 0.0,
             kv_bytes_sent=self._plane.bytes_sent,
+            kv_wire_bytes_sent=self._plane.wire_bytes_sent,
+            wan_wire_ratio=self._plane.wan_wire_ratio(),
             kv_bytes_received=self._plane.bytes_received,
         )
 

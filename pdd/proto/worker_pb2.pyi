@@ -144,12 +144,14 @@ class SendKvRequest(_message.Message):
     def __init__(self, kv_request_id: _Optional[str] = ..., destinations: _Optional[_Iterable[_Union[KvDestination, _Mapping]]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class SendKvResponse(_message.Message):
-    __slots__ = ("staged_blocks", "bytes_per_destination")
+    __slots__ = ("staged_blocks", "bytes_per_destination", "wire_bytes_per_destination")
     STAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_PER_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     staged_blocks: int
     bytes_per_destination: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, staged_blocks: _Optional[int] = ..., bytes_per_destination: _Optional[_Iterable[int]] = ...) -> None: ...
+    wire_bytes_per_destination: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, staged_blocks: _Optional[int] = ..., bytes_per_destination: _Optional[_Iterable[int]] = ..., wire_bytes_per_destination: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareKvRequest(_message.Message):
     __slots__ = ("kv_request_id", "prompt_token_ids", "lease_s", "cache_salt")
@@ -258,7 +260,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs")
+    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,8 @@ class StatsResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    WAN_WIRE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    KV_WIRE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_requests: int
@@ -305,4 +309,6 @@ class StatsResponse(_message.Message):
     block_size: int
     kv_block_bytes: int
     max_num_seqs: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    wan_wire_ratio: float
+    kv_wire_bytes_sent: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ...) -> None: ...

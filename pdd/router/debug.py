@@ -89,13 +89,17 @@ class TimelineObserver:
 
     def _on_SendKv(self, obs: RpcObservation) -> None:  # noqa: N802
         sent = list(obs.response.bytes_per_destination)
+        wire = list(obs.response.wire_bytes_per_destination)
         dests = []
         for i, d in enumerate(obs.request.destinations):
             to = next((w for a, w in self._addresses if a == d.peer), None)
-            dests.append({
+            dest = {
                 "to": to or f"{d.peer.host}:{d.peer.port}", "transport": d.peer.transport,
                 "first_block": d.first_block, "bytes": sent[i] if i < len(sent) else None,
-            })  # fmt: skip
+            }  # fmt: skip
+            if i < len(wire):  # expected after P's codec (a P that reports it)
+                dest["wire_bytes"] = wire[i]
+            dests.append(dest)
         self._record.mark(obs.ended, "send_kv", obs.worker,
                           staged_blocks=obs.response.staged_blocks, destinations=dests)  # fmt: skip
 

@@ -143,7 +143,11 @@ class RouterMetrics:
             "them.", ["tier"], registry=r,
         )  # fmt: skip
         self.wan_kv_bytes = Counter(
-            "pdd_wan_kv_bytes", "KV bytes P queued for MD (pd baselines: for D).",
+            "pdd_wan_kv_bytes", "KV bytes P queued for MD, after P's WAN codec (expected "
+            "wire bytes; pd baselines: for D).", ["pipeline"], registry=r,
+        )  # fmt: skip
+        self.wan_kv_raw_bytes = Counter(
+            "pdd_wan_kv_raw_bytes", "The same KV before P's WAN codec (raw bytes).",
             ["pipeline"], registry=r,
         )  # fmt: skip
 
@@ -172,6 +176,7 @@ class RouterMetrics:
             self.tier_tokens.labels(tier).inc(n)
         if t.wan_kv_bytes:
             self.wan_kv_bytes.labels(t.pipeline.value).inc(t.wan_kv_bytes)
+            self.wan_kv_raw_bytes.labels(t.pipeline.value).inc(t.wan_kv_raw_bytes)
         happened = t.handoff_rounds > 0 or t.handoff is HandoffMode.RLD_FINISHED
         if t.handoff is HandoffMode.NONE or not happened:
             return

@@ -16,7 +16,9 @@ whole non-streamed body carry it.
 
     pipeline          colocated | pd | p_md | p_rld_md
     md_cached_tokens  prompt tokens MD already held (PrepareKv's answer; before it: the view)
-    wan_kv_bytes      bytes SendKv queued for the MD destination (pd baselines: for D)
+    wan_kv_bytes      bytes expected on the WAN for the MD destination, after P's codec (SendKv's
+                      answer: raw x the codec's learned ratio; pd baselines: for D)
+    wan_kv_raw_bytes  the same KV before the codec (equal to wan_kv_bytes without one)
     rld_tokens        tokens the client got from RLD
     handoff           none | one_shot | catch_up | rld_finished
     handoff_rounds    MD Generate calls made for the handoff (warm-ups + the switch)
@@ -56,6 +58,7 @@ class PddTrace:
     md: str | None = None
     md_cached_tokens: int = 0
     wan_kv_bytes: int = 0
+    wan_kv_raw_bytes: int = 0
     handoff: HandoffMode = HandoffMode.NONE
     handoff_rounds: int = 0
     tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens given to the client
@@ -94,6 +97,7 @@ class PddTrace:
             prompt_tokens=self.prompt_tokens,
             md_cached_tokens=self.md_cached_tokens,
             wan_kv_bytes=self.wan_kv_bytes,
+            wan_kv_raw_bytes=self.wan_kv_raw_bytes,
             rld_tokens=self.tokens.get("rld", 0),
             handoff=self.handoff.value,
             handoff_rounds=self.handoff_rounds,

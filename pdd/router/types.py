@@ -139,7 +139,8 @@ class PddSummary:
     pipeline: str
     prompt_tokens: int
     md_cached_tokens: int = 0
-    wan_kv_bytes: int = 0
+    wan_kv_bytes: int = 0  # expected on the wire, after P's codec
+    wan_kv_raw_bytes: int = 0  # before the codec
     rld_tokens: int = 0
     handoff: str = HandoffMode.NONE.value
     handoff_rounds: int = 0
@@ -151,6 +152,7 @@ class PddSummary:
         return {
             "pipeline": self.pipeline, "prompt_tokens": self.prompt_tokens,
             "md_cached_tokens": self.md_cached_tokens, "wan_kv_bytes": self.wan_kv_bytes,
+            "wan_kv_raw_bytes": self.wan_kv_raw_bytes,
             "rld_tokens": self.rld_tokens, "handoff": self.handoff,
             "handoff_rounds": self.handoff_rounds, "p": self.p, "rld": self.rld, "md": self.md,
         }  # fmt: skip

@@ -93,6 +93,7 @@ class SendRequest:
     request_id: str
     segments: Sequence[KVSegment]
     deadline_s: float | None = None  # None: the transport's configured default
+    codec: str | None = None  # pdd.transfer.codec name; None: the transport's default for the peer
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class TransferStatus:
     state: TransferState
     reason: str = ""
     bytes_total: int = 0
-    bytes_acked: int = 0
+    bytes_acked: int = 0  # raw KV bytes the receiver confirmed
+    wire_bytes: int = 0  # payload bytes put on the wire (encoded; raw transports: bytes_acked)
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,13 @@ class ReceiverHooks:
 
 @dataclass
 class FaultHooks:
-    """Test hooks on the sender: `corrupt(header) -> bool` flips one payload byte on the wire."""
+    """Test hooks on the sender: `corrupt(header) -> bool` flips one payload byte on the wire;
+    `shorten(header) -> bool` sends only the first half of an encoded (codec != none) payload,
+    with a matching wire size and checksum: a truncated codec frame that passes the transport's
+    integrity check, so only decoding can catch it."""
 
     corrupt: Callable[[ChunkHeader], bool] | None = None
+    shorten: Callable[[ChunkHeader], bool] | None = None
 
 
 class TransferHandle:
@@ -234,6 +240,10 @@ class Transport(ABC):
     @abstractmethod
     def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
         """Live bandwidth/RTT toward `peer`, or None before any traffic."""
+
+    def wire_ratio(self, peer: PeerAddress | None = None) -> float:
+        """Learned wire/raw byte ratio of what this transport sends to `peer` (1.0: raw)."""
+        return 1.0
 
     def link_estimates(self) -> dict[str, LinkEstimate]:
         """Every peer's estimate keyed by `PeerAddress.key()`, for export (router, metrics)."""

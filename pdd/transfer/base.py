@@ -8,6 +8,7 @@ thread -> close(), which fails what is still open, then joins every thread it st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -16,7 +17,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 
 from pdd.config.transfer import TransferConfig
-from pdd.errors import TransferError
+from pdd.errors import InvalidRequestError, TransferError
 from pdd.transfer.api import (
     FaultHooks,
     InboundResult,
@@ -30,11 +31,20 @@ from pdd.transfer.api import (
     Transport,
     TransportStats,
 )
+from pdd.transfer.codec import CodecId, WireRatios, codec_id
 from pdd.transfer.ledger import InboundLedger, OutboundLedger, OutRecord, Reaper
-from pdd.transfer.wire import CancelReason, default_checksum_algo, plan_chunks
+from pdd.transfer.wire import (
+    CancelReason,
+    ChunkHeader,
+    default_checksum_algo,
+    encode_chunk,
+    plan_chunks,
+)
 
 
 class BaseTransport(Transport):
+    supports_codecs = True  # False: only raw payloads (a codec in a SendRequest is refused)
+
     def __init__(
         self,
         config: TransferConfig | None = None,
@@ -50,6 +60,7 @@ class BaseTransport(Transport):
         self.sender_id = random.getrandbits(63)
         self._ids = itertools.count((random.getrandbits(31) << 32) + 1)
         self.checksum_algo = default_checksum_algo(self.config.checksum)
+        self.wire_ratios = WireRatios()
         self.outbound = OutboundLedger(on_finished)
         self.inbound = InboundLedger(hooks, self.config.inbound_grace_s) if hooks else None
         self._reaper = Reaper(self.kind, self._tick)
@@ -87,8 +98,9 @@ class BaseTransport(Transport):
     def send(self, peer: PeerAddress, request: SendRequest) -> TransferHandle:
         if not self._started or self._closed:
             raise TransferError(f"{self.kind} transport is not running")
+        codec = self._codec_for(peer, request)
         tid = next(self._ids)
-        chunks = plan_chunks(tid, request, self._chunk_bytes(peer), self.checksum_algo)
+        chunks = plan_chunks(tid, request, self._chunk_bytes(peer), self.checksum_algo, codec)
         deadline_s = request.deadline_s or self.config.deadline_s
         rec = OutRecord(
             transfer_id=tid,
@@ -102,6 +114,52 @@ class BaseTransport(Transport):
         self.outbound.open(rec)
         self._submit(peer, rec)
         return TransferHandle(self, tid, request.request_id)
+
+    def _codec_for(self, peer: PeerAddress, request: SendRequest) -> CodecId:
+        """The request's codec, else `transfer.wan_codec_peers[peer]`, else `wan_codec`."""
+        name = request.codec
+        if name is None:
+            if not self.supports_codecs:
+                return CodecId.NONE
+            name = self.config.wan_codec_peers.get(peer.key(), self.config.wan_codec)
+        try:
+            codec = codec_id(name)
+        except TransferError as exc:
+            raise InvalidRequestError(str(exc), param="codec") from None
+        if codec is not CodecId.NONE and not self.supports_codecs:
+            raise InvalidRequestError(
+                f"the {self.kind} transport sends raw KV only (codec {name!r})", param="codec"
+            )
+        return codec
+
+    def _wire_payload(
+        self, rec: OutRecord, index: int
+    ) -> tuple[ChunkHeader, memoryview, memoryview]:
+        """(header as sent, the payload to checksum, the payload to send) of chunk `index`:
+        encoded on the calling transport thread (inside begin_chunk/end_chunk: the source is
+        pinned); the last differs from the second only under the fault hooks."""
+        header, payload = encode_chunk(rec.chunks[index])
+        self.wire_ratios.observe(CodecId(header.codec), header.nbytes, payload.nbytes)
+        sent = payload
+        shorten = self.faults.shorten
+        if header.codec != CodecId.NONE and shorten is not None and shorten(header):
+            payload = sent = payload[: payload.nbytes // 2]
+            header = dataclasses.replace(header, wire_nbytes=payload.nbytes)
+        corrupt = self.faults.corrupt
+        if corrupt is not None and header.nbytes and corrupt(header):
+            sent = memoryview(bytearray(payload))  # fault injection: flip one byte
+            sent[0] ^= 0xFF
+        self.outbound.count_wire(rec.transfer_id, header.wire_nbytes)
+        return header, payload, sent
+
+    def wire_ratio(self, peer: PeerAddress | None = None) -> float:
+        """Learned wire/raw byte ratio of the codec `peer` (else the default) gets: 1.0 raw."""
+        if not self.supports_codecs:
+            return 1.0
+        name = self.config.wan_codec
+        if peer is not None:
+            name = self.config.wan_codec_peers.get(peer.key(), name)
+        return self.wire_ratios.ratio(codec_id(name))
 
     def poll(self, transfer_id: int) -> TransferStatus:
         return self.outbound.poll(transfer_id)

@@ -16,7 +16,8 @@ from collections import deque
 
 from pdd.transfer.api import PeerAddress, TransferState
 from pdd.transfer.base import BaseTransport
-from pdd.transfer.ledger import OutRecord, cancel_outcome
+from pdd.transfer.codec import CodecId
+from pdd.transfer.ledger import OutRecord, cancel_outcome, land_chunk
 from pdd.transfer.wire import AckStatus, CancelReason, checksum
 
 _REGISTRY: dict[str, InprocTransport] = {}
@@ -94,37 +95,33 @@ class InprocTransport(BaseTransport):
             if peer is None or peer.inbound is None:
                 self.outbound.stop(rec.transfer_id, TransferState.FAILED, "peer unreachable")
                 return False
-            chunk = rec.chunks[index]
             left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
+            header, clean, payload = self._wire_payload(rec, index)
             header = dataclasses.replace(
-                chunk.header,
-                checksum=checksum(chunk.header.checksum_algo, chunk.view),
-                deadline_ms=left_ms,
+                header, checksum=checksum(header.checksum_algo, clean), deadline_ms=left_ms
             )
-            status = peer.deliver(header, chunk.view, self.sender_id, self._corrupt(header))
+            status = peer.deliver(header, payload, self.sender_id)
             self.outbound.ack(rec.transfer_id, status, header.nbytes)
             return status is AckStatus.OK
         finally:
             self.outbound.end_chunk(rec.transfer_id)
 
-    def _corrupt(self, header) -> bool:
-        return bool(self.faults.corrupt and header.nbytes and self.faults.corrupt(header))
-
-    def deliver(self, header, view, source: int, corrupt: bool) -> AckStatus:
-        """Receiver side of one chunk: allocate, copy, verify (runs on the sender's thread)."""
+    def deliver(self, header, payload, source: int) -> AckStatus:
+        """Receiver side of one chunk: allocate, copy, verify, decode (on the sender's thread)."""
         assert self.inbound is not None
         if self._closed:  # closed between the sender's lookup and now: like a dead peer
             return AckStatus.GONE
         buf, status = self.inbound.begin_chunk(header, source)
         if buf is None:
             return status
-        buf[:] = view
-        if corrupt:
-            buf[0] ^= 0xFF
-        if checksum(header.checksum_algo, buf) != header.checksum:
+        coded = header.codec != CodecId.NONE
+        land = memoryview(bytearray(payload)) if coded else buf
+        if not coded:
+            buf[:] = payload
+        if checksum(header.checksum_algo, land) != header.checksum:
             reason = f"integrity check failed on chunk {header.chunk_index}"
             return self.inbound.end_chunk(header.transfer_id, 0, AckStatus.CHECKSUM, reason)
-        return self.inbound.end_chunk(header.transfer_id, header.nbytes)
+        return land_chunk(self.inbound, header, land, buf)
 
 
 def _lookup(name: str) -> InprocTransport | None:

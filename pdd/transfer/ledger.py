@@ -26,7 +26,8 @@ from typing import Any
 
 from pdd.errors import PddError, TransferError
 from pdd.transfer.api import InboundResult, ReceiverHooks, TransferState, TransferStatus
-from pdd.transfer.wire import AckStatus, CancelReason, Chunk, ChunkHeader
+from pdd.transfer.codec import CodecError, CodecId
+from pdd.transfer.wire import AckStatus, CancelReason, Chunk, ChunkHeader, decode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class OutRecord:
     state: TransferState = TransferState.PENDING
     reason: str = ""
     bytes_acked: int = 0
+    wire_bytes: int = 0  # encoded payload bytes sent so far (0: the transport counts none)
     acked: int = 0
     busy: int = 0
     stop_state: TransferState | None = None
@@ -59,6 +61,7 @@ class OutRecord:
             self.reason,
             self.bytes_total,
             self.bytes_acked,
+            self.wire_bytes or self.bytes_acked,
         )
 
 
@@ -94,6 +97,13 @@ class OutboundLedger:
 
     def end_chunk(self, transfer_id: int) -> None:
         self._settle(transfer_id, lambda rec: setattr(rec, "busy", rec.busy - 1))
+
+    def count_wire(self, transfer_id: int, nbytes: int) -> None:
+        """A chunk of `nbytes` wire bytes is about to be sent (what the link will carry)."""
+        with self._cond:
+            rec = self._open.get(transfer_id)
+            if rec is not None:
+                rec.wire_bytes += nbytes
 
     def ack(self, transfer_id: int, status: AckStatus, nbytes: int) -> None:
         """The receiver confirmed (or rejected) one chunk."""
@@ -192,6 +202,7 @@ def _ack_reason(status: AckStatus) -> str:
         AckStatus.REFUSED: "receiver refused a chunk (allocator)",
         AckStatus.GONE: "receiver no longer has the transfer (cancelled, expired or failed)",
         AckStatus.INTERNAL: "receiver hit an internal error (see its log)",
+        AckStatus.CODEC: "integrity check failed: a chunk did not decode (corrupt codec frame)",
     }.get(status, f"receiver answered {status.name}")
 
 
@@ -345,6 +356,21 @@ class InboundLedger:
         """(open inbound transfers, buffers lent by the allocator and not yet reported)."""
         with self._lock:
             return len(self._open), sum(r.lent for r in self._open.values())
+
+
+def land_chunk(
+    inbound: InboundLedger, header: ChunkHeader, payload: Any, dest: memoryview
+) -> AckStatus:
+    """End a chunk whose wire payload passed its checksum: decode it into `dest` (a no-op
+    for raw chunks, which landed there already). A payload that does not decode fails the
+    transfer (AckStatus.CODEC): its buffers are released like any failure's and never used."""
+    if header.codec != CodecId.NONE:
+        try:
+            decode_chunk(header, payload, dest)
+        except CodecError as exc:
+            reason = f"integrity check failed: chunk {header.chunk_index} does not decode: {exc}"
+            return inbound.end_chunk(header.transfer_id, 0, AckStatus.CODEC, reason)
+    return inbound.end_chunk(header.transfer_id, header.nbytes)
 
 
 def cancel_outcome(reason: CancelReason) -> tuple[TransferState, str]:

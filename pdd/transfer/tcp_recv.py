@@ -23,7 +23,8 @@ import numpy as np
 
 from pdd.errors import TransferError
 from pdd.transfer.api import TransferState
-from pdd.transfer.ledger import cancel_outcome
+from pdd.transfer.codec import CodecId
+from pdd.transfer.ledger import cancel_outcome, land_chunk
 from pdd.transfer.tcp_io import (
     FrameReader,
     close_quietly,
@@ -168,11 +169,14 @@ class ReceiverStream:
         inbound = self.transport.inbound
         tid = header.transfer_id
         buf, status = inbound.begin_chunk(header, self.sender_id)
+        wire = header.wire_size
         if buf is None:
-            self.reader.skip(header.nbytes + TRAILER.size)
+            self.reader.skip(wire + TRAILER.size)
         else:
+            coded = header.codec != CodecId.NONE  # encoded: land the wire bytes aside first
+            land = memoryview(bytearray(wire)) if coded else buf
             try:
-                crc = self.reader.readinto(buf, header.checksum_algo)
+                crc = self.reader.readinto(land, header.checksum_algo)
                 sent_crc = TRAILER.unpack(self.reader.read(TRAILER.size))[0]
             except BaseException:
                 inbound.end_chunk(tid, 0, AckStatus.REFUSED, "connection lost mid-chunk")
@@ -181,5 +185,5 @@ class ReceiverStream:
                 reason = f"integrity check failed: chunk {header.chunk_index} checksum mismatch"
                 status = inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
             else:
-                status = inbound.end_chunk(tid, header.nbytes)
+                status = land_chunk(inbound, header, land, buf)
         send_all(self.sock, [pack_ack(tid, header.chunk_index, status, header.nbytes)])

@@ -223,9 +223,9 @@ class SenderStream:
             if kind is not FrameKind.ACK or not self.unacked:
                 raise TransferError(f"unexpected {kind.name} frame from receiver")
             tid, _index, status, nbytes = unpack_ack(body)
-            self.unacked.popleft()
+            wire = self.unacked.popleft()  # the link carried the wire bytes, nbytes is raw
             now = time.monotonic()
-            self.link.estimator.on_ack(nbytes, now)
+            self.link.estimator.on_ack(wire, now)
             transport.outbound.ack(tid, status, nbytes)
             if now - self._last_rtt > RTT_REFRESH_S:
                 self._last_rtt = now
@@ -236,26 +236,21 @@ class SenderStream:
         if transport.outbound.begin_chunk(rec.transfer_id) is None:
             return
         try:
-            chunk = rec.chunks[index]
             left_ms = max(0, int((rec.deadline - time.monotonic()) * 1000))
-            header = chunk.header
-            payload = chunk.view
-            corrupt = transport.faults.corrupt
-            if corrupt is not None and header.nbytes and corrupt(header):
-                payload = memoryview(bytearray(payload))  # fault injection: flip one byte
-                payload[0] ^= 0xFF
-            self.link.estimator.on_send(header.nbytes, time.monotonic())
+            header, clean, payload = transport._wire_payload(rec, index)
+            wire = header.wire_size
+            self.link.estimator.on_send(wire, time.monotonic())
             hasher = Hasher(header.checksum_algo)
-            # The checksum is of the source bytes (chunk.view), computed per slice just
-            # before that slice is sent, while it is in cache; it travels as a trailer.
+            # The checksum is of the bytes meant for the wire (`clean`), computed per slice
+            # just before that slice is sent, while it is in cache; it travels as a trailer.
             parts = [header.pack_sent(0, left_ms)]
-            for off in range(0, header.nbytes, SLICE):
-                end = min(header.nbytes, off + SLICE)
-                hasher.update(chunk.view[off:end])
+            for off in range(0, wire, SLICE):
+                end = min(wire, off + SLICE)
+                hasher.update(clean[off:end])
                 parts.append(payload[off:end])
                 send_all(self.sock, parts)
                 parts = []
             send_all(self.sock, [*parts, TRAILER.pack(hasher.digest())])
-            self.unacked.append(header.nbytes)
+            self.unacked.append(wire)
         finally:
             transport.outbound.end_chunk(rec.transfer_id)

@@ -91,6 +91,7 @@ class UcxPeer:
 
 class UcxTransport(BaseTransport):
     kind = "ucx"
+    supports_codecs = False  # the P -> RLD path inside a datacenter stays raw
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -24,6 +24,7 @@ on its own, in any arrival order.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import functools
 import struct
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd.errors import InvalidRequestError, TransferError
+from pdd.transfer.codec import CodecId, decode_into, encode, max_wire_bytes, resolve
 
 # Integrity check speeds measured here (idle, one core): xxh3_64 32 GiB/s on 64 MiB (72 on
 # a cache-hot 4 MiB chunk), crc32c 15 (28 hot), zlib.crc32 6.4. Checksumming every byte on
@@ -69,6 +71,7 @@ class AckStatus(enum.IntEnum):
     REFUSED = 2  # the allocator refused the chunk (no room, unknown request)
     GONE = 3  # the transfer is no longer open on the receiver (cancelled, expired, failed)
     INTERNAL = 4  # the receiver hit a bug landing the chunk (logged there with its traceback)
+    CODEC = 5  # payload passed its checksum but did not decode to its raw size: discarded
 
 
 class CancelReason(enum.IntEnum):
@@ -136,7 +139,9 @@ TRAILER = struct.Struct("<I")  # TCP: the payload's checksum follows the payload
 
 
 PREFIX = struct.Struct("<4sBB2x")
-_DATA = struct.Struct(f"<QIIHIIHHQIQQIIBB{REQUEST_ID_BYTES}s{DTYPE_BYTES}s{MAX_DIMS}I")
+# The codec fields (codec u8, wire_nbytes u32) are the last two: appended by issue 17, so
+# every earlier field keeps its offset.
+_DATA = struct.Struct(f"<QIIHIIHHQIQQIIBB{REQUEST_ID_BYTES}s{DTYPE_BYTES}s{MAX_DIMS}IBI")
 _ACK = struct.Struct("<QIBxxxI")
 _CANCEL = struct.Struct("<QB7x")
 _HELLO = struct.Struct("<QHH4x")
@@ -178,6 +183,17 @@ class ChunkHeader:
     checksum: int = 0
     checksum_algo: int = ChecksumAlgo.XXH3
     deadline_ms: int = 0  # time left when the chunk was sent; the receiver's own deadline
+    codec: int = 0  # pdd.transfer.codec.CodecId of the payload on the wire
+    wire_nbytes: int = -1  # payload bytes on the wire; -1 (unset) becomes nbytes (raw)
+
+    def __post_init__(self) -> None:
+        if self.wire_nbytes < 0:
+            object.__setattr__(self, "wire_nbytes", self.nbytes)
+
+    @property
+    def wire_size(self) -> int:
+        """Bytes of this chunk's payload on the wire (nbytes is the raw KV it lands)."""
+        return self.wire_nbytes
 
     def pack_sent(self, checksum: int, deadline_ms: int) -> bytes:
         """The frame as sent: the packed template with checksum and deadline patched in."""
@@ -211,6 +227,8 @@ class ChunkHeader:
             self.request_id.encode(),
             self.dtype.encode(),
             *shape,
+            self.codec,
+            self.wire_size,
         )
         return PREFIX.pack(MAGIC, VERSION, FrameKind.DATA) + body
 
@@ -220,6 +238,11 @@ class ChunkHeader:
         ndim = f[15]
         if ndim > MAX_DIMS or f[9] > f[10] or f[8] + f[9] > f[10] or f[10] > f[11]:
             raise TransferError("malformed chunk header (sizes or shape out of range)")
+        codec, wire = f[18 + MAX_DIMS], f[19 + MAX_DIMS]
+        if codec not in CodecId._value2member_map_:
+            raise TransferError(f"malformed chunk header: unknown codec id {codec}")
+        if (codec == CodecId.NONE and wire != f[9]) or wire > max_wire_bytes(f[9]):
+            raise TransferError("malformed chunk header: wire size out of range")
         return cls(
             transfer_id=f[0],
             chunk_index=f[1],
@@ -239,6 +262,8 @@ class ChunkHeader:
             request_id=f[16].rstrip(b"\0").decode(),
             dtype=f[17].rstrip(b"\0").decode(),
             shape=tuple(f[18 : 18 + ndim]),
+            codec=codec,
+            wire_nbytes=wire,
         )
 
 
@@ -326,10 +351,10 @@ class ChunkPlan(Sequence[Chunk]):
         segment 0: |c0|c1|c2|      segment 1: |c3|c4|      (an empty request: one 0-byte c0)
     """
 
-    def __init__(self, transfer_id: int, request: Any, chunk_bytes: int, algo: int):
+    def __init__(self, transfer_id: int, request: Any, chunk_bytes: int, algo: int, codec: int = 0):
         _check_request(request)
         self.transfer_id, self.request = transfer_id, request
-        self.chunk_bytes, self.algo = chunk_bytes, algo
+        self.chunk_bytes, self.algo, self.codec = chunk_bytes, algo, CodecId(codec)
         self.views = [_as_bytes(seg.data) for seg in request.segments]
         self.total = sum(v.nbytes for v in self.views)
         self._first: list[int] = []  # index of each segment's first chunk
@@ -356,6 +381,8 @@ class ChunkPlan(Sequence[Chunk]):
             offset = (index - self._first[si]) * self.chunk_bytes
             nbytes = min(self.chunk_bytes, self.views[si].nbytes - offset)
         seg = self.request.segments[si] if self.request.segments else None
+        dtype = seg.dtype if seg else "uint8"
+        shape = tuple(seg.shape) if seg else ()
         header = ChunkHeader(
             transfer_id=self.transfer_id,
             request_id=self.request.request_id,
@@ -366,13 +393,14 @@ class ChunkPlan(Sequence[Chunk]):
             block_end=seg.block_end if seg else 0,
             layer_start=seg.layer_start if seg else 0,
             layer_end=seg.layer_end if seg else 0,
-            dtype=seg.dtype if seg else "uint8",
-            shape=tuple(seg.shape) if seg else (),
+            dtype=dtype,
+            shape=shape,
             offset=offset,
             nbytes=nbytes,
             segment_nbytes=self.views[si].nbytes if self.views else 0,
             total_bytes=self.total,
             checksum_algo=self.algo,
+            codec=resolve(self.codec, dtype, shape, offset, nbytes),
         )
         view = self.views[si][offset : offset + nbytes] if self.views else memoryview(b"")
         return Chunk(header, view)
@@ -390,10 +418,33 @@ def _check_request(request: Any) -> None:
             raise InvalidRequestError(f"shape dimensions must fit 32 bits: {seg.shape}")
 
 
-def plan_chunks(transfer_id: int, request: Any, chunk_bytes: int, algo: int) -> ChunkPlan:
+def plan_chunks(
+    transfer_id: int, request: Any, chunk_bytes: int, algo: int, codec: int = 0
+) -> ChunkPlan:
     """Cut every segment of `request` (a SendRequest) into chunks of at most `chunk_bytes`.
 
     An empty request still yields one zero-byte chunk so the receiver learns the transfer
     exists and completes it. Checksums are filled in by the sending thread, not here.
     """
-    return ChunkPlan(transfer_id, request, chunk_bytes, algo)
+    return ChunkPlan(transfer_id, request, chunk_bytes, algo, codec)
+
+
+def encode_chunk(chunk: Chunk) -> tuple[ChunkHeader, memoryview]:
+    """The header as sent (its wire size filled in) and the payload that crosses the wire.
+
+    Runs on the sending transport's thread (never vLLM's): a codec other than NONE costs
+    its encode time here, per chunk, as blocks stream.
+    """
+    header = chunk.header
+    if header.codec == CodecId.NONE:
+        return header, chunk.view
+    data = encode(CodecId(header.codec), chunk.view, header.dtype, header.shape)
+    payload = memoryview(data).cast("B")
+    if payload.nbytes >= header.nbytes:  # incompressible: raw is never worse
+        return dataclasses.replace(header, codec=CodecId.NONE), chunk.view
+    return dataclasses.replace(header, wire_nbytes=payload.nbytes), payload
+
+
+def decode_chunk(header: ChunkHeader, payload: Any, dest: memoryview) -> None:
+    """Land a verified wire payload as raw KV in `dest`; CodecError if it does not decode."""
+    decode_into(CodecId(header.codec), payload, dest, header.dtype, header.shape)

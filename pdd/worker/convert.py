@@ -89,6 +89,8 @@ def stats_to_proto(
     resp.wan_bandwidth_bps = kv.wan_bandwidth_bps
     resp.wan_rtt_s = kv.wan_rtt_s
     resp.kv_bytes_sent = kv.kv_bytes_sent
+    resp.kv_wire_bytes_sent = kv.kv_wire_bytes_sent
+    resp.wan_wire_ratio = kv.wan_wire_ratio
     resp.kv_bytes_received = kv.kv_bytes_received
     resp.drc_query_tokens = kv.drc_query_tokens
     resp.drc_hit_tokens = kv.drc_hit_tokens

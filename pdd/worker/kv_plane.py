@@ -83,6 +83,11 @@ def to_peer(addr: pb.PeerAddress) -> PeerAddress:
 _TRANSFER_BYTES = Counter(
     "pdd_kv_transfer_bytes", "KV bytes sent and acknowledged, by transport.", ["role", "transport"]
 )
+_WIRE_BYTES = Counter(
+    "pdd_kv_wire_bytes",
+    "KV payload bytes put on the wire (after the codec; raw transports: as acknowledged).",
+    ["role", "transport"],
+)
 _TRANSFER_SECONDS = Histogram(
     "pdd_kv_transfer_seconds",
     "Outbound KV transfer duration, send() to terminal, by transport.",
@@ -122,7 +127,8 @@ class KvPlane:
         self._on_sent: Callable[[TransferStatus], None] | None = None
         self._on_received: Callable[[InboundResult], None] | None = None
         self._lock = threading.Lock()
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # raw KV bytes acknowledged
+        self.wire_bytes_sent = 0  # what crossed: after the WAN codec
         self.bytes_received = 0
         self._send_started: dict[int, float] = {}
         self._faults = WorkerFaults.of(worker)  # tests only: None unless worker.faults is set
@@ -242,6 +248,16 @@ class KvPlane:
         measured = list(estimates().values())
         return max(measured, key=lambda e: (e.samples, e.bandwidth_bps), default=None)
 
+    def wan_wire_ratio(self) -> float:
+        """Learned wire/raw ratio of the TCP (WAN) sender's default codec; 1.0 raw."""
+        tcp = self._senders.get("tcp")
+        return tcp.wire_ratio() if tcp is not None else 1.0
+
+    def wire_ratio(self, kind: str, peer: PeerAddress) -> float:
+        """Learned wire/raw ratio of what the `kind` sender sends to `peer`."""
+        transport = self._senders.get(kind)
+        return transport.wire_ratio(peer) if transport is not None else 1.0
+
     def drain(self) -> None:
         """Forget reported transfers (the callbacks already handled them)."""
         for t in self._transports():
@@ -264,11 +280,13 @@ class KvPlane:
     def _sent(self, kind: str, status: TransferStatus) -> None:
         with self._lock:
             self.bytes_sent += status.bytes_acked
+            self.wire_bytes_sent += status.wire_bytes
             t0 = self._send_started.pop(status.transfer_id, None)
         role = self._worker.role.value
         if t0 is not None:
             _TRANSFER_SECONDS.labels(role, kind).observe(time.monotonic() - t0)
         _TRANSFER_BYTES.labels(role, kind).inc(status.bytes_acked)
+        _WIRE_BYTES.labels(role, kind).inc(status.wire_bytes)
         _TRANSFERS.labels(role, kind, status.state.value).inc()
         if self._on_sent is not None:
             self._on_sent(status)

@@ -19,6 +19,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def block_bytes_of(model: ModelConfig, block_size: int) -> int:
     """Bytes of one KV block (K and V, every layer). Prepares the model folder if needed."""
+    layers, kv_heads, _, packed = block_shape_of(model, block_size)
+    return kv_block_bytes(layers, kv_heads, packed // 2, block_size, DTYPE_BYTES[model.dtype])
+
+
+def block_shape_of(model: ModelConfig, block_size: int) -> tuple[int, int, int, int]:
+    """One slot's logical shape: (layers, kv_heads, block_size, 2 * head_dim) of model.dtype,
+    K and V packed in the last dim (vLLM's CPU layout). What a KV codec needs to know."""
     from pdd.engine.model import prepare_model  # cheap: no vLLM
 
     path = prepare_model(model) / "config.json"
@@ -29,5 +36,4 @@ def block_bytes_of(model: ModelConfig, block_size: int) -> int:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     kv_heads = hf.get("num_key_value_heads") or heads
-    layers = hf["num_hidden_layers"]
-    return kv_block_bytes(layers, kv_heads, head_dim, block_size, DTYPE_BYTES[model.dtype])
+    return hf["num_hidden_layers"], kv_heads, block_size, 2 * head_dim

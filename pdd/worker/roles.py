@@ -86,6 +86,8 @@ class KvStats:
     wan_rtt_s: float = 0.0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    kv_wire_bytes_sent: int = 0  # P: what crossed after the WAN codec
+    wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ def _scrape(role: str) -> dict:
         kv = KvStats(pinned_slots=1, open_transfers=1, drc=drc, wan_bandwidth_bps=1e8)
     if role == "prefill":  # per-transport counters appear with P's first finished send
         kv_plane._TRANSFER_BYTES.labels(role, "tcp").inc(0)
+        kv_plane._WIRE_BYTES.labels(role, "tcp").inc(0)
         kv_plane._TRANSFERS.labels(role, "tcp", "done").inc(0)
         kv_plane._TRANSFER_SECONDS.labels(role, "tcp")
     if role in ("relay_decode", "main_decode"):  # a receiving KvPlane creates it at start

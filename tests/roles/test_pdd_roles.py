@@ -45,6 +45,9 @@ IDS = ["p", "rld", "md"]
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("roles")
+    # P -> MD runs zstd-encoded (a per-MD codec: transfer.wan_codec_peers, by worker id);
+    # P -> RLD (UCX) stays raw. zstd is lossless: every oracle equality below holds through it.
+    transfer = {"deadline_s": 30.0, "wan_codec_peers": {"md": "zstd"}}
     config = write_config(
         tmp,
         [
@@ -54,6 +57,7 @@ def workers(tmp_path_factory) -> Iterator[dict]:
             {"id": "md", "role": "main_decode", "kv_staging_gib": 0.1, "datacenter": "dc-b",
              "kv_fence_timeout_s": FENCE_TIMEOUT_S},
         ],
+        transfer=transfer,
     )  # fmt: skip
     procs = start_workers(config, IDS, tmp)
     try:
@@ -145,6 +149,34 @@ def test_p_rld_md_equals_a_single_engine(workers) -> None:
     assert turn["await"].bytes_received == 9 * BLOCK_BYTES
     assert turn["md"][0].kv_loaded_tokens == 288  # MD loaded them from the DRC
     assert turn["md"][0].num_cached_tokens >= 288
+
+
+def test_p_md_with_zstd_on_the_wan_equals_none(workers) -> None:
+    """p_md: P's blocks cross to MD zstd-encoded (fewer wire bytes), MD decodes them into its
+    DRC, and MD's greedy tokens equal P's own run of the prompt (codec none, no transfer)."""
+    prompt = prompt_of(9, 200)  # 6 whole blocks + an 8-token tail
+
+    async def scenario(c: Client):
+        before = await c.stats("p")
+        t1, staged, _, prep_md = await p_stage(c, "z1", prompt)
+        await c.stub["rld"].CancelKv(pb.CancelKvRequest(kv_request_id="z1"), timeout=10)
+        sent = await send(c, "z1", [(prep_md.address, 0)])
+        done = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="z1", timeout_s=30))
+        after = await c.until_idle("p")  # the send's end is counted once P saw it terminal
+        crossed = (after.kv_bytes_sent - before.kv_bytes_sent,
+                   after.kv_wire_bytes_sent - before.kv_wire_bytes_sent)  # fmt: skip
+        md = await c.generate("md", "z1", prompt + t1, 11, kv_in=kv_in(pb.KvIn.DRC, "z1"))
+        want = await oracle(c, "z1-oracle", prompt, 12)
+        return t1 + tokens(md), want, staged, sent, done, md, crossed
+
+    got, want, staged, sent, done, md, (raw, wire_sent) = run(workers, scenario)
+    assert got == want
+    assert (staged, done.state) == (6, "done")
+    assert md[0].kv_loaded_tokens == 6 * BLOCK  # MD loaded the decoded blocks from its DRC
+    assert list(sent.bytes_per_destination) == [6 * BLOCK_BYTES]
+    (wire,) = sent.wire_bytes_per_destination  # expected: raw x the learned zstd ratio
+    assert 0 < wire < 6 * BLOCK_BYTES
+    assert raw == 6 * BLOCK_BYTES and 0 < wire_sent < 0.9 * raw  # float32 KV: ~0.35 measured
 
 
 def test_second_turn_sends_only_the_new_blocks(workers) -> None:

@@ -255,6 +255,7 @@ def test_colocated_record_and_header(router):
     assert r.headers["x-pdd-pipeline"] == "colocated"
     assert r.json()["pdd"] == {
         "pipeline": "colocated", "prompt_tokens": 1, "md_cached_tokens": 0, "wan_kv_bytes": 0,
+        "wan_kv_raw_bytes": 0,
         "rld_tokens": 0, "handoff": "none", "handoff_rounds": 0, "p": None, "rld": None,
         "md": None,
     }  # fmt: skip

@@ -54,7 +54,8 @@ def test_d_gets_every_block_and_emits_every_token(pd):
     blocks = len(prompt_ids(pd)) // BLOCK_SIZE
     assert body["pdd"] == {
         "pipeline": "pd", "prompt_tokens": len(prompt_ids(pd)), "md_cached_tokens": 0,
-        "wan_kv_bytes": blocks * BLOCK_BYTES, "rld_tokens": 0, "handoff": "none",
+        "wan_kv_bytes": blocks * BLOCK_BYTES, "wan_kv_raw_bytes": blocks * BLOCK_BYTES,
+        "rld_tokens": 0, "handoff": "none",
         "handoff_rounds": 0, "p": "p0", "rld": None, "md": d.worker_id,
     }  # fmt: skip
     (p_req,) = pd.by_id("p0").requests

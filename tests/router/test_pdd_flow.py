@@ -69,7 +69,8 @@ def test_p_md_exact_stream_and_record(pdd):
     assert r.headers["x-pdd-pipeline"] == "p_md"
     assert body["pdd"] == {
         "pipeline": "p_md", "prompt_tokens": n_prompt, "md_cached_tokens": 0,
-        "wan_kv_bytes": blocks * BLOCK_BYTES, "rld_tokens": 0, "handoff": "none",
+        "wan_kv_bytes": blocks * BLOCK_BYTES, "wan_kv_raw_bytes": blocks * BLOCK_BYTES,
+        "rld_tokens": 0, "handoff": "none",
         "handoff_rounds": 0, "p": "p0", "rld": None, "md": "md0",
     }  # fmt: skip
     (p_req,) = gen_requests(pdd, "p0")

@@ -62,6 +62,15 @@ def test_eta_against_the_ttft_budget(missing_blocks, pipeline):
     assert (d.pipeline, d.wan_bytes, d.eta_s) == (pipeline, missing_blocks * 1000, missing_blocks)
 
 
+def test_eta_counts_the_bytes_that_cross_after_p_s_codec():
+    # 2 missing blocks raw = 2 s > the 1 s budget; P's int8 codec halves them: p_md.
+    d = choose(fleet(p(wan_wire_ratio=0.5), rld(), md()), req(40, {"md0": 32}))
+    assert (d.pipeline, d.wan_bytes, d.eta_s) == (Pipeline.P_MD, 1000, 1.0)
+    for unknown in (0.0, 1.7):  # not reported, or nonsense: raw
+        d = choose(fleet(p(wan_wire_ratio=unknown), rld(), md()), req(40, {"md0": 32}))
+        assert (d.pipeline, d.wan_bytes) == (Pipeline.P_RLD_MD, 2000)
+
+
 def test_rtt_counts_and_config_fills_in_unmeasured_link():
     policy = PddPolicyConfig(ttft_budget_s=1.0, wan_rtt_s=0.5, wan_bandwidth_bps=16000.0)
     unmeasured = p(wan_bandwidth_bps=0.0)

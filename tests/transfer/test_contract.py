@@ -285,3 +285,91 @@ def test_one_gib_transfer(kind, make_pair, gib):
     assert handle.wait(60).state is TransferState.DONE
     assert pair.result(handle.transfer_id).bytes_received == 1 << 30
     assert crc_of(dest) == crc_of(src)
+
+
+# --- codecs (issue 17): the WAN transports encode on their threads, the receiver decodes ---
+
+CODED_KINDS = ["inproc", "tcp"]  # ucx sends raw only (the P -> RLD path)
+KV_SHAPE = (2, 3, 128, 128)  # layers x [kv_heads, block_size, 2 * head_dim], K|V packed
+
+
+def kv_segment(seed: int) -> KVSegment:
+    """bfloat16 KV-like values (outlier channels included) in vLLM's CPU block layout."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(KV_SHAPE) * np.linspace(0.1, 4, 128)).astype(np.float32)
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)
+    return KVSegment(bf16, 0, 1, 0, 2, "bfloat16", KV_SHAPE)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "int8", "int8+zstd"])
+@pytest.mark.parametrize("coded_kind", CODED_KINDS)
+def test_codec_delivers_raw_kv_and_fewer_wire_bytes(coded_kind, codec, make_pair):
+    from pdd.transfer.codec import NAMES, to_float32
+
+    pair = make_pair(coded_kind, wan_codec=codec, **SMALL)
+    kv = kv_segment(11)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("c", [kv]))
+    status = handle.wait(20)
+    assert (status.state, status.bytes_acked) == (TransferState.DONE, kv.data.nbytes)
+    (landed,) = pair.zone.take(handle.transfer_id)
+    headers = pair.zone.seen(handle.transfer_id)
+    assert {h.codec for h in headers} == {NAMES[codec]}
+    assert sum(h.nbytes for h in headers) == kv.data.nbytes
+    bound = 0.55 if codec.startswith("int8") else 0.95  # random values: little to squeeze
+    assert sum(h.wire_nbytes for h in headers) < bound * kv.data.nbytes
+    assert status.wire_bytes == sum(h.wire_nbytes for h in headers)  # what crossed
+    if codec in ("zstd", "lz4"):
+        assert bytes(landed) == kv.data.tobytes()  # lossless: exact
+    else:  # int8: keys within half a step of their channel's absmax, values of their token's
+        want = to_float32(kv.data.tobytes(), "bfloat16").reshape(-1, 128, 128)
+        got = to_float32(bytes(landed), "bfloat16").reshape(-1, 128, 128)
+        k_step = np.abs(want[..., :64]).max(axis=1, keepdims=True) / 127
+        v_step = np.abs(want[..., 64:]).max(axis=2, keepdims=True) / 127
+        step = np.concatenate([np.broadcast_to(k_step, want[..., :64].shape),
+                               np.broadcast_to(v_step, want[..., 64:].shape)], axis=-1)  # fmt: skip
+        assert np.all(np.abs(got - want) <= 0.5 * step * 1.01 + np.abs(want) / 128)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        FaultHooks(corrupt=lambda h: h.chunk_index == 1),
+        FaultHooks(shorten=lambda h: h.chunk_index == 1),
+    ],
+    ids=["corrupt", "truncated"],
+)
+@pytest.mark.parametrize("coded_kind", CODED_KINDS)
+def test_bad_coded_chunk_is_never_decoded_into_the_buffer(coded_kind, fault, make_pair):
+    pair = make_pair(coded_kind, faults=fault, wan_codec="int8+zstd", **SMALL)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("bad", [kv_segment(12)]))
+    status = handle.wait(10)
+    assert status.state is TransferState.FAILED
+    assert "integrity" in status.reason
+    result = pair.result(handle.transfer_id)
+    assert result.state is TransferState.FAILED
+    assert "integrity check failed" in result.reason
+    (landed,) = pair.zone.take(handle.transfer_id)
+    bad = next(h for h in pair.zone.seen(handle.transfer_id) if h.chunk_index == 1)
+    assert not np.asarray(landed)[bad.offset : bad.offset + bad.nbytes].any()  # untouched
+
+
+def test_unknown_codec_is_a_bad_request(make_pair):
+    from pdd.errors import InvalidRequestError
+
+    pair = make_pair("inproc")
+    with pytest.raises(InvalidRequestError, match="unknown codec") as err:
+        pair.sender.send(pair.receiver.address, SendRequest("u", [kv_segment(14)], codec="gz"))
+    assert err.value.param == "codec"
+
+
+def test_ucx_refuses_a_codec_and_sends_raw_by_default(make_pair):
+    pytest.importorskip("ucxx")
+    from pdd.errors import InvalidRequestError
+
+    pair = make_pair("ucx", wan_codec="zstd", **SMALL)  # wan_codec is for TCP: ignored here
+    kv = kv_segment(13)
+    handle = pair.sender.send(pair.receiver.address, SendRequest("raw", [kv]))
+    assert handle.wait(20).state is TransferState.DONE
+    assert {h.codec for h in pair.zone.seen(handle.transfer_id)} == {0}
+    with pytest.raises(InvalidRequestError, match="raw KV only"):
+        pair.sender.send(pair.receiver.address, SendRequest("z", [kv], codec="zstd"))

@@ -19,7 +19,8 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
          take turns), then id: every choice is deterministic for one snapshot.
     RLD  among RLDs with a free sequence slot, the most free slots (max_num_seqs - load);
          ties: lower load fraction, fewest served, id.
-    WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes
+    WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes * ratio
+         (ratio: P's learned wire/raw ratio of its WAN codec, 1 when raw or unknown)
          eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)
     p_md      when eta <= ttft_budget_s, or no RLD has a free sequence slot (graceful
               degradation: a longer TTFT on MD instead of overloading RLD)
@@ -54,8 +55,9 @@ from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView
 class WanEstimate:
     cached_blocks: int
     missing_blocks: int
-    wan_bytes: int
+    wan_bytes: int  # what crosses: raw_bytes x P's codec ratio
     eta_s: float  # math.inf when the block geometry is unknown
+    raw_bytes: int = 0
 
 
 def wan_estimate(
@@ -68,10 +70,13 @@ def wan_estimate(
         return WanEstimate(0, 0, 0, math.inf)
     blocks = prompt_tokens // block_size
     cached = min(cached_tokens // block_size, blocks)
-    wan_bytes = (blocks - cached) * block_bytes
+    raw_bytes = (blocks - cached) * block_bytes
+    ratio = p.wan_wire_ratio if 0 < p.wan_wire_ratio <= 1.0 else 1.0
+    wan_bytes = round(raw_bytes * ratio)
     bandwidth = p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps
     rtt = p.wan_rtt_s or view.policy.wan_rtt_s
-    return WanEstimate(cached, blocks - cached, wan_bytes, rtt + wan_bytes * 8 / bandwidth)
+    eta = rtt + wan_bytes * 8 / bandwidth
+    return WanEstimate(cached, blocks - cached, wan_bytes, eta, raw_bytes)
 
 
 def _hit(cached: Mapping[str, int], worker_id: str, prompt_tokens: int) -> float:

@@ -33,6 +33,7 @@ class WorkerView:
     kv_block_bytes: int = 0  # bytes of one block across all layers (0: not reported)
     wan_bandwidth_bps: float = 0.0  # P: live estimate toward MD (0: not measured)
     wan_rtt_s: float = 0.0
+    wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown = raw)
     served: int = 0  # requests this router has given the worker so far (balances ties)
     source: str = "config"  # config | registered | dns:NAME
     restarts: int = 0  # times the router saw the worker come back as a new process

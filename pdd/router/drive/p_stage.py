@@ -128,7 +128,7 @@ class PStage:
             self._kv.release("SendKv failed", [self._p, *(t.worker_id for t in receiving)])
             return set()
         self._kv.sent_at = asyncio.get_running_loop().time()
-        for t, n_bytes in zip(receiving, sent, strict=False):
+        for t, (raw, wire) in zip(receiving, sent, strict=False):
             if t.recorded:
-                self._trace.wan_kv_bytes = n_bytes
+                self._trace.wan_kv_bytes, self._trace.wan_kv_raw_bytes = wire, raw
         return {t.worker_id for t in receiving}

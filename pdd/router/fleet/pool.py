@@ -195,6 +195,7 @@ def _worker_view(st: WorkerState) -> WorkerView:
         kv_block_bytes=stats.kv_block_bytes,
         wan_bandwidth_bps=stats.wan_bandwidth_bps,
         wan_rtt_s=stats.wan_rtt_s,
+        wan_wire_ratio=stats.wan_wire_ratio,
         served=st.served,
         source=st.source,
         restarts=st.restarts,

@@ -171,13 +171,18 @@ class WorkerClient:
         kv_request_id: str,
         destinations: Sequence[worker_pb2.KvDestination],
         deadline_s: float,
-    ) -> list[int]:
-        """Ask P to send its staged blocks; returns the bytes queued per destination."""
+    ) -> list[tuple[int, int]]:
+        """Ask P to send its staged blocks; returns (raw, expected wire) bytes per destination
+        (wire = raw from a P that reports no codec)."""
         msg = worker_pb2.SendKvRequest(
             kv_request_id=kv_request_id, destinations=list(destinations), deadline_s=deadline_s
         )
         resp = await self._call(self._stub.SendKv, msg, "SendKv")
-        return list(resp.bytes_per_destination)
+        raw = list(resp.bytes_per_destination)
+        wire = list(resp.wire_bytes_per_destination)
+        if len(wire) != len(raw):
+            wire = raw
+        return list(zip(raw, wire, strict=True))
 
     async def await_kv(self, kv_request_id: str, timeout_s: float) -> KvState:
         """Wait up to ``timeout_s`` for this worker's inbound KV of a request."""
