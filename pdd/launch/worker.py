@@ -164,7 +164,8 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig, insecure: list[str] | Non
             f"metrics={worker.host}:{metrics_port}",
             flush=True,
         )
-        registration = await _register(cfg, worker, grpc_port, metrics_port)
+        geometry = parts["engine"].kv_geometry
+        registration = await _register(cfg, worker, grpc_port, metrics_port, geometry)
         await stop.wait()
         if registration is not None:  # leave the fleet first: no new work routed here
             await registration.stop()
@@ -177,13 +178,15 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig, insecure: list[str] | Non
         log.info("worker %s stopped", worker.id)
 
 
-async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metrics_port: int):  # type: ignore[no-untyped-def]
+async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metrics_port: int,  # type: ignore[no-untyped-def]
+                    geometry=None):  # fmt: skip
     """With ``register_url``: join that router's fleet and heartbeat (pdd.worker.register)."""
     if worker.register_url is None:
         return None
     from pdd.worker.register import RegistrationClient, registration_for
 
-    msg = registration_for(worker, grpc_port, metrics_port, cfg.engine_for(worker.id).max_num_seqs)
+    seqs = cfg.engine_for(worker.id).max_num_seqs
+    msg = registration_for(worker, grpc_port, metrics_port, seqs, geometry)
     client = RegistrationClient(
         worker.register_url, msg, worker.register_interval_s, cfg.security.worker_token()
     )
