@@ -31,6 +31,7 @@ from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.errors import CacheError, InvalidRequestError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
+from pdd.worker.kv_wire import describe
 from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
 from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
@@ -174,8 +175,9 @@ class PrefillRole:
 
     def _segments(self, stage: _Stage, first: int) -> list[KVSegment]:
         arena = self._plane.arena
+        what = describe(self._engine.kv_geometry)  # each chunk says what it carries
         return [
-            KVSegment(arena.view(stage.slots[i]), block_start=i, block_end=i + 1)
+            KVSegment(arena.view(stage.slots[i]), block_start=i, block_end=i + 1, **what)
             for i in range(first, stage.staged)
         ]
 
