@@ -50,18 +50,18 @@ from pdd.engine.types import (  # noqa: E402
     TokenLogprob,
     TopLogprob,
 )
-from pdd.kv_geometry import (  # noqa: E402
-    LAYOUT_CPU_PACKED,
-    LAYOUT_KV_SPLIT,
-    KvGeometry,
-    model_fingerprint,
-)
 from pdd.errors import (  # noqa: E402
     ContextLengthError,
     InvalidRequestError,
     PddError,
     UnavailableError,
     WorkerError,
+)
+from pdd.kv_geometry import (  # noqa: E402
+    LAYOUT_CPU_PACKED,
+    LAYOUT_KV_SPLIT,
+    KvGeometry,
+    model_fingerprint,
 )
 
 log = logging.getLogger(__name__)

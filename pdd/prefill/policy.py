@@ -31,9 +31,9 @@ from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.errors import CacheError, InvalidRequestError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
-from pdd.worker.kv_wire import describe
 from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
+from pdd.worker.kv_wire import describe
 from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker

@@ -35,12 +35,12 @@ from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
 from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
-from pdd.worker.kv_wire import KvWireCheck
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     plain,
     stream_loading,
 )
+from pdd.worker.kv_wire import KvWireCheck
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker

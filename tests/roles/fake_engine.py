@@ -14,11 +14,11 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
-from pdd.kv_geometry import KvGeometry
 from pdd.cache.arena import FenceBoard, SlotArena
 from pdd.engine.connector_params import ExportResult, LoadResult, RequestKvParams, wrap
 from pdd.engine.types import EngineDelta, EngineStats, SamplingSpec
 from pdd.errors import InvalidRequestError
+from pdd.kv_geometry import KvGeometry
 
 FENCE_DELAY_S = 0.01
 
