@@ -114,8 +114,9 @@ class Members:
         return st
 
     def check_geometry(self, st: WorkerState, geometry: KvGeometry | None) -> str | None:
-        """Record the geometry a worker reported; the reason it is not admitted, or None."""
-        st.geometry = geometry
+        """Record the geometry a worker's Health reported (none reported: the one it
+        registered with stays); the reason it is not admitted, or None."""
+        st.geometry = geometry = geometry or st.geometry
         st.refused = self.gate.refusal(st.config.id, geometry)
         return st.refused
 
