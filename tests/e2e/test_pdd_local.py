@@ -270,3 +270,69 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
     for i in range(10):
         out = complete(served.url, codec.encode(f"Request {i}: the capital of France is"))
         assert out["usage"]["completion_tokens"] > 0
+
+
+def _health(served, worker: str) -> worker_pb2.HealthResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{served.worker_ports[worker]}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=10)
+
+
+def test_health_and_status_show_each_workers_kv_geometry(served):
+    from pdd.kv_geometry import KvGeometry, folder_geometry
+    from pdd.router.status import format_status
+
+    folder = ModelConfig(dtype=DTYPE).resolved_path()
+    want = folder_geometry(folder, block_size=32, kv_dtype=DTYPE)  # what vLLM must agree with
+    for w in WORKERS:
+        assert KvGeometry.from_proto(_health(served, w).geometry) == want, w
+    data = httpx.get(served.url.removesuffix("/v1") + "/debug/workers", timeout=5).json()
+    assert all(row["geometry"] == want.model_dump() and row["admitted"] for row in data["workers"])
+    lines = format_status(data)
+    assert all(f"kv_geometry={want.fingerprint[:12]}/L30/kvh0-3of3/d64/B32/float32" in ln
+               for ln in lines[1:])  # fmt: skip
+
+
+def test_an_md_started_on_another_model_folder_is_refused(served, tmp_path):
+    """A fourth engine, MD on a copy of the model whose config differs (another model to
+    the fingerprint), registers with a router of this fleet: refused, naming it and the
+    field; it never joins, so nothing is routed to or from it."""
+    import subprocess
+    import sys
+
+    from pdd.launch import free_port
+    from pdd.registration import REGISTRATION_PATH
+
+    src = ModelConfig(dtype=DTYPE).resolved_path()
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("config.json", "pdd-model.json"):
+            (other / f.name).symlink_to(f)
+    hf = json.loads((src / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**hf, "rms_norm_eps": 1e-6}))
+    router = start_router(CONFIG, [*_router_overrides(served, "pdd"),
+                                   "router.fleet.accept_registrations=true"])  # fmt: skip
+    root = router.url.removesuffix("/v1")
+    i = WORKERS.index("md")
+    sets = [f"model.path={other}", f"workers.{i}.id=md-other", f"workers.{i}.port={free_port()}",
+            f"workers.{i}.metrics_port={free_port()}", f"workers.{i}.kv_port={free_port()}",
+            f"workers.{i}.engine.kv_cache_space_gib=0.25"]  # fmt: skip
+    args = [sys.executable, "-m", "pdd.launch.worker", "--config", CONFIG, "--worker", "md-other",
+            "--register", root, *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    log = tmp_path / "md-other.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        wait_until(lambda: "refused (400)" in log.read_text() or proc.poll() is not None,
+                   240, "md-other's registration answer")  # fmt: skip
+        text = log.read_text()
+        assert "registration with" in text and "refused (400)" in text, text[-3000:]
+        assert "md-other not admitted: workers md-other and router model" in text
+        assert "fingerprint differs" in text
+        listed = httpx.get(root + REGISTRATION_PATH, timeout=5).json()
+        assert "md-other" not in {w["id"] for w in listed["workers"]}
+        assert listed["registered"] == []
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        stop(router)
