@@ -272,4 +272,5 @@ class RelayDecodeRole:
             open_transfers=self._plane.open_transfers(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
+            kv_refused_chunks=self.wire_check.refused,
         )

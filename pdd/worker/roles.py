@@ -85,6 +85,7 @@ class KvStats:
     wan_rtt_s: float = 0.0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    kv_refused_chunks: int = 0  # inbound chunks not in this worker's KV geometry (kv_wire)
 
 
 @dataclass(frozen=True)

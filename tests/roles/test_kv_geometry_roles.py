@@ -48,8 +48,7 @@ def test_a_receiver_refuses_kv_of_another_geometry_and_recomputes(field: str, re
             req = pb.AwaitKvRequest(kv_request_id="r1", timeout_s=5)
             done = await topo.roles["md"].await_kv(req)
             md = await topo.generate("md", "r1", prompt + emitted, 5, source="drc")
-            refused = (topo.roles["rld"].wire_check.refused,
-                       topo.roles["md"]._landing.wire_check.refused)  # fmt: skip
+            refused = tuple(topo.roles[w].kv_stats().kv_refused_chunks for w in ("rld", "md"))
             loads = (topo.engines["rld"].loads, topo.engines["md"].loads)
             return emitted + toks(md), done, refused, loads, await topo.idle()
 
