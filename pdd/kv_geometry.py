@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 # block-first [N, H, B, 2D] (K and V packed per head); a K/V-split cache gives K then V.
 LAYOUT_CPU_PACKED = "cpu_packed_kv"
 LAYOUT_KV_SPLIT = "kv_split"
+# A GPU engine's layout as its worker process sees it: the connector picks block-first or
+# K/V-split inside the engine core (kv_copy.detect_block_dim) and does not report it yet.
+LAYOUT_GPU_PAGED = "gpu_paged"
 
 IDENTITY = ("fingerprint", "num_layers", "total_kv_heads", "head_dim")
 LANDING = ("kv_dtype", "block_size", "layout", "kv_head_start", "kv_head_end")

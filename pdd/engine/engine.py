@@ -59,7 +59,7 @@ from pdd.errors import (  # noqa: E402
 )
 from pdd.kv_geometry import (  # noqa: E402
     LAYOUT_CPU_PACKED,
-    LAYOUT_KV_SPLIT,
+    LAYOUT_GPU_PAGED,
     KvGeometry,
     model_fingerprint,
 )
@@ -372,9 +372,10 @@ def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry
     """This engine's KV geometry, from vLLM's own view of the model (pdd.kv_geometry).
 
     Tensor parallelism is refused at start (one rank holds every KV head). The layout is the
-    one the connector copies on this platform (pdd.engine.kv_copy): CPU block-first packed
-    K/V; on CUDA the connector detects block-first or K/V-split per engine, reported here as
-    K/V-split (the FlashAttention layout of the GPU backends we ran).
+    one the connector copies on this platform (pdd.engine.kv_copy): on CPU block-first packed
+    K/V. On a GPU the connector detects block-first or K/V-split per engine inside the engine
+    core, which this process does not see: reported as ``LAYOUT_GPU_PAGED`` (two GPU workers
+    compare equal even if their backends differ; reporting the detected layout is to do).
     """
     mc, pc, cc = llm.model_config, llm.vllm_config.parallel_config, llm.vllm_config.cache_config
     total_heads = mc.get_total_num_kv_heads()
@@ -391,7 +392,7 @@ def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry
         block_size=block_size,
         kv_dtype=kv_dtype,
         device=str(current_platform.device_type or "cpu"),
-        layout=LAYOUT_CPU_PACKED if on_cpu else LAYOUT_KV_SPLIT,
+        layout=LAYOUT_CPU_PACKED if on_cpu else LAYOUT_GPU_PAGED,
     )
 
 
