@@ -170,7 +170,7 @@ class Engine:
         return AsyncEngineArgs(
             model=str(path),
             served_model_name=m.name,
-            dtype=m.dtype,
+            dtype=e.dtype or m.dtype,
             max_model_len=e.max_model_len,
             block_size=e.block_size,
             enable_prefix_caching=e.enable_prefix_caching,

@@ -108,7 +108,9 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     role_cls = _role_class(worker.role)
     plane, block_bytes = None, 0
     if hasattr(role_cls, "plane_spec"):
-        block_bytes = await asyncio.to_thread(block_bytes_of, cfg.model, engine_cfg.block_size)
+        block_bytes = await asyncio.to_thread(
+            block_bytes_of, cfg.model, engine_cfg.block_size, engine_cfg.dtype
+        )
         spec = role_cls.plane_spec(worker, block_bytes, cfg)
         plane = parts["plane"] = KvPlane(spec, block_bytes, worker, cfg.transfer)
     engine = parts["engine"] = Engine(

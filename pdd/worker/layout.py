@@ -17,8 +17,9 @@ from pdd.errors import ModelError
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def block_bytes_of(model: ModelConfig, block_size: int) -> int:
-    """Bytes of one KV block (K and V, every layer). Prepares the model folder if needed."""
+def block_bytes_of(model: ModelConfig, block_size: int, dtype: str | None = None) -> int:
+    """Bytes of one KV block (K and V, every layer) in ``dtype`` (None: the model's).
+    Prepares the model folder if needed."""
     from pdd.engine.model import prepare_model  # cheap: no vLLM
 
     path = prepare_model(model) / "config.json"
@@ -30,4 +31,4 @@ def block_bytes_of(model: ModelConfig, block_size: int) -> int:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     kv_heads = hf.get("num_key_value_heads") or heads
     layers = hf["num_hidden_layers"]
-    return kv_block_bytes(layers, kv_heads, head_dim, block_size, DTYPE_BYTES[model.dtype])
+    return kv_block_bytes(layers, kv_heads, head_dim, block_size, DTYPE_BYTES[dtype or model.dtype])
