@@ -108,3 +108,14 @@ def test_the_gate_admits_the_fleets_model_only():
     first = GeometryGate(None, "")
     assert first.refusal("p0", G) is None and first.source == "p0"
     assert "head_dim differs" in first.refusal("md0", G.model_copy(update={"head_dim": 32}))
+
+
+def test_a_replacement_p_can_send_to_the_requests_receivers():
+    from pdd.router.decide.recovery import replacement
+
+    bf16 = G.model_copy(update={"kv_dtype": "bfloat16"})
+    view = _fleet(p("p0", geometry=G), p("p1", geometry=bf16), p("p2", geometry=G, in_flight=3),
+                  md("md0", geometry=G))  # fmt: skip
+    assert replacement(view, Role.PREFILL, ["p0"], ["md0"]).id == "p2"  # p1 is idler, but bf16
+    assert replacement(view, Role.PREFILL, ["p0"]).id == "p1"  # no receivers: any P
+    assert replacement(view, Role.PREFILL, ["p0", "p2"], ["md0"]) is None
