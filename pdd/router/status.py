@@ -89,6 +89,10 @@ def format_status(data: dict[str, Any]) -> list[str]:
             state,
         ]
         lines.append(" ".join(fields))
+    members = {w["id"] for w in data["workers"]}
+    for wid, reason in data.get("not_admitted", {}).items():
+        if wid not in members:  # refused at registration: never joined
+            lines.append(f"  {wid:<12} NOT ADMITTED ({reason})")
     return lines
 
 

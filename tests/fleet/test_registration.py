@@ -16,6 +16,7 @@ import pytest
 from pdd.config import WorkerConfig
 from pdd.kv_geometry import folder_geometry
 from pdd.registration import REGISTRATION_PATH, WORKER_TOKEN_HEADER
+from pdd.router.status import format_status
 from pdd.worker.register import RegistrationClient, registration_for
 from tests.helpers import wait_until
 from tests.router.fake_worker import FakeWorker, start_fake_worker
@@ -170,9 +171,14 @@ def test_a_worker_of_another_model_is_not_admitted(fleet, monkeypatch):
     assert "worker w-geo not admitted: workers w-geo and router model" in err["message"]
     assert "fingerprint differs (w-geo: 00000000" in err["message"]
     assert "w-geo" not in workers(h)
+    data = httpx.get(h.root + "/debug/workers", headers=AUTH, timeout=2).json()
+    assert data["not_admitted"]["w-geo"] == err["message"].removeprefix("worker w-geo ")
+    assert any(ln.split()[:3] == ["w-geo", "NOT", "ADMITTED"] for ln in format_status(data))
     r = httpx.post(h.root + REGISTRATION_PATH, headers=FLEET, timeout=2,
                    json={**body, "geometry": own.model_dump()})  # fmt: skip
     assert r.status_code == 200 and r.json()["status"] == "added"
     row = workers(h)["w-geo"]
     assert row["geometry"] == own.model_dump() and row["admitted"] is True
+    assert "w-geo" not in httpx.get(h.root + "/debug/workers", headers=AUTH,
+                                    timeout=2).json()["not_admitted"]  # fmt: skip
     httpx.delete(f"{h.root}{REGISTRATION_PATH}/w-geo", headers=FLEET, timeout=2)

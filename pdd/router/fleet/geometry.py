@@ -22,6 +22,8 @@ from pdd.kv_geometry import KvGeometry, describe_conflict, folder_geometry, iden
 
 log = logging.getLogger(__name__)
 
+_REFUSED_KEPT = 64
+
 
 class GeometryGate:
     """The fleet's reference identity and the admission check against it."""
@@ -30,6 +32,9 @@ class GeometryGate:
         self.reference = reference
         self.source = source  # who defined the reference: "router model <path>" | a worker id
         self._warned: set[tuple[str, str]] = set()
+        # Workers refused at registration (not members, so not in the pool's rows): the
+        # latest reason per id, for /debug/workers and ``pdd status``. Bounded.
+        self.refused: dict[str, str] = {}
 
     @classmethod
     def from_model_folder(cls, folder: Path) -> GeometryGate:
@@ -53,10 +58,15 @@ class GeometryGate:
             return None
         field = identity_conflict(self.reference, geometry)
         if field is None:
+            self.refused.pop(worker_id, None)
             return None
         reason = "not admitted: " + describe_conflict(
             field, worker_id, geometry, self.source, self.reference
         )
+        self.refused.pop(worker_id, None)
+        self.refused[worker_id] = reason
+        while len(self.refused) > _REFUSED_KEPT:
+            self.refused.pop(next(iter(self.refused)))
         if (worker_id, reason) not in self._warned:
             self._warned.add((worker_id, reason))
             log.warning("worker %s %s", worker_id, reason)

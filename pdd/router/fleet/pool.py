@@ -170,6 +170,10 @@ class WorkerPool:
             for st in self._members.states.values()
         ]
 
+    def refused(self) -> dict[str, str]:
+        """Workers whose KV geometry was not admitted (id -> reason), members or not."""
+        return dict(self._members.gate.refused)
+
     def _describe_drc(self, st: WorkerState) -> dict[str, object]:
         if self.drc is None or st.config.role is not Role.MAIN_DECODE:
             return {}
