@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdd.kv_geometry import KvGeometry
 from pdd.protocol import Role
 
 REGISTRATION_PATH = "/internal/v1/workers"
@@ -31,6 +32,9 @@ class WorkerRegistration(BaseModel):
     datacenter: str = Field("dc-a", min_length=1, max_length=64)
     metrics_port: int = Field(0, ge=0, lt=65536)
     max_num_seqs: int = Field(0, ge=0, description="The engine's; 0: learn it from Stats.")
+    geometry: KvGeometry | None = Field(
+        None, description="The worker's KV geometry; one of another model is not admitted."
+    )
 
 
 class RegistrationReply(BaseModel):

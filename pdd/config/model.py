@@ -46,6 +46,12 @@ class ModelConfig(Section):
 
 
 class EngineConfig(Section):
+    dtype: Literal["bfloat16", "float32"] | None = Field(
+        None,
+        description="This engine's weights and KV-cache dtype (null: model.dtype), e.g. per "
+        "worker in workers[].engine. KV moves only between workers of one KV dtype (no "
+        "conversion yet): the router never pairs a P with an MD/RLD of another.",
+    )
     max_model_len: int = Field(4096, gt=0, description="Context length (prompt + output tokens).")
     kv_cache_space_gib: float = Field(
         1.0, gt=0, description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."

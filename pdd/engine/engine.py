@@ -57,6 +57,12 @@ from pdd.errors import (  # noqa: E402
     UnavailableError,
     WorkerError,
 )
+from pdd.kv_geometry import (  # noqa: E402
+    LAYOUT_CPU_PACKED,
+    LAYOUT_GPU_PAGED,
+    KvGeometry,
+    model_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -113,6 +119,7 @@ class Engine:
         self._eos_ids: tuple[int, ...] = ()
         self.vocab_size = 0
         self.kv_block_bytes = 0
+        self.kv_geometry: KvGeometry | None = None  # set once the engine is up
         self.startup_s: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -143,6 +150,8 @@ class Engine:
         self.vocab_size = llm.model_config.get_vocab_size()
         self._eos_ids = _eos_ids(llm)
         self.kv_block_bytes = _kv_block_bytes(llm, self.engine_config.block_size)
+        fingerprint = await asyncio.to_thread(model_fingerprint, path)
+        self.kv_geometry = _kv_geometry(llm, fingerprint, self.engine_config.block_size)
         self.startup_s = time.monotonic() - started
         log.info("engine ready in %.1f s (model %s)", self.startup_s, path)
 
@@ -161,7 +170,7 @@ class Engine:
         return AsyncEngineArgs(
             model=str(path),
             served_model_name=m.name,
-            dtype=m.dtype,
+            dtype=e.dtype or m.dtype,
             max_model_len=e.max_model_len,
             block_size=e.block_size,
             enable_prefix_caching=e.enable_prefix_caching,
@@ -361,6 +370,34 @@ def _kv_block_bytes(llm: AsyncLLM, block_size: int) -> int:
     mc, pc = llm.model_config, llm.vllm_config.parallel_config
     per_token = 2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
     return per_token * mc.dtype.itemsize * block_size
+
+
+def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry:
+    """This engine's KV geometry, from vLLM's own view of the model (pdd.kv_geometry).
+
+    Tensor parallelism is refused at start (one rank holds every KV head). The layout is the
+    one the connector copies on this platform (pdd.engine.kv_copy): on CPU block-first packed
+    K/V. On a GPU the connector detects block-first or K/V-split per engine inside the engine
+    core, which this process does not see: reported as ``LAYOUT_GPU_PAGED`` (two GPU workers
+    compare equal even if their backends differ; reporting the detected layout is to do).
+    """
+    mc, pc, cc = llm.model_config, llm.vllm_config.parallel_config, llm.vllm_config.cache_config
+    total_heads = mc.get_total_num_kv_heads()
+    cache_dtype = str(cc.cache_dtype)
+    kv_dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+    on_cpu = current_platform.is_cpu()
+    return KvGeometry(
+        fingerprint=fingerprint,
+        num_layers=mc.get_num_layers(pc),
+        total_kv_heads=total_heads,
+        kv_head_start=0,
+        kv_head_end=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        device=str(current_platform.device_type or "cpu"),
+        layout=LAYOUT_CPU_PACKED if on_cpu else LAYOUT_GPU_PAGED,
+    )
 
 
 def _eos_ids(llm: AsyncLLM) -> tuple[int, ...]:

@@ -108,7 +108,9 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     role_cls = _role_class(worker.role)
     plane, block_bytes = None, 0
     if hasattr(role_cls, "plane_spec"):
-        block_bytes = await asyncio.to_thread(block_bytes_of, cfg.model, engine_cfg.block_size)
+        block_bytes = await asyncio.to_thread(
+            block_bytes_of, cfg.model, engine_cfg.block_size, engine_cfg.dtype
+        )
         spec = role_cls.plane_spec(worker, block_bytes, cfg)
         plane = parts["plane"] = KvPlane(spec, block_bytes, worker, cfg.transfer)
     engine = parts["engine"] = Engine(
@@ -164,7 +166,8 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig, insecure: list[str] | Non
             f"metrics={worker.host}:{metrics_port}",
             flush=True,
         )
-        registration = await _register(cfg, worker, grpc_port, metrics_port)
+        geometry = parts["engine"].kv_geometry
+        registration = await _register(cfg, worker, grpc_port, metrics_port, geometry)
         await stop.wait()
         if registration is not None:  # leave the fleet first: no new work routed here
             await registration.stop()
@@ -177,13 +180,15 @@ async def _serve(cfg: PddConfig, worker: WorkerConfig, insecure: list[str] | Non
         log.info("worker %s stopped", worker.id)
 
 
-async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metrics_port: int):  # type: ignore[no-untyped-def]
+async def _register(cfg: PddConfig, worker: WorkerConfig, grpc_port: int, metrics_port: int,  # type: ignore[no-untyped-def]
+                    geometry=None):  # fmt: skip
     """With ``register_url``: join that router's fleet and heartbeat (pdd.worker.register)."""
     if worker.register_url is None:
         return None
     from pdd.worker.register import RegistrationClient, registration_for
 
-    msg = registration_for(worker, grpc_port, metrics_port, cfg.engine_for(worker.id).max_num_seqs)
+    seqs = cfg.engine_for(worker.id).max_num_seqs
+    msg = registration_for(worker, grpc_port, metrics_port, seqs, geometry)
     client = RegistrationClient(
         worker.register_url, msg, worker.register_interval_s, cfg.security.worker_token()
     )

@@ -31,14 +31,17 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.cache.drc import DecodeRadixCache
 from pdd.cache.hashing import BlockHash
 from pdd.errors import CacheError, InvalidRequestError, TransferError
+from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
-from pdd.worker.inbound import InboundState, Recent, Waiters, await_response, whole_slot
+from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+from pdd.worker.kv_wire import KvWireCheck
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +70,16 @@ def split_wire_id(request_id: str) -> tuple[str, str]:
 class DrcLanding:
     """PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks, over one DRC."""
 
-    def __init__(self, drc: DecodeRadixCache, slot_bytes: int, default_lease_s: float) -> None:
+    def __init__(
+        self,
+        drc: DecodeRadixCache,
+        slot_bytes: int,
+        default_lease_s: float,
+        geometry: Callable[[], KvGeometry | None] = lambda: None,
+    ) -> None:
         self._drc = drc
         self._slot_bytes = slot_bytes
+        self.wire_check = KvWireCheck(slot_bytes, geometry)  # MD's own geometry (engine's)
         self._default_lease_s = default_lease_s
         self._recs: dict[str, Reservation] = {}
         self._recent = Recent()
@@ -221,7 +231,7 @@ class DrcLanding:
     def allocate(self, header: ChunkHeader) -> memoryview:
         """Where one chunk lands; raises to refuse it (and so its transfer)."""
         (kv_id, key), i = split_wire_id(header.request_id), header.block_start
-        whole_slot(header, self._slot_bytes)
+        self.wire_check(header)  # refused unless in MD's geometry, one whole slot
         with self._lock:
             rec = self._recs.get(kv_id)
             if rec is None or not rec.leased or rec.inbound.cancelled is not None:

@@ -76,7 +76,10 @@ class MainDecodeRole:
         drc_slots = cfg.cache.host_slots(ctx.block_bytes)
         self.drc = drc_on_arena(cfg.cache, ctx.plane.arena, drc_slots, ctx.block_size)
         self._landing = DrcLanding(
-            self.drc, ctx.plane.arena.slot_bytes, ctx.worker.kv_landing_lease_s
+            self.drc,
+            ctx.plane.arena.slot_bytes,
+            ctx.worker.kv_landing_lease_s,
+            lambda: ctx.engine.kv_geometry,
         )
         store_slots = ctx.plane.arena.num_slots - drc_slots
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
@@ -201,4 +204,5 @@ class MainDecodeRole:
             drc_hit_tokens=self._landing.hit_tokens,
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
+            kv_refused_chunks=self._landing.wire_check.refused,
         )

@@ -164,6 +164,9 @@ WORKER_METRICS = (
        "KV payload bytes put on the wire, after the WAN codec (raw transports: as acked)."),
     _m("pdd_kv_transfer_seconds", H, "seconds", ("role", "transport"), PREFILL,
        "Duration of each finished outbound KV transfer, by transport."),
+    _m("pdd_worker_kv_refused_chunks_total", C, "chunks", R, {RELAY_DECODE, MAIN_DECODE},
+       "Inbound KV chunks refused because their header describes other KV than this worker's "
+       "geometry (dtype, block size, layout, heads, layers); the request recomputes."),
     _m("pdd_worker_kv_internal_errors_total", C, "transfers", R, {RELAY_DECODE, MAIN_DECODE},
        "Inbound KV transfers failed by a bug on this worker (logged with a traceback)."),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,

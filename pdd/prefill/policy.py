@@ -33,7 +33,7 @@ from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
 from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
-from pdd.worker.layout import block_shape_of
+from pdd.worker.kv_wire import describe
 from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
@@ -70,8 +70,6 @@ class PrefillRole:
         self._worker = ctx.worker
         self._block_size = ctx.block_size
         # What every sent slot holds, named in each chunk header (a lossy WAN codec needs it).
-        self._kv_dtype = ctx.config.model.dtype
-        self._kv_shape = block_shape_of(ctx.config.model, ctx.block_size)
         self._pool = SlotPool(ctx.plane.arena.num_slots)
         self._stages: dict[str, _Stage] = {}
         self._generating: dict[str, str | None] = {}  # kv id -> why it was cancelled
@@ -187,14 +185,9 @@ class PrefillRole:
 
     def _segments(self, stage: _Stage, first: int) -> list[KVSegment]:
         arena = self._plane.arena
+        what = describe(self._engine.kv_geometry)  # each chunk says what it carries
         return [
-            KVSegment(
-                arena.view(stage.slots[i]),
-                block_start=i,
-                block_end=i + 1,
-                dtype=self._kv_dtype,
-                shape=self._kv_shape,
-            )
+            KVSegment(arena.view(stage.slots[i]), block_start=i, block_end=i + 1, **what)
             for i in range(first, stage.staged)
         ]
 

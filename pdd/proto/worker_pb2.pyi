@@ -242,25 +242,51 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "worker_id", "role", "model", "instance_id")
+    __slots__ = ("ready", "worker_id", "role", "model", "instance_id", "geometry")
     READY_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     worker_id: str
     role: str
     model: str
     instance_id: str
-    def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    geometry: KvGeometry
+    def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ...) -> None: ...
+
+class KvGeometry(_message.Message):
+    __slots__ = ("fingerprint", "num_layers", "total_kv_heads", "kv_head_start", "kv_head_end", "head_dim", "block_size", "kv_dtype", "device", "layout")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    num_layers: int
+    total_kv_heads: int
+    kv_head_start: int
+    kv_head_end: int
+    head_dim: int
+    block_size: int
+    kv_dtype: str
+    device: str
+    layout: str
+    def __init__(self, fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent")
+    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +312,7 @@ class StatsResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     WAN_WIRE_RATIO_FIELD_NUMBER: _ClassVar[int]
     KV_WIRE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_REFUSED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_requests: int
@@ -311,4 +338,5 @@ class StatsResponse(_message.Message):
     max_num_seqs: int
     wan_wire_ratio: float
     kv_wire_bytes_sent: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ...) -> None: ...
+    kv_refused_chunks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ...) -> None: ...

@@ -34,12 +34,13 @@ from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
-from pdd.worker.inbound import InboundState, Recent, Waiters, await_response, whole_slot
+from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     plain,
     stream_loading,
 )
+from pdd.worker.kv_wire import KvWireCheck
 from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
@@ -83,6 +84,8 @@ class RelayDecodeRole:
         self._worker = ctx.worker
         self._block_size = ctx.block_size
         self._slot_bytes = ctx.plane.arena.slot_bytes
+        engine = ctx.engine
+        self.wire_check = KvWireCheck(self._slot_bytes, lambda: engine.kv_geometry)
         self._pool = SlotPool(ctx.plane.arena.num_slots)
         self._landings: dict[str, _Landing] = {}
         self._recent = Recent()
@@ -109,7 +112,7 @@ class RelayDecodeRole:
 
     def _allocate(self, header: ChunkHeader) -> memoryview:
         """The slot view for one chunk; raises (the chunk and its transfer are refused)."""
-        whole_slot(header, self._slot_bytes)
+        self.wire_check(header)  # this worker's geometry, one whole slot
         kv_id, block = header.request_id, header.block_start
         with self._lock:
             landing = self._landings.get(kv_id)
@@ -269,4 +272,5 @@ class RelayDecodeRole:
             open_transfers=self._plane.open_transfers(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
+            kv_refused_chunks=self.wire_check.refused,
         )

@@ -3,13 +3,15 @@
 Reads the router's ``/debug/workers`` and prints one line per worker: id, role, address,
 datacenter, this router's requests on it, the engine's running / waiting requests and KV
 usage, then per role: MainDecode its DRC fill and hit rate (from its last Stats), Prefill
-its WAN bandwidth and RTT estimate, and last the health. ``--json`` prints the raw answer.
+its WAN bandwidth and RTT estimate, its KV geometry (fingerprint / layers / KV heads held
+of the total / head dim / block size / KV dtype / layout / device), and last the health
+(NOT ADMITTED: a worker of another model, ``pdd.router.fleet.geometry``). ``--json`` prints the raw answer.
 Exit status 0 when at least one worker is healthy, 1 when none is, 2 when the router cannot
 be reached. With authentication on, the key comes from ``PDD_API_KEY``.
 
     mode=pdd in_flight=1
       p     prefill       127.0.0.1:50051  dc=dc-a in_flight=1 running=1 waiting=0 kv=3.1% wan=93.2Mbit/s rtt=20.1ms healthy
-      md    main_decode   127.0.0.1:50053  dc=dc-b in_flight=0 running=0 waiting=0 kv=0.0% drc=1200/45000(2.7%) hit=91.3%/12000tok healthy
+      md    main_decode   127.0.0.1:50053  dc=dc-b in_flight=0 running=0 waiting=0 kv=0.0% drc=1200/45000(2.7%) hit=91.3%/12000tok kv_geometry=12a5bb421352/L30/kvh0-3of3/d64/B32/float32/cpu_packed_kv/cpu healthy
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def _details(w: dict[str, Any]) -> list[str]:
     if wan is not None:
         rtt = f"{wan['rtt_s'] * 1000:.1f}ms" if wan["rtt_s"] > 0 else "unmeasured"
         out.append(f"wan={_bandwidth(wan['bandwidth_bps'])} rtt={rtt}")
+    geo = w.get("geometry")
+    if geo is not None:  # pdd.kv_geometry.KvGeometry
+        out.append(
+            f"kv_geometry={geo['fingerprint'][:12]}/L{geo['num_layers']}"
+            f"/kvh{geo['kv_head_start']}-{geo['kv_head_end']}of{geo['total_kv_heads']}"
+            f"/d{geo['head_dim']}/B{geo['block_size']}/{geo['kv_dtype']}/{geo['layout']}"
+            f"/{geo['device']}"
+        )
     return out
 
 
@@ -67,6 +77,8 @@ def format_status(data: dict[str, Any]) -> list[str]:
     lines = [f"mode={data['mode']} in_flight={data['in_flight']}"]
     for w in data["workers"]:
         state = "healthy" if w["healthy"] else f"UNHEALTHY ({w['last_error']})"
+        if not w.get("admitted", True):
+            state = f"NOT ADMITTED ({w['last_error']})"
         running = "-" if w["running"] is None else w["running"]
         fields = [
             f"  {w['id']:<12} {w['role']:<13} {w['target'] or '-':<22}",
@@ -78,6 +90,10 @@ def format_status(data: dict[str, Any]) -> list[str]:
             state,
         ]
         lines.append(" ".join(fields))
+    members = {w["id"] for w in data["workers"]}
+    for wid, reason in data.get("not_admitted", {}).items():
+        if wid not in members:  # refused at registration: never joined
+            lines.append(f"  {wid:<12} NOT ADMITTED ({reason})")
     return lines
 
 

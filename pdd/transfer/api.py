@@ -84,6 +84,9 @@ class KVSegment:
     layer_end: int = 0
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
+    kv_head_start: int = 0  # KV heads [kv_head_start, kv_head_end) (0, 0: not said)
+    kv_head_end: int = 0
+    layout: str = ""  # paged layout of the bytes (pdd.kv_geometry.LAYOUT_*; "": not said)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ or crc32) is named per chunk, so mixed versions interoperate.
     AUTH    sender -> receiver   (32-byte proof, pdd.transfer.ucx_auth): right after HELLO
 
 Chunks: each segment of a request is cut into byte ranges of at most `chunk_bytes`; the
-header carries the segment's block and layer range, dtype and shape, the byte offset of the
-chunk inside its segment and its checksum, so the receiver can place and verify every chunk
-on its own, in any arrival order.
+header carries the segment's block and layer range, KV-head range, dtype, shape (layers,
+heads, tokens per block, 2 x head_dim: so the token range too) and paged layout, the byte
+offset of the chunk inside its segment and its checksum, so the receiver can place and verify
+every chunk on its own, in any arrival order, and refuse KV that is not in its own geometry
+(pdd.worker.inbound.KvWireCheck).
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ except ImportError:  # pragma: no cover - declared dependency; fall back to zlib
     _crc32c = None
 
 MAGIC = b"PDDK"
-VERSION = 1
+VERSION = 2  # 2: the KV description (heads, layout) joined the DATA header
 MAX_DIMS = 8
 REQUEST_ID_BYTES = 64
 DTYPE_BYTES = 16
+LAYOUT_BYTES = 16
 
 
 class FrameKind(enum.IntEnum):
@@ -139,9 +142,15 @@ TRAILER = struct.Struct("<I")  # TCP: the payload's checksum follows the payload
 
 
 PREFIX = struct.Struct("<4sBB2x")
-# The codec fields (codec u8, wire_nbytes u32) are the last two: appended by issue 17, so
-# every earlier field keeps its offset.
-_DATA = struct.Struct(f"<QIIHIIHHQIQQIIBB{REQUEST_ID_BYTES}s{DTYPE_BYTES}s{MAX_DIMS}IBI")
+# The DATA body is field groups appended one after another; a new group goes at the end
+# (and VERSION goes up). Version 2 appended _DATA_KV (issue 15: what the chunk carries) and
+# _DATA_CODEC (issue 17: the payload's codec and its bytes on the wire).
+_DATA_BASE = f"<QIIHIIHHQIQQIIBB{REQUEST_ID_BYTES}s{DTYPE_BYTES}s{MAX_DIMS}I"
+_DATA_KV = f"HH{LAYOUT_BYTES}s"  # kv_head_start, kv_head_end, layout
+_DATA_CODEC = "BI"  # codec, wire_nbytes
+_DATA = struct.Struct(_DATA_BASE + _DATA_KV + _DATA_CODEC)
+_KV_AT = 18 + MAX_DIMS  # index of the first _DATA_KV field in the unpacked tuple
+_CODEC_AT = _KV_AT + 3  # index of the first _DATA_CODEC field
 _ACK = struct.Struct("<QIBxxxI")
 _CANCEL = struct.Struct("<QB7x")
 _HELLO = struct.Struct("<QHH4x")
@@ -195,6 +204,21 @@ class ChunkHeader:
         """Bytes of this chunk's payload on the wire (nbytes is the raw KV it lands)."""
         return self.wire_nbytes
 
+    # What the segment carries (pdd.kv_geometry): KV heads [kv_head_start, kv_head_end) and
+    # the paged layout of its bytes; with block/layer ranges, dtype and shape (layers, heads,
+    # tokens per block, 2 x head_dim) above. "" / 0: the sender did not say.
+    kv_head_start: int = 0
+    kv_head_end: int = 0
+    layout: str = ""
+
+    @property
+    def token_range(self) -> tuple[int, int]:
+        """Tokens [start, end) of the prompt this segment's blocks hold (shape[2] per block);
+        (0, 0) when the shape does not say."""
+        if len(self.shape) < 3:
+            return (0, 0)
+        return (self.block_start * self.shape[2], self.block_end * self.shape[2])
+
     def pack_sent(self, checksum: int, deadline_ms: int) -> bytes:
         """The frame as sent: the packed template with checksum and deadline patched in."""
         out = bytearray(self._template)
@@ -227,6 +251,9 @@ class ChunkHeader:
             self.request_id.encode(),
             self.dtype.encode(),
             *shape,
+            self.kv_head_start,
+            self.kv_head_end,
+            self.layout.encode(),
             self.codec,
             self.wire_size,
         )
@@ -238,7 +265,7 @@ class ChunkHeader:
         ndim = f[15]
         if ndim > MAX_DIMS or f[9] > f[10] or f[8] + f[9] > f[10] or f[10] > f[11]:
             raise TransferError("malformed chunk header (sizes or shape out of range)")
-        codec, wire = f[18 + MAX_DIMS], f[19 + MAX_DIMS]
+        codec, wire = f[_CODEC_AT], f[_CODEC_AT + 1]
         if codec not in CodecId._value2member_map_:
             raise TransferError(f"malformed chunk header: unknown codec id {codec}")
         if (codec == CodecId.NONE and wire != f[9]) or wire > max_wire_bytes(f[9]):
@@ -262,6 +289,9 @@ class ChunkHeader:
             request_id=f[16].rstrip(b"\0").decode(),
             dtype=f[17].rstrip(b"\0").decode(),
             shape=tuple(f[18 : 18 + ndim]),
+            kv_head_start=f[_KV_AT],
+            kv_head_end=f[_KV_AT + 1],
+            layout=f[_KV_AT + 2].rstrip(b"\0").decode(),
             codec=codec,
             wire_nbytes=wire,
         )
@@ -400,6 +430,9 @@ class ChunkPlan(Sequence[Chunk]):
             segment_nbytes=self.views[si].nbytes if self.views else 0,
             total_bytes=self.total,
             checksum_algo=self.algo,
+            kv_head_start=seg.kv_head_start if seg else 0,
+            kv_head_end=seg.kv_head_end if seg else 0,
+            layout=seg.layout if seg else "",
             codec=resolve(self.codec, dtype, shape, offset, nbytes),
         )
         view = self.views[si][offset : offset + nbytes] if self.views else memoryview(b"")
@@ -410,6 +443,10 @@ def _check_request(request: Any) -> None:
     if len(request.request_id.encode()) > REQUEST_ID_BYTES:
         raise InvalidRequestError(f"request id longer than {REQUEST_ID_BYTES} bytes")
     for seg in request.segments:
+        if len(seg.layout.encode()) > LAYOUT_BYTES or not 0 <= seg.kv_head_start < 1 << 16:
+            raise InvalidRequestError(f"layout/heads too long for the header: {seg.layout}")
+        if not 0 <= seg.kv_head_end < 1 << 16:
+            raise InvalidRequestError(f"kv_head_end must fit 16 bits: {seg.kv_head_end}")
         if len(seg.dtype.encode()) > DTYPE_BYTES or len(seg.shape) > MAX_DIMS:
             raise InvalidRequestError(
                 f"dtype/shape too long for the header: {seg.dtype} {seg.shape}"

@@ -17,10 +17,12 @@ from pdd.errors import ModelError
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def block_bytes_of(model: ModelConfig, block_size: int) -> int:
-    """Bytes of one KV block (K and V, every layer). Prepares the model folder if needed."""
+def block_bytes_of(model: ModelConfig, block_size: int, dtype: str | None = None) -> int:
+    """Bytes of one KV block (K and V, every layer) in ``dtype`` (None: the model's).
+    Prepares the model folder if needed."""
     layers, kv_heads, _, packed = block_shape_of(model, block_size)
-    return kv_block_bytes(layers, kv_heads, packed // 2, block_size, DTYPE_BYTES[model.dtype])
+    itemsize = DTYPE_BYTES[dtype or model.dtype]
+    return kv_block_bytes(layers, kv_heads, packed // 2, block_size, itemsize)
 
 
 def block_shape_of(model: ModelConfig, block_size: int) -> tuple[int, int, int, int]:

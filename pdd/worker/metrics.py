@@ -99,7 +99,9 @@ def _kv_counters(kv: KvStats) -> list[tuple[str, str, float]]:
     rows = [
         ("pdd_worker_kv_sent_bytes", "KV bytes sent (acknowledged).", kv.kv_bytes_sent),
         ("pdd_worker_kv_received_bytes", "KV bytes received.", kv.kv_bytes_received),
-    ]
+        ("pdd_worker_kv_refused_chunks", "Inbound KV chunks refused: not in this worker's "
+         "KV geometry.", kv.kv_refused_chunks),
+    ]  # fmt: skip
     if kv.drc is not None:
         rows += [
             ("pdd_drc_query_tokens", "Prompt tokens looked up in the DRC (PrepareKv).",

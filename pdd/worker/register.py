@@ -24,6 +24,7 @@ import os
 import httpx
 
 from pdd.config import WorkerConfig
+from pdd.kv_geometry import KvGeometry
 from pdd.registration import REGISTRATION_PATH, WORKER_TOKEN_HEADER, WorkerRegistration
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,11 @@ WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def registration_for(
-    worker: WorkerConfig, grpc_port: int, metrics_port: int, max_num_seqs: int
+    worker: WorkerConfig,
+    grpc_port: int,
+    metrics_port: int,
+    max_num_seqs: int,
+    geometry: KvGeometry | None = None,
 ) -> WorkerRegistration:
     """What this worker announces: the address the router dials (advertise_host, else host)."""
     host = worker.advertise_host or worker.host
@@ -42,7 +47,7 @@ def registration_for(
                          "advertise_host to the address the router can dial")  # fmt: skip
     return WorkerRegistration(id=worker.id, role=worker.role, host=host, port=grpc_port,
                               datacenter=worker.datacenter, metrics_port=metrics_port,
-                              max_num_seqs=max_num_seqs)  # fmt: skip
+                              max_num_seqs=max_num_seqs, geometry=geometry)  # fmt: skip
 
 
 class RegistrationClient:
@@ -74,6 +79,13 @@ class RegistrationClient:
                 self._base + REGISTRATION_PATH, json=self._msg.model_dump(mode="json")
             )
             resp.raise_for_status()
+        except httpx.HTTPStatusError as exc:  # refused: say what the router said, e.g. geometry
+            if not self._failing:
+                log.warning("registration with %s refused (%d): %s (retrying every %g s)",
+                            self._base, exc.response.status_code, exc.response.text[:500],
+                            self._interval)  # fmt: skip
+            self._failing = True
+            return False
         except httpx.HTTPError as exc:
             if not self._failing:
                 log.warning("registration with %s failed: %s (retrying every %g s)",

@@ -265,10 +265,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Health(  # noqa: N802
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
-        return pb.HealthResponse(
+        response = pb.HealthResponse(
             ready=self.ready, worker_id=self._worker.id, role=self.role, model=self._model_name,
             instance_id=self._instance_id,
         )  # fmt: skip
+        geometry = self._engine.kv_geometry
+        if geometry is not None:
+            response.geometry.CopyFrom(geometry.to_proto())
+        return response
 
     async def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext

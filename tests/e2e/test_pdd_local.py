@@ -272,3 +272,119 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
     for i in range(10):
         out = complete(served.url, codec.encode(f"Request {i}: the capital of France is"))
         assert out["usage"]["completion_tokens"] > 0
+
+
+def _health(served, worker: str) -> worker_pb2.HealthResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{served.worker_ports[worker]}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=10)
+
+
+def test_health_and_status_show_each_workers_kv_geometry(served):
+    from pdd.kv_geometry import KvGeometry, folder_geometry
+    from pdd.router.status import format_status
+
+    folder = ModelConfig(dtype=DTYPE).resolved_path()
+    want = folder_geometry(folder, block_size=32, kv_dtype=DTYPE)  # what vLLM must agree with
+    for w in WORKERS:
+        assert KvGeometry.from_proto(_health(served, w).geometry) == want, w
+    # real chunks pass the receivers' geometry check: MD lands P's KV, nobody refuses any
+    # (RLD may give up waiting on a loaded machine and recompute: not asserted)
+    before = stats(served, "md").kv_bytes_received
+    prompt = [{"role": "user", "content": "KV geometry probe. " + _long_text(12, 2)}]
+    complete_chat(served.url, prompt, {"pipeline": "p_rld_md", "handoff": "one_shot"})
+    assert stats(served, "md").kv_bytes_received > before
+    assert [stats(served, w).kv_refused_chunks for w in ("rld", "md")] == [0, 0]
+    data = httpx.get(served.url.removesuffix("/v1") + "/debug/workers", timeout=5).json()
+    assert all(row["geometry"] == want.model_dump() and row["admitted"] for row in data["workers"])
+    lines = format_status(data)
+    assert all(f"kv_geometry={want.fingerprint[:12]}/L30/kvh0-3of3/d64/B32/float32" in ln
+               for ln in lines[1:])  # fmt: skip
+
+
+def _other_model(tmp_path):
+    """A copy of the model (symlinks) whose config differs: another model to the fingerprint."""
+    src = ModelConfig(dtype=DTYPE).resolved_path()
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("config.json", "pdd-model.json"):
+            (other / f.name).symlink_to(f)
+    hf = json.loads((src / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**hf, "rms_norm_eps": 1e-6}))
+    return other
+
+
+def test_workers_of_another_model_than_the_routers_are_not_admitted(served, tmp_path):
+    """A router serving another model folder admits none of these workers: each shows NOT
+    ADMITTED naming it and the field, and nothing is routed."""
+    from pdd.router.status import format_status
+
+    other = _other_model(tmp_path)
+    router = start_router(CONFIG, [*_router_overrides(served, "pdd"), f"model.path={other}"])
+    root = router.url.removesuffix("/v1")
+    try:
+
+        def refused():
+            rows = httpx.get(root + "/debug/workers", timeout=5).json()["workers"]
+            return all(not r["admitted"] for r in rows) and rows
+
+        rows = wait_until(refused, 30, "every worker refused")
+        for r in rows:
+            assert r["healthy"] is False
+            assert r["last_error"].startswith(
+                f"not admitted: workers {r['id']} and router model {other} cannot exchange KV: "
+                "fingerprint differs"
+            ), r
+        lines = format_status(httpx.get(root + "/debug/workers", timeout=5).json())
+        assert all("NOT ADMITTED" in ln for ln in lines[1:])
+        body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(router.url + "/completions", json=body, timeout=30).status_code == 503
+    finally:
+        stop(router)
+
+
+def test_an_md_of_another_kv_dtype_is_never_paired_with_p(served, tmp_path):
+    """A fourth engine: MD with workers[].engine.dtype bfloat16 (same model: admitted, the
+    fingerprint ignores the dtype) behind a router with this P and RLD. Nothing converts
+    float32 KV to bfloat16 yet, so every request is refused naming P, MD and the field."""
+    import subprocess
+    import sys
+
+    from pdd.launch import free_port
+
+    i, port = WORKERS.index("md"), free_port()
+    sets = [f"workers.{i}.port={port}", f"workers.{i}.metrics_port={free_port()}",
+            f"workers.{i}.kv_port={free_port()}", f"workers.{i}.engine.dtype=bfloat16",
+            f"workers.{i}.engine.kv_cache_space_gib=0.25", *COMMON]  # fmt: skip
+    args = [sys.executable, "-m", "pdd.launch.worker", "--config", CONFIG, "--worker", "md",
+            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    log = tmp_path / "md-bf16.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    router = None
+    try:
+        line = proc.stdout.readline()  # "pdd worker ready: ..." (or EOF if it died)
+        assert line.startswith("pdd worker ready"), log.read_text()[-3000:]
+        overrides = [*_router_overrides(served, "pdd"), f"workers.{i}.port={port}"]
+        router = start_router(CONFIG, overrides)
+        root = router.url.removesuffix("/v1")
+
+        def all_healthy():
+            rows = httpx.get(root + "/debug/workers", timeout=5).json()["workers"]
+            return all(r["healthy"] for r in rows) and {r["id"]: r for r in rows}
+
+        rows = wait_until(all_healthy, 60, "p, rld and the bfloat16 md healthy")
+        assert rows["md"]["geometry"]["kv_dtype"] == "bfloat16" and rows["md"]["admitted"]
+        assert rows["md"]["geometry"]["fingerprint"] == rows["p"]["geometry"]["fingerprint"]
+        body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
+        r = httpx.post(router.url + "/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == (
+            "no main_decode worker can take KV from p: workers p and md cannot exchange KV: "
+            "kv_dtype differs (p: float32, md: bfloat16)"
+        )
+    finally:
+        if router is not None:
+            stop(router)
+        proc.terminate()
+        proc.wait(90)

@@ -72,3 +72,14 @@ def test_omp_env_parsing() -> None:
     assert omp_env("0-1", multiproc=True) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     with pytest.raises(ConfigError, match="bad CPU list"):
         omp_env("zero", multiproc=False)
+
+
+def test_a_workers_engine_dtype_overrides_the_models(engine_cls, tmp_path) -> None:
+    from pdd.worker.layout import block_bytes_of
+
+    model = ModelConfig(dtype="float32")
+    assert engine_cls(model, EngineConfig())._engine_args(tmp_path).dtype == "float32"
+    args = engine_cls(model, EngineConfig(dtype="bfloat16"))._engine_args(tmp_path)
+    assert args.dtype == "bfloat16"
+    # the arena's slots follow the engine's dtype: 30 layers x 3 heads x 64 x 2 x 32 tokens
+    assert block_bytes_of(model, 32, "bfloat16") * 2 == block_bytes_of(model, 32) == 1_474_560

@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 from pdd.config import WorkerConfig
+from pdd.kv_geometry import folder_geometry
 from pdd.registration import REGISTRATION_PATH, WORKER_TOKEN_HEADER
+from pdd.router.status import format_status
 from pdd.worker.register import RegistrationClient, registration_for
 from tests.helpers import wait_until
 from tests.router.fake_worker import FakeWorker, start_fake_worker
@@ -153,3 +155,30 @@ def test_a_configured_id_cannot_be_registered(fleet, monkeypatch):
     bad = {**body, "id": "x", "port": 0}
     assert httpx.post(h.root + REGISTRATION_PATH, json=bad, headers=FLEET, timeout=2).status_code \
         in (400, 422)  # fmt: skip
+
+
+def test_a_worker_of_another_model_is_not_admitted(fleet, monkeypatch):
+    """Its registration is refused (400 naming ``geometry``, the worker and the field) and it
+    never joins; a worker of the router's own model (any dtype) joins with its geometry."""
+    h, _, port, _ = fleet
+    own = folder_geometry(h.cfg.model.resolved_path(), block_size=32, kv_dtype="bfloat16")
+    body = {"id": "w-geo", "role": "colocated", "host": "127.0.0.1", "port": port}
+    other = own.model_copy(update={"fingerprint": "0" * 32})
+    r = httpx.post(h.root + REGISTRATION_PATH, headers=FLEET, timeout=2,
+                   json={**body, "geometry": other.model_dump()})  # fmt: skip
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "geometry", r.text
+    assert "worker w-geo not admitted: workers w-geo and router model" in err["message"]
+    assert "fingerprint differs (w-geo: 00000000" in err["message"]
+    assert "w-geo" not in workers(h)
+    data = httpx.get(h.root + "/debug/workers", headers=AUTH, timeout=2).json()
+    assert data["not_admitted"]["w-geo"] == err["message"].removeprefix("worker w-geo ")
+    assert any(ln.split()[:3] == ["w-geo", "NOT", "ADMITTED"] for ln in format_status(data))
+    r = httpx.post(h.root + REGISTRATION_PATH, headers=FLEET, timeout=2,
+                   json={**body, "geometry": own.model_dump()})  # fmt: skip
+    assert r.status_code == 200 and r.json()["status"] == "added"
+    row = workers(h)["w-geo"]
+    assert row["geometry"] == own.model_dump() and row["admitted"] is True
+    assert "w-geo" not in httpx.get(h.root + "/debug/workers", headers=AUTH,
+                                    timeout=2).json()["not_admitted"]  # fmt: skip
+    httpx.delete(f"{h.root}{REGISTRATION_PATH}/w-geo", headers=FLEET, timeout=2)

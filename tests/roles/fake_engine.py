@@ -18,6 +18,7 @@ from pdd.cache.arena import FenceBoard, SlotArena
 from pdd.engine.connector_params import ExportResult, LoadResult, RequestKvParams, wrap
 from pdd.engine.types import EngineDelta, EngineStats, SamplingSpec
 from pdd.errors import InvalidRequestError
+from pdd.kv_geometry import KvGeometry
 
 FENCE_DELAY_S = 0.01
 
@@ -41,6 +42,7 @@ class FakeEngine:
     loads: list[tuple[str, int, bool]] = field(default_factory=list)  # (rid, blocks, all ok)
     running: set[str] = field(default_factory=set)
     gate: asyncio.Event | None = None  # when set by a test: requests wait for it per token
+    kv_geometry: KvGeometry | None = None  # what its KV is (pdd.kv_geometry); None: unknown
 
     def validate(self, prompt: list[int], sampling: SamplingSpec) -> None:
         if not prompt:

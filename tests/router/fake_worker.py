@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.proto.options import SERVER_OPTIONS
 from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE, FakeKvNode, FakeKvPlane
@@ -59,6 +60,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.role = role
         self.kv = FakeKvNode(plane, worker_id, role) if plane is not None else None
         self.max_num_seqs = 8
+        self.geometry: KvGeometry | None = None  # reported in Health when set (pdd.kv_geometry)
         self.stats_running = 0  # extra running requests reported in Stats (load scripting)
         self.wan_bandwidth_bps = 0.0
         self.script = Script()
@@ -197,10 +199,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self.health_delay_s > 0:
             self.slow_health_calls += 1
             await asyncio.sleep(self.health_delay_s)
-        return worker_pb2.HealthResponse(
+        health = worker_pb2.HealthResponse(
             ready=self.ready, worker_id=self.worker_id, role=self.role, model="fake",
             instance_id=self.instance_id,
         )  # fmt: skip
+        if self.geometry is not None:
+            health.geometry.CopyFrom(self.geometry.to_proto())
+        return health
 
     async def Stats(self, request, context):  # noqa: N802
         return worker_pb2.StatsResponse(

@@ -27,6 +27,7 @@ class GatedEngine:
     """Each request emits one token, then waits for ``gate``, then finishes with "length"."""
 
     ready = True
+    kv_geometry = None
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()

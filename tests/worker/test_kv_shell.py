@@ -129,6 +129,7 @@ def test_inbound_state_outcomes() -> None:
 
 class _ReadyEngine:
     ready = True
+    kv_geometry = None
 
     def validate(self, prompt, spec) -> None:
         return None

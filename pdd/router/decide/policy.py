@@ -34,6 +34,10 @@ choice. Ending every request on MD keeps MD's DRC as warm as P's prefix cache; t
 ``router.pdd.test_policy: p_rld_only`` breaks exactly that (P -> RLD, RLD emits every token
 through the pd driver, MD never sees the request) so tests can show the drift it causes.
 Unknown block geometry (no Stats yet) counts as an infinite ETA: p_rld_md if it can.
+KV geometry (``pdd.kv_geometry``): P is chosen among the Ps some healthy MD can take KV from,
+MD and RLD among the workers that can take P's KV (``view.kv_conflict``); when every MD (or a
+forced RLD) differs in a field no receiver converts, the request is refused (503) with a
+message naming P, that worker and the field. Never routed between them.
 
 Baselines (P sends every block to D, D emits every token):
     pd_wan    D = least loaded main_decode in another datacenter than P (else any main_decode)
@@ -48,7 +52,14 @@ from dataclasses import dataclass
 
 from pdd.errors import UnavailableError
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
-from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView, least_loaded
+from pdd.router.decide.view import (
+    Decision,
+    FleetView,
+    RouteRequest,
+    WorkerView,
+    kv_conflict,
+    least_loaded,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,19 +153,21 @@ def handoff_mode(rld: WorkerView, view: FleetView, forced: HandoffMode | None) -
 def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     """router.mode pdd: P, MD, maybe RLD, the pipeline and the handoff mode."""
     policy, n = view.policy, request.prompt_tokens
-    ps = view.healthy(Role.PREFILL)
+    all_mds = view.healthy(Role.MAIN_DECODE)
+    ps = _senders(view.healthy(Role.PREFILL), all_mds)
     p = _need(view, Role.PREFILL, pick_p(ps, request.p_cached_tokens, n, policy.p_load_weight))
     if policy.test_policy == "p_rld_only":
         return _p_rld_only(view, p)
-    mds = view.healthy(Role.MAIN_DECODE)
+    mds = _receivers(p, all_mds, Role.MAIN_DECODE)
     affinity = {i: max(request.md_cached_tokens.get(i, 0), request.md_routed_tokens.get(i, 0))
                 for i in {*request.md_cached_tokens, *request.md_routed_tokens}}  # fmt: skip
     md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
     cached = min(request.md_cached_tokens.get(md.id, 0), n)
     est = wan_estimate(p, md, cached, n, view)
-    rlds = view.healthy(Role.RELAY_DECODE)
+    rlds = [w for w in view.healthy(Role.RELAY_DECODE) if kv_conflict(p, w) is None]
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
+        rlds = _receivers(p, view.healthy(Role.RELAY_DECODE), Role.RELAY_DECODE)
         rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
     elif request.pipeline is None and est.eta_s > policy.ttft_budget_s:
         rld = pick_rld(rlds)  # None: no RLD capacity left -> degrade to p_md
@@ -181,14 +194,15 @@ def _p_rld_only(view: FleetView, p: WorkerView) -> Decision:
 
 def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
     """Baselines pd_wan / pd_local: P and one decoder that receives every block."""
-    p = _need(view, Role.PREFILL, least_loaded(view.healthy(Role.PREFILL)))
-    mds = view.healthy(Role.MAIN_DECODE)
+    decoders = view.healthy(Role.MAIN_DECODE, Role.RELAY_DECODE)
+    p = _need(view, Role.PREFILL, least_loaded(_senders(view.healthy(Role.PREFILL), decoders)))
+    mds = [w for w in view.healthy(Role.MAIN_DECODE) if kv_conflict(p, w) is None]
     if view.mode is RouterMode.PD_WAN:
         remote = [w for w in mds if w.datacenter != p.datacenter]
         d = _need(view, Role.MAIN_DECODE, least_loaded(remote or mds))
     else:
         local_md = [w for w in mds if w.datacenter == p.datacenter]
-        rlds = view.healthy(Role.RELAY_DECODE)
+        rlds = [w for w in view.healthy(Role.RELAY_DECODE) if kv_conflict(p, w) is None]
         local_rld = [w for w in rlds if w.datacenter == p.datacenter]
         d = least_loaded(local_md or local_rld)  # type: ignore[assignment]
         if d is None:
@@ -201,6 +215,23 @@ def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
         Pipeline.PD, ((Role.PREFILL, p.id), (d.role, d.id)), HandoffMode.NONE, 0,
         est.wan_bytes, est.eta_s, p.block_size or d.block_size,
     )  # fmt: skip
+
+
+def _senders(ps: list[WorkerView], receivers: list[WorkerView]) -> list[WorkerView]:
+    """The Ps whose KV at least one of ``receivers`` can take (all of them when none can:
+    the receiver choice then says why)."""
+    able = [p for p in ps if any(kv_conflict(p, r) is None for r in receivers)]
+    return able or ps
+
+
+def _receivers(p: WorkerView, candidates: list[WorkerView], role: Role) -> list[WorkerView]:
+    """The candidates that can take ``p``'s KV. Raises UnavailableError naming both workers
+    and the field when there are candidates but none can (never routed between them)."""
+    conflicts = [kv_conflict(p, w) for w in candidates]
+    able = [w for w, why in zip(candidates, conflicts, strict=True) if why is None]
+    if candidates and not able:
+        raise UnavailableError(f"no {role.value} worker can take KV from {p.id}: {conflicts[0]}")
+    return able
 
 
 def _need(view: FleetView, role: Role, worker: WorkerView | None) -> WorkerView:

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from pdd.errors import UnavailableError, WorkerError
 from pdd.protocol import Role
-from pdd.router.decide.view import FleetView, WorkerView, least_loaded
+from pdd.router.decide.view import FleetView, WorkerView, kv_conflict, least_loaded
 
 TAKEOVER_ROLES = (Role.MAIN_DECODE, Role.RELAY_DECODE, Role.PREFILL)
 TIER_OF_ROLE = {Role.MAIN_DECODE: "md", Role.RELAY_DECODE: "rld", Role.PREFILL: "p"}
@@ -59,9 +59,15 @@ def without(view: FleetView, excluded: Collection[str]) -> FleetView:
     return replace(view, workers=workers)
 
 
-def replacement(view: FleetView, role: Role, excluded: Collection[str]) -> WorkerView | None:
-    """The least loaded healthy worker of ``role`` that is not excluded."""
-    return least_loaded(without(view, excluded).healthy(role))
+def replacement(
+    view: FleetView, role: Role, excluded: Collection[str], sends_to: Collection[str] = ()
+) -> WorkerView | None:
+    """The least loaded healthy worker of ``role`` that is not excluded and whose KV every
+    worker in ``sends_to`` can take (a P replaced mid-request keeps the request's RLD/MD:
+    never a pair of KV geometries that cannot exchange KV, ``view.kv_conflict``)."""
+    peers = [w for w in view.workers if w.id in sends_to]
+    live = without(view, excluded).healthy(role)
+    return least_loaded([w for w in live if all(kv_conflict(w, r) is None for r in peers)])
 
 
 def takeover(

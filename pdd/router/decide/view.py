@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdd.config.router import PddPolicyConfig
+from pdd.kv_geometry import KvGeometry, describe_conflict, pair_conflict
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
 
 
@@ -37,6 +38,7 @@ class WorkerView:
     served: int = 0  # requests this router has given the worker so far (balances ties)
     source: str = "config"  # config | registered | dns:NAME
     restarts: int = 0  # times the router saw the worker come back as a new process
+    geometry: KvGeometry | None = None  # its KV geometry (None: not reported)
 
     @property
     def free_slots(self) -> float:
@@ -122,6 +124,17 @@ class Decision:
         if md is not None:
             return md
         return next(wid for r, wid in self.assignments if r is not Role.PREFILL)
+
+
+def kv_conflict(sender: WorkerView, receiver: WorkerView) -> str | None:
+    """Why ``sender``'s KV cannot land on ``receiver`` (one sentence naming both workers and
+    the field), or None. Workers that report no geometry count as compatible."""
+    if sender.geometry is None or receiver.geometry is None:
+        return None
+    field = pair_conflict(sender.geometry, receiver.geometry)
+    if field is None:
+        return None
+    return describe_conflict(field, sender.id, sender.geometry, receiver.id, receiver.geometry)
 
 
 def least_loaded(candidates: list[WorkerView]) -> WorkerView | None:

@@ -100,7 +100,8 @@ async def prefill(
                 raise
             tried.append(p)
             pool.mark_unhealthy(p, exc.message)  # suspect until a good poll
-            nxt = replacement(pool.view(), Role.PREFILL, tried)
+            receivers = [wid for r, wid in decision.assignments if r is not Role.PREFILL]
+            nxt = replacement(pool.view(), Role.PREFILL, tried, receivers)
             if nxt is None:
                 raise
             log.warning(

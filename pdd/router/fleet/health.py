@@ -20,6 +20,7 @@ import logging
 
 from pdd.config.router import RouterConfig
 from pdd.errors import PddError
+from pdd.kv_geometry import KvGeometry
 from pdd.protocol import Role
 from pdd.router.fleet.drc_views import DrcViews
 from pdd.router.fleet.members import Members, WorkerState
@@ -106,6 +107,10 @@ class HealthPoller:
             self._note_instance(st, health.instance_id)
             if not health.ready:
                 self._set_health(st, False, "worker reports not ready")
+                return
+            refused = self._members.check_geometry(st, KvGeometry.from_proto(health.geometry))
+            if refused is not None:  # another model: never routed to (GeometryGate)
+                self._set_health(st, False, refused)
                 return
             st.stats = await client.stats()
         except PddError as exc:

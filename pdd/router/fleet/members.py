@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import InvalidRequestError, UnavailableError
+from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2
+from pdd.router.fleet.geometry import GeometryGate
 from pdd.router.fleet.worker_auth import WorkerCredentials
 from pdd.router.fleet.workers import WorkerClient
 
@@ -45,6 +47,8 @@ class WorkerState:
     polling: bool = False  # a health poll of this worker is in flight
     instance_id: str = ""  # the worker process's id from its last Health ("" before the first)
     restarts: int = 0  # instance id changes seen: the worker restarted (crash, OOM, redeploy)
+    geometry: KvGeometry | None = None  # from its last Health (or its registration)
+    refused: str | None = None  # why its KV geometry is not admitted (None: admitted)
 
 
 class Members:
@@ -54,6 +58,7 @@ class Members:
         self._cfg = cfg
         self._credentials = WorkerCredentials.from_config(cfg.security)  # token, TLS
         self.states = {w.id: WorkerState(w, cfg.engine_for(w.id).max_num_seqs) for w in cfg.workers}
+        self.gate = GeometryGate.from_model_folder(cfg.model.resolved_path())
         self._started = False
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -70,9 +75,19 @@ class Members:
             return
         st.client = WorkerClient(st.config, self._cfg.router, self._credentials)
 
-    def add(self, worker: WorkerConfig, source: str, max_num_seqs: int = 0) -> str:
+    def add(
+        self,
+        worker: WorkerConfig,
+        source: str,
+        max_num_seqs: int = 0,
+        geometry: KvGeometry | None = None,
+    ) -> str:
         """Admit (or re-address) a worker that joined at run time; returns added | updated |
-        unchanged. Raises InvalidRequestError when the id belongs to another source."""
+        unchanged. Raises InvalidRequestError when the id belongs to another source or its
+        KV geometry is not admitted (``GeometryGate``: another model)."""
+        refused = self.gate.refusal(worker.id, geometry)
+        if refused is not None:
+            raise InvalidRequestError(f"worker {worker.id} {refused}", param="geometry")
         st = self.states.get(worker.id)
         if st is not None and st.source != source:
             raise InvalidRequestError(
@@ -83,7 +98,7 @@ class Members:
             return "unchanged"
         if st is not None:
             self._retire(st)
-        new = WorkerState(worker, max_num_seqs, source=source)
+        new = WorkerState(worker, max_num_seqs, source=source, geometry=geometry)
         self.states[worker.id] = new
         if self._started:
             self._connect(new)
@@ -99,6 +114,13 @@ class Members:
         del self.states[worker_id]
         self._retire(st)
         return st
+
+    def check_geometry(self, st: WorkerState, geometry: KvGeometry | None) -> str | None:
+        """Record the geometry a worker's Health reported (none reported: the one it
+        registered with stays); the reason it is not admitted, or None."""
+        st.geometry = geometry = geometry or st.geometry
+        st.refused = self.gate.refusal(st.config.id, geometry)
+        return st.refused
 
     def of_source(self, source: str) -> dict[str, WorkerConfig]:
         return {i: st.config for i, st in self.states.items() if st.source == source}

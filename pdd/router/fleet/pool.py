@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from pdd.config import PddConfig, WorkerConfig
+from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2
 from pdd.protocol import Role, RouterMode
 from pdd.router.decide.view import Decision, FleetView, WorkerView
@@ -61,10 +62,17 @@ class WorkerPool:
 
     # --- membership -------------------------------------------------------------------------
 
-    def add(self, worker: WorkerConfig, source: str, max_num_seqs: int = 0) -> str:
+    def add(
+        self,
+        worker: WorkerConfig,
+        source: str,
+        max_num_seqs: int = 0,
+        geometry: KvGeometry | None = None,
+    ) -> str:
         """Admit (or re-address) a worker that joined at run time; returns added | updated |
-        unchanged. Raises InvalidRequestError when the id belongs to another source."""
-        result = self._members.add(worker, source, max_num_seqs)
+        unchanged. Raises InvalidRequestError when the id belongs to another source or its KV
+        geometry is another model's (``fleet.geometry.GeometryGate``)."""
+        result = self._members.add(worker, source, max_num_seqs, geometry)
         if result != "unchanged" and self.drc is not None and worker.role is Role.MAIN_DECODE:
             self.drc.add(worker.id)
         return result
@@ -168,10 +176,16 @@ class WorkerPool:
                 "in_flight": st.in_flight,
                 "running": st.stats.running_requests if st.stats else None,
                 "last_error": None if st.healthy else st.last_error,
+                "geometry": st.geometry.model_dump() if st.geometry else None,
+                "admitted": st.refused is None,
                 **self._describe_drc(st),
             }
             for st in self._members.states.values()
         ]
+
+    def refused(self) -> dict[str, str]:
+        """Workers whose KV geometry was not admitted (id -> reason), members or not."""
+        return dict(self._members.gate.refused)
 
     def _describe_drc(self, st: WorkerState) -> dict[str, object]:
         if self.drc is None or st.config.role is not Role.MAIN_DECODE:
@@ -199,4 +213,5 @@ def _worker_view(st: WorkerState) -> WorkerView:
         served=st.served,
         source=st.source,
         restarts=st.restarts,
+        geometry=st.geometry,
     )

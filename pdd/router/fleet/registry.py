@@ -61,10 +61,10 @@ class FleetRegistry:
 
     def register(self, msg: WorkerRegistration) -> RegistrationReply:
         """Admit a worker or refresh its heartbeat. Raises InvalidRequestError when the id
-        belongs to a configured or discovered worker."""
+        belongs to a configured or discovered worker, or its KV geometry is another model's."""
         worker = WorkerConfig(id=msg.id, role=msg.role, host=msg.host, port=msg.port,
                               metrics_port=msg.metrics_port, datacenter=msg.datacenter)  # fmt: skip
-        status = self._pool.add(worker, SOURCE, msg.max_num_seqs)
+        status = self._pool.add(worker, SOURCE, msg.max_num_seqs, msg.geometry)
         self._last_seen[msg.id] = self._clock()
         return RegistrationReply(id=msg.id, status=status, heartbeat_timeout_s=self._timeout)  # type: ignore[arg-type]
 

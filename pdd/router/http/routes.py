@@ -205,7 +205,8 @@ async def debug_config(request: Request) -> JSONResponse:
 async def debug_workers(request: Request) -> JSONResponse:
     st = _state(request)
     return JSONResponse({"mode": st.cfg.router.mode.value, "in_flight": st.service.in_flight,
-                         "workers": workers_view(st.pool)})  # fmt: skip
+                         "workers": workers_view(st.pool),
+                         "not_admitted": st.pool.refused()})  # fmt: skip
 
 
 @router.get("/debug/requests")

@@ -1,0 +1,111 @@
+"""Self-describing KV on the wire, in this worker's geometry (``pdd.kv_geometry``).
+
+Sender (P): ``describe(geometry)`` gives the fields of every ``KVSegment`` it sends (one
+block of every layer per segment): dtype, shape (layers, KV heads held, tokens per block,
+2 x head_dim), layer range, KV-head range and paged layout, so each chunk header states what
+it carries. Receiver (RLD, MD): ``KvWireCheck`` runs on every inbound chunk before it is
+given a place in the arena (``allocate``): a chunk whose description differs from the
+receiver's own geometry is refused (TransferError: the transfer fails, the request recomputes
+its prompt, the landing slots go back), counted in ``refused`` and logged once per request.
+No conversion yet: the first differing field refuses the chunk.
+
+    header field      must equal (receiver's geometry)
+    dtype             kv_dtype
+    shape             block_shape = (num_layers, heads held, block_size, 2 x head_dim)
+    layer range       [0, num_layers)
+    KV-head range     [kv_head_start, kv_head_end)
+    layout            layout
+    segment bytes     one slot (``inbound.whole_slot``)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from pdd.errors import TransferError
+from pdd.kv_geometry import KvGeometry
+from pdd.transfer.wire import ChunkHeader
+from pdd.worker.inbound import whole_slot
+
+log = logging.getLogger(__name__)
+
+_LOGGED = 256  # request ids whose refusal was logged (bounded)
+
+
+def describe(geometry: KvGeometry | None) -> dict[str, Any]:
+    """The ``KVSegment`` fields of one whole block in ``geometry`` ({} when unknown)."""
+    if geometry is None:
+        return {}
+    return {
+        "layer_start": 0,
+        "layer_end": geometry.num_layers,
+        "dtype": geometry.kv_dtype,
+        "shape": geometry.block_shape,
+        "kv_head_start": geometry.kv_head_start,
+        "kv_head_end": geometry.kv_head_end,
+        "layout": geometry.layout,
+    }
+
+
+def mismatch(header: ChunkHeader, own: KvGeometry) -> str | None:
+    """The first field of ``header`` that does not describe KV in ``own``'s geometry, as
+    "field: chunk X, here Y"; None when the chunk is in this geometry."""
+    layers, heads, block, width = own.block_shape
+    shape = tuple(header.shape)
+    checks = (
+        ("dtype", header.dtype, own.kv_dtype),
+        ("layout", header.layout, own.layout),
+        ("num_layers", shape[0] if len(shape) == 4 else None, layers),
+        ("kv_heads", shape[1] if len(shape) == 4 else None, heads),
+        ("block_size", shape[2] if len(shape) == 4 else None, block),
+        ("head_dim", shape[3] // 2 if len(shape) == 4 else None, width // 2),
+        ("layer_range", (header.layer_start, header.layer_end), (0, own.num_layers)),
+        ("kv_head_range", (header.kv_head_start, header.kv_head_end),
+         (own.kv_head_start, own.kv_head_end)),
+    )  # fmt: skip
+    for name, got, want in checks:
+        if got != want:
+            return f"{name}: chunk {got}, here {want}"
+    return None
+
+
+class KvWireCheck:
+    """Every inbound chunk against this receiver's geometry, then its slot size.
+
+    ``geometry`` is read per chunk (the engine's, known once it started; None: size only).
+    Called on transport threads: the counter and the log memory are under a lock.
+    """
+
+    def __init__(self, slot_bytes: int, geometry: Callable[[], KvGeometry | None]) -> None:
+        self._slot_bytes = slot_bytes
+        self._geometry = geometry
+        self._lock = threading.Lock()
+        self._logged: OrderedDict[str, None] = OrderedDict()
+        self.refused = 0  # chunks refused because they describe other KV than ours
+
+    def __call__(self, header: ChunkHeader) -> None:
+        """Raises TransferError (the chunk and its transfer are refused)."""
+        own = self._geometry()
+        if own is not None:
+            why = mismatch(header, own)
+            if why is not None:
+                self._refuse(header.request_id, why)
+        whole_slot(header, self._slot_bytes)
+
+    def _refuse(self, wire_id: str, why: str) -> None:
+        kv_id = wire_id.split("#", 1)[0]  # never log a landing key
+        with self._lock:
+            self.refused += 1
+            first = kv_id not in self._logged
+            if first:
+                self._logged[kv_id] = None
+                if len(self._logged) > _LOGGED:
+                    self._logged.popitem(last=False)
+        if first:
+            log.warning("KV of %s refused: not in this worker's KV geometry (%s); the "
+                        "request recomputes its prompt", kv_id, why)  # fmt: skip
+        raise TransferError(f"KV of {kv_id!r} is not in this worker's KV geometry ({why})")

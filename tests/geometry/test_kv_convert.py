@@ -1,0 +1,78 @@
+"""pdd.worker.kv_convert: every widening conversion (bfloat16 -> float32) round-trips
+bit-exactly for each layout pair, over every one of the 65,536 bfloat16 bit patterns; the
+narrowing rounds like torch; layouts move K and V where each layout keeps them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from pdd.errors import ConfigError
+from pdd.kv_geometry import LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT, KvGeometry
+from pdd.worker.kv_convert import LAYOUTS, convert_block
+
+# 2 layers x 2 heads x 32 tokens x (2 x 128): 32,768 values per block; two blocks hold
+# every bfloat16 bit pattern once.
+BASE = KvGeometry(fingerprint="m" * 32, num_layers=2, total_kv_heads=2, kv_head_end=2,
+                  head_dim=128, block_size=32, kv_dtype="bfloat16")  # fmt: skip
+PATTERNS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def geo(dtype: str, layout: str) -> KvGeometry:
+    return BASE.model_copy(update={"kv_dtype": dtype, "layout": layout})
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(LAYOUTS, LAYOUTS)))
+def test_bfloat16_to_float32_and_back_is_bit_exact(src: str, dst: str):
+    a, wide = geo("bfloat16", src), geo("float32", dst)
+    for half in np.split(PATTERNS, 2):  # one block each
+        block = half.tobytes()
+        f32 = bytearray(wide.block_bytes)
+        back = bytearray(a.block_bytes)
+        convert_block(block, a, f32, wide)
+        convert_block(f32, wide, back, a)
+        assert bytes(back) == block
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(LAYOUTS, LAYOUTS)))
+def test_float32_layout_changes_are_bit_exact(src: str, dst: str):
+    a, b = geo("float32", src), geo("float32", dst)
+    block = np.random.default_rng(1).standard_normal(a.block_bytes // 4, np.float32).tobytes()
+    mid, back = bytearray(b.block_bytes), bytearray(a.block_bytes)
+    convert_block(block, a, mid, b)
+    convert_block(mid, b, back, a)
+    assert bytes(back) == block
+
+
+def test_narrowing_rounds_like_torch():
+    a, b = geo("float32", LAYOUT_CPU_PACKED), geo("bfloat16", LAYOUT_CPU_PACKED)
+    x = np.random.default_rng(2).standard_normal(a.block_bytes // 4, np.float32) * 1e3
+    x[:4] = [np.inf, -np.inf, np.nan, 3.4e38]
+    out = bytearray(b.block_bytes)
+    convert_block(x.tobytes(), a, out, b)
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = np.frombuffer(bytes(out), np.uint16)
+    assert np.array_equal(got[3:], want[3:]) and got[2] & 0x7F80 == 0x7F80 and got[2] & 0x7F
+
+
+def test_layouts_keep_k_and_v_where_each_layout_says():
+    packed, split = geo("float32", LAYOUT_CPU_PACKED), geo("float32", LAYOUT_KV_SPLIT)
+    L, H, B, D = 2, 2, 32, 128  # noqa: N806
+    t = np.arange(L * H * B * 2 * D, dtype=np.float32).reshape(L, H, B, 2 * D)
+    out = bytearray(split.block_bytes)
+    convert_block(t.tobytes(), packed, out, split)
+    s = np.frombuffer(bytes(out), np.float32).reshape(L, 2, B, H, D)
+    assert np.array_equal(s[1, 0, 5, 1], t[1, 1, 5, :D])  # K of layer 1, token 5, head 1
+    assert np.array_equal(s[1, 1, 5, 1], t[1, 1, 5, D:])  # its V
+
+
+def test_other_models_or_block_sizes_are_not_converted():
+    with pytest.raises(ConfigError, match="block_size differs"):
+        convert_block(b"", BASE, bytearray(), BASE.model_copy(update={"block_size": 64}))
+    with pytest.raises(ConfigError, match="num_layers differs"):
+        convert_block(b"", BASE, bytearray(), BASE.model_copy(update={"num_layers": 3}))
+    with pytest.raises(ConfigError, match="source of 3 bytes"):
+        convert_block(b"abc", BASE, bytearray(BASE.block_bytes), BASE)
