@@ -270,3 +270,106 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
     for i in range(10):
         out = complete(served.url, codec.encode(f"Request {i}: the capital of France is"))
         assert out["usage"]["completion_tokens"] > 0
+
+
+# --- agentic clients: a tool conversation through the official openai client ---------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+TOOL_TURNS = [  # (user text or None, tool_choice, tool result for the call it gets)
+    ('Call get_weather with the arguments {"city": "Paris"}.', "get_weather", "18 C, sunny"),
+    (None, "get_time", "14:05"),
+    (None, "none", None),
+]
+
+
+def _tool_turn_expected(served, codec, messages, choice):
+    """What the router must answer: the hermes parse of the greedy text that the same prompt
+    gives on /v1/completions (the prompt as the router renders it: tools, tool history and
+    the opening of the named call)."""
+    from pdd.router.http.schemas import ChatMessage
+    from pdd.router.http.validation import chat_messages
+    from pdd.router.text.tool_calls import extract
+    from pdd.router.text.tool_prompt import ToolPlan, prompt_ids, prompt_text
+
+    plan = ToolPlan("hermes", (WEATHER, TIME), choice)
+    msgs = chat_messages([ChatMessage.model_validate(m) for m in messages])
+    ids = prompt_ids(codec, msgs, plan)
+    raw = complete(served.url, ids, {"pipeline": "p_md"}, max_tokens=48)["choices"][0]["text"]
+    found = extract("hermes", plan.forced_prefix + raw) if plan.parses else None
+    return prompt_text(codec, msgs, plan), len(ids), raw, found
+
+
+def _answer(client, messages, choice, pdd, stream):
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    tc = (
+        choice if choice in ("none", "auto") else {"type": "function", "function": {"name": choice}}
+    )
+    kw = {"model": load_config(CONFIG).model.name, "messages": messages, "tools": [WEATHER, TIME],
+          "tool_choice": tc, "temperature": 0, "max_tokens": 48, "extra_body": {"pdd": pdd}}  # fmt: skip
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0], r.usage, r.model_extra["pdd"]
+    state = ChatCompletionStreamState()
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    for c in chunks:
+        state.handle_chunk(c)
+    record = next(c.model_extra["pdd"] for c in chunks if c.choices and c.choices[0].finish_reason)
+    return state.get_final_completion().choices[0], chunks[-1].usage, record
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tool_conversation_call_result_call_answer(served, codec, variant, stream):
+    """call -> result -> call -> answer on each pdd pipeline, streamed and not. Deterministic
+    and honest: greedy float32; each answer must equal the parse of the raw greedy text of the
+    same prompt (no claim that the small model calls tools well). Turn 1's prompt makes the
+    model write a well-formed call, whose arguments must validate against the tool's schema.
+    The forced call opening puts every token of a named call inside its arguments, so on
+    p_rld_md the handoff happens inside them."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    messages: list[dict] = []
+    for turn, (user, choice, result) in enumerate(TOOL_TURNS):
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+        text, n_prompt, raw, found = _tool_turn_expected(served, codec, messages, choice)
+        for call in [m for m in messages if m.get("tool_calls")]:  # the history is in the prompt
+            fn = call["tool_calls"][0]["function"]
+            assert (
+                json.dumps({"name": fn["name"], "arguments": json.loads(fn["arguments"])}) in text
+            )
+        assert all(f"<tool_response>\n{m['content']}\n</tool_response>" in text
+                   for m in messages if m["role"] == "tool")  # fmt: skip
+        choice_out, usage, record = _answer(client, messages, choice, VARIANTS[variant], stream)
+        assert (
+            usage.prompt_tokens == n_prompt and record["pipeline"] == VARIANTS[variant]["pipeline"]
+        )
+        if "handoff" in VARIANTS[variant]:
+            assert record["handoff"] in (VARIANTS[variant]["handoff"], "rld_finished")
+        msg = choice_out.message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+        if found is None:  # tool_choice none: the answer is text
+            assert msg.content == raw and calls == []
+            break
+        assert calls == [(c.name, json.loads(c.arguments)) for c in found.calls], (raw, record)
+        assert (msg.content or None) == found.content
+        if turn == 0:
+            assert calls == [("get_weather", {"city": "Paris"})], raw
+            assert choice_out.finish_reason == "tool_calls"
+        if not calls:  # the model's text did not parse as a call: it came back as text
+            messages.append({"role": "assistant", "content": msg.content})
+            continue
+        call_id = msg.tool_calls[0].id
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {
+                "name": msg.tool_calls[0].function.name,
+                "arguments": msg.tool_calls[0].function.arguments}}]})  # fmt: skip
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})

@@ -8,7 +8,8 @@ Two formats, named as vLLM names its ``--tool-call-parser``s, with the same resu
                  (optionally after <|python_tag|>)
 
 Whole text (``extract``): any call that does not parse makes the whole text plain content,
-never an error (vLLM's rule). Streaming (``ToolCallStream``): content is released as it comes
+never an error (vLLM's rule); text after the first call is dropped (vLLM's rule; streaming
+drops it too). Streaming (``ToolCallStream``): content is released as it comes
 except what may belong to a call; inside a call the name is sent once it is complete, then the
 raw text of the arguments value as it arrives (concatenated, it is that value's JSON). A call
 that turns out malformed before its name was sent is released as content; after that, the
@@ -248,17 +249,14 @@ class ToolCallStream:
         if self._parser == "llama3_json":
             return self._enter_llama3(content, final)
         at = self._held.find(HERMES_START)
+        after_calls = self.calls > 0  # text after a call is dropped, as in ``extract``
         if at < 0:
-            if self.calls and HERMES_START.startswith(self._held.lstrip()):
-                if final:  # only a gap (or a cut tag) after the calls
-                    content.append(self._held if self._held.strip() else "")
-                    self._held = ""
-                return False  # whitespace after a call: wait for what follows
             keep = 0 if final else _partial_overlap(self._held, HERMES_START)
-            content.append(self._held[: len(self._held) - keep])
+            if not after_calls:
+                content.append(self._held[: len(self._held) - keep])
             self._held = self._held[len(self._held) - keep :]
             return False
-        if not (self.calls and self._held[:at].isspace()):  # not the gap between two calls
+        if not after_calls:
             content.append(self._held[:at])
         self._held = self._held[at + len(HERMES_START) :]
         self._start_call()
