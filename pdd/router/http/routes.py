@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,7 @@ from pdd.protocol import new_request_id
 from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
 from pdd.router.http.errors import pdd_error_body
+from pdd.router.http.request_fields import check_unserved, tool_plan
 from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
 from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
 from pdd.router.http.sse import (
@@ -39,9 +41,7 @@ from pdd.router.http.validation import (
     chat_messages,
     check_model,
     check_token_ids,
-    check_unserved,
     completion_prompt,
-    tool_plan,
 )
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.state import RouterState
@@ -72,6 +72,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
+    if plan is not None and plan.parses and plan.parser == "hermes":
+        # vLLM's hermes rule: <tool_call> is a special token in some models' vocabularies
+        req = replace(req, text=replace(req.text, skip_special_tokens=False))
     _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
     return await _respond(request, st, req, ChatFormat(ctx, plan), stream=body.stream)

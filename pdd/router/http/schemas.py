@@ -4,8 +4,8 @@ These models check types only (a wrong type is a 422 schema error). Ranges and c
 are checked by ``validation`` so they answer 400 with the offending ``param``, as OpenAI and
 vLLM do. Fields OpenAI defines that pdd does not act on (``user``, ``metadata``, ...) are
 accepted and ignored, like vLLM; fields that would change the answer and are not served get a
-400 from ``validation`` (never a silent drop); ``n``, ``best_of``, ``echo`` and ``suffix`` are declared so
-``validation`` can reject values it cannot serve.
+400 from ``request_fields`` (never a silent drop); ``n``, ``best_of``, ``echo`` and ``suffix``
+are declared so ``validation`` can reject values it cannot serve.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class SamplingFields(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     # Unknown keys are kept (``model_extra``) so validation can refuse the ones that would
-    # change the answer and that pdd does not serve (``validation.UNSERVED_FIELDS``).
+    # change the answer and that pdd does not serve (``request_fields.UNSERVED_FIELDS``).
     model_config = ConfigDict(extra="allow")
 
     messages: list[ChatMessage]
