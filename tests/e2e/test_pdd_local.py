@@ -19,6 +19,7 @@ from pdd.config import ModelConfig, load_config
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.router.text.tokenizer import TextCodec
 from tests.helpers import run_oracle, serve, start_router, stop, wait_until
+from tests.router.test_api_tools import TIME, WEATHER  # the tools the fake-worker tests use
 
 pytestmark = pytest.mark.slow
 
@@ -274,11 +275,6 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
 
 # --- agentic clients: a tool conversation through the official openai client ---------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 TOOL_TURNS = [  # (user text or None, tool_choice, tool result for the call it gets)
     ('Call get_weather with the arguments {"city": "Paris"}.', "get_weather", "18 C, sunny"),
     (None, "get_time", "14:05"),
