@@ -294,7 +294,8 @@ def _tool_turn_expected(served, codec, messages, choice):
     plan = ToolPlan("hermes", (WEATHER, TIME), choice)
     msgs = chat_messages([ChatMessage.model_validate(m) for m in messages])
     ids = prompt_ids(codec, msgs, plan)
-    raw = complete(served.url, ids, {"pipeline": "p_md"}, max_tokens=48)["choices"][0]["text"]
+    kw = {"max_tokens": 48, "skip_special_tokens": not plan.parses}  # as the router sets it
+    raw = complete(served.url, ids, {"pipeline": "p_md"}, **kw)["choices"][0]["text"]
     found = extract("hermes", plan.forced_prefix + raw) if plan.parses else None
     return prompt_text(codec, msgs, plan), len(ids), raw, found
 
