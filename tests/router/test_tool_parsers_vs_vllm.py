@@ -119,3 +119,23 @@ def test_forced_prefix_is_parsed_with_the_output():
     prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
     content, calls = streamed("hermes", '{"city": "Paris"}}\n</tool_call>', 2, prefix=prefix)
     assert (content, calls) == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+def test_random_chunkings_give_the_whole_text_calls():
+    import random
+
+    rng = random.Random(18)
+    for parser, texts in WELL_FORMED.items():
+        for text in texts:
+            want = [(c.name, json.loads(c.arguments)) for c in extract(parser, text).calls]
+            for _ in range(20):
+                stream, calls, cut = ToolCallStream(parser), {}, 0
+                pieces = []
+                while cut < len(text):
+                    n = rng.randint(1, 6)
+                    pieces.append(stream.feed(text[cut : cut + n]))
+                    cut += n
+                for _, deltas in [*pieces, stream.flush()]:
+                    for d in deltas:
+                        calls.setdefault(d.index, [d.name, ""])[1] += d.arguments
+                assert [(n, json.loads(a)) for n, a in calls.values()] == want, text

@@ -132,12 +132,20 @@ class _CallBody:
         self.args_start: int | None = None
         self.args_end: int | None = None
         self.closed_at: int | None = None  # index just past the object's closing brace
+        self._pos = 0  # text[:_pos] is lexed
+        self._stopped = False  # the object closed, or the text is not an object
+        self._lex: tuple = (0, False, False, False, -1, None, None)
 
     def scan(self) -> None:  # noqa: C901 (one lexer loop reads best in one place)
-        depth, in_str, esc, in_args = 0, False, False, False
-        str_start, key, pending = -1, None, None  # last key seen; key whose value comes next
-        self.name = self.args_start = self.args_end = self.closed_at = None
-        for i, ch in enumerate(self.text):
+        """Lex the text added since the last call (``text`` only grows: each new value starts
+        with the old one), so a long call costs linear time over its stream."""
+        if self._stopped:
+            return
+        depth, in_str, esc, in_args, str_start, key, pending = self._lex
+        text, i = self.text, self._pos
+        while i < len(text) and not self._stopped:
+            ch = text[i]
+            i += 1
             if in_str:
                 if esc:
                     esc = False
@@ -146,9 +154,9 @@ class _CallBody:
                 elif ch == '"':
                     in_str = False
                     if depth == 1 and not in_args:
-                        value = _json_str(self.text[str_start : i + 1])
+                        value = _json_str(text[str_start:i])
                         if pending is None:
-                            key = value
+                            key = value  # a key; its value comes after ":"
                         elif pending == "name":
                             self.name = value
                         pending = None
@@ -156,11 +164,12 @@ class _CallBody:
             if ch.isspace():
                 continue
             if depth == 0 and ch != "{":
-                return  # not a JSON object: nothing to report (it will not parse)
+                self._stopped = True  # not a JSON object: nothing to report (it will not parse)
+                break
             if depth == 1 and pending in self._arg_keys and ch != ":":
-                self.args_start, in_args, pending = i, True, None
+                self.args_start, in_args, pending = i - 1, True, None
             if ch == '"':
-                in_str, str_start = True, i
+                in_str, str_start = True, i - 1
             elif ch == ":" and depth == 1 and key is not None:
                 pending, key = key, None
             elif ch in "{[":
@@ -168,16 +177,17 @@ class _CallBody:
             elif ch in "}]":
                 depth -= 1
                 if in_args and depth == 1:
-                    self.args_end, in_args = i + 1, False
+                    self.args_end, in_args = i, False
                 if depth == 0:
                     if in_args:
-                        self.args_end, in_args = i, False
-                    self.closed_at = i + 1
-                    return
+                        self.args_end, in_args = i - 1, False
+                    self.closed_at, self._stopped = i, True
             elif ch == "," and depth == 1:
                 if in_args:
-                    self.args_end, in_args = i, False
+                    self.args_end, in_args = i - 1, False
                 pending = None
+        self._pos = i
+        self._lex = (depth, in_str, esc, in_args, str_start, key, pending)
 
     def args_text(self) -> str:
         """The arguments value's raw text seen so far (all of it once ``args_end`` is set)."""
