@@ -318,7 +318,8 @@ def _answer(client, messages, choice, pdd, stream):
     for c in chunks:
         state.handle_chunk(c)
     record = next(c.model_extra["pdd"] for c in chunks if c.choices and c.choices[0].finish_reason)
-    return state.get_final_completion().choices[0], chunks[-1].usage, record
+    # the accumulated snapshot: get_final_completion() refuses finish_reason "length"
+    return state.current_completion_snapshot.choices[0], chunks[-1].usage, record
 
 
 @pytest.mark.parametrize("stream", [False, True])
