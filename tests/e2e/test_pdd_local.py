@@ -353,14 +353,22 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
         if "handoff" in VARIANTS[variant]:
             assert record["handoff"] in (VARIANTS[variant]["handoff"], "rld_finished")
         msg = choice_out.message
-        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+        calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
         if found is None:  # tool_choice none: the answer is text
             assert msg.content == raw and calls == []
             break
-        assert calls == [(c.name, json.loads(c.arguments)) for c in found.calls], (raw, record)
+        if stream and not found.calls and calls and choice_out.finish_reason == "length":
+            # The documented streaming exception (docs/architecture.md "Tool calls"): a call
+            # cut by max_tokens after its header went out stays a call with the fragments sent.
+            assert [n for n, _ in calls] == [choice], (raw, calls)
+            messages.append({"role": "assistant", "content": found.content})
+            continue
+        assert [(n, json.loads(a)) for n, a in calls] == [
+            (c.name, json.loads(c.arguments)) for c in found.calls
+        ], (raw, record)
         assert (msg.content or None) == found.content
         if turn == 0:
-            assert calls == [("get_weather", {"city": "Paris"})], raw
+            assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"})]
             assert choice_out.finish_reason == "tool_calls"
         if not calls:  # the model's text did not parse as a call: it came back as text
             messages.append({"role": "assistant", "content": msg.content})
