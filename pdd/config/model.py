@@ -33,6 +33,13 @@ class ModelConfig(Section):
         "text on every CPU. bfloat16 halves KV bytes and is what GPUs run, but on CPU its greedy "
         "text depends on the CPU's kernels (docs/notes/engine.md 'bfloat16 on CPU').",
     )
+    tool_parser: Literal["hermes", "llama3_json"] | None = Field(
+        "hermes",
+        description="How the router finds tool calls in the model's text (vLLM's "
+        "--tool-call-parser names): hermes = <tool_call>{json}</tool_call> (also the format the "
+        "router teaches models whose chat template knows no tools, like the default model); "
+        "llama3_json = Llama-3.x JSON calls. Null: requests with tools get a 400.",
+    )
     cache_dir: Path = Field(
         default_factory=default_cache_dir,
         description="Where prepared models are cached (the default model lives here).",

@@ -19,6 +19,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdd.router.text.tool_calls import ToolCallStream, ToolDelta, extract
+from pdd.router.text.tool_prompt import ToolPlan
 from pdd.router.types import LogprobText, OutputDelta, PddSummary, Usage
 
 LOGPROB_FLOOR = -9999.0
@@ -81,10 +83,23 @@ def _lp(value: float) -> float:
 
 
 class ChatFormat:
-    """chat.completion and chat.completion.chunk bodies."""
+    """chat.completion and chat.completion.chunk bodies. With a ``ToolPlan`` that parses, the
+    text is searched for tool calls (``text.tool_calls``): one instance per request, since
+    streaming keeps the parser's state."""
 
-    def __init__(self, ctx: ResponseContext):
+    def __init__(self, ctx: ResponseContext, tools: ToolPlan | None = None):
         self.ctx = ctx
+        self._plan = tools if tools is not None and tools.parses else None
+        self._stream = None
+        if self._plan is not None:
+            self._stream = ToolCallStream(
+                self._plan.parser, prefix=self._plan.forced_prefix, parallel=self._parallel
+            )
+
+    @property
+    def _parallel(self) -> bool:
+        plan = self._plan
+        return plan is not None and plan.parallel and plan.choice in ("auto", "required")
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.ctx
@@ -101,12 +116,25 @@ class ChatFormat:
                   "finish_reason": None}  # fmt: skip
         return [self._chunk([choice])]
 
-    def chunk(self, delta: OutputDelta) -> dict[str, Any]:
+    def chunk(self, delta: OutputDelta) -> dict[str, Any] | None:
+        """One chunk, or None when there is nothing to send yet (text held by the parser)."""
+        content, calls = delta.text, []
+        if self._stream is not None:
+            content, calls = self._stream.feed(delta.text)
+            if delta.finish_reason is not None:
+                more, tail = self._stream.flush()
+                content, calls = content + more, calls + tail
+        if not (content or calls or delta.logprobs or delta.finish_reason is not None):
+            return None
+        body: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            body["tool_calls"] = tool_call_deltas(calls)
+        called = self._stream is not None and self._stream.calls > 0
         choice = {
             "index": 0,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": body,
             "logprobs": self._logprobs(delta.logprobs),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": _finish(delta.finish_reason, called),
         }
         return with_pdd(self._chunk([choice]), delta.pdd if delta.finish_reason else None)
 
@@ -117,11 +145,22 @@ class ChatFormat:
 
     def response(self, result: Collected) -> dict[str, Any]:
         c = self.ctx
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if self._plan is not None:
+            found = extract(self._plan.parser, self._plan.forced_prefix + result.text)
+            calls = found.calls if self._parallel else found.calls[:1]
+            message["content"] = found.content
+            if calls:
+                message["tool_calls"] = [
+                    {"id": t.id, "type": "function",
+                     "function": {"name": t.name, "arguments": t.arguments}}
+                    for t in calls
+                ]  # fmt: skip
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": result.text},
+            "message": message,
             "logprobs": self._logprobs(result.logprobs),
-            "finish_reason": result.finish_reason,
+            "finish_reason": _finish(result.finish_reason, "tool_calls" in message),
         }
         return with_pdd({
             "id": c.response_id, "object": "chat.completion", "created": c.created,
@@ -145,6 +184,27 @@ class ChatFormat:
         return {"content": content}
 
 
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tool_call_deltas(deltas: list[ToolDelta]) -> list[dict[str, Any]]:
+    """Streamed ``delta.tool_calls``: a call's first entry has index, id, type and name (and
+    arguments ""), later ones index and an arguments fragment; one entry per call per chunk."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
+            continue
+        entry: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+        if d.id is not None:
+            entry.update(id=d.id, type="function")
+            entry["function"]["name"] = d.name
+        out.append(entry)
+    return out
+
+
 class CompletionFormat:
     """text_completion bodies (streamed and whole)."""
 
@@ -161,7 +221,9 @@ class CompletionFormat:
     def opening_chunks(self) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, delta: OutputDelta) -> dict[str, Any]:
+    def chunk(self, delta: OutputDelta) -> dict[str, Any] | None:
+        if not (delta.text or delta.logprobs or delta.finish_reason is not None):
+            return None
         body = self._body([self._choice(delta.text, delta.logprobs, delta.finish_reason)])
         if self.ctx.include_usage:
             body["usage"] = None

@@ -24,6 +24,7 @@ from pdd.protocol import new_request_id
 from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
 from pdd.router.http.errors import pdd_error_body
+from pdd.router.http.request_fields import check_unserved, tool_plan
 from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
 from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
 from pdd.router.http.sse import (
@@ -44,6 +45,7 @@ from pdd.router.http.validation import (
 )
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.state import RouterState
+from pdd.router.text.tool_prompt import prompt_ids
 from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
 
 router = APIRouter()
@@ -63,15 +65,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     st = _state(request)
     check_model(body.model, st.limits)
     check_overrides(body.pdd, request.scope)  # 403 unless an admin key
+    check_unserved(body)
     st.service.check_capacity()
     messages = chat_messages(body.messages)
-    prompt_ids = await asyncio.to_thread(st.codec.encode_chat, messages)
+    plan = tool_plan(body, st.cfg.model.tool_parser)
+    prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan)
     rid = new_request_id("chatcmpl")
-    req = build_chat_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
+    if plan is not None and plan.parses and plan.parser == "hermes":
+        # vLLM's hermes rule: <tool_call> is a special token in some models' vocabularies
+        req = replace(req, text=replace(req.text, skip_special_tokens=False))
     req = _in_tenant_cache(request, req)
     _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
-    return await _respond(request, st, req, ChatFormat(ctx), stream=body.stream)
+    return await _respond(request, st, req, ChatFormat(ctx, plan), stream=body.stream)
 
 
 @router.post("/v1/completions")
@@ -80,6 +87,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     st = _state(request)
     check_model(body.model, st.limits)
     check_overrides(body.pdd, request.scope)  # 403 unless an admin key
+    check_unserved(body)
     st.service.check_capacity()
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
@@ -146,8 +154,9 @@ async def _sse(
         delta = first
         try:
             while True:
-                if delta.text or delta.logprobs or delta.finish_reason is not None:
-                    yield sse_event(fmt.chunk(delta))
+                body = fmt.chunk(delta)
+                if body is not None:
+                    yield sse_event(body)
                 if delta.finish_reason is not None:
                     break
                 delta = await anext(rest)

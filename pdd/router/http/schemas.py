@@ -3,11 +3,14 @@
 These models check types only (a wrong type is a 422 schema error). Ranges and combinations
 are checked by ``validation`` so they answer 400 with the offending ``param``, as OpenAI and
 vLLM do. Fields OpenAI defines that pdd does not act on (``user``, ``metadata``, ...) are
-accepted and ignored, like vLLM; ``n``, ``best_of``, ``echo`` and ``suffix`` are declared so
-``validation`` can reject values it cannot serve.
+accepted and ignored, like vLLM; fields that would change the answer and are not served get a
+400 from ``request_fields`` (never a silent drop); ``n``, ``best_of``, ``echo`` and ``suffix``
+are declared so ``validation`` can reject values it cannot serve.
 """
 
 from __future__ import annotations
+
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,10 +28,46 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCallBody(_Body):
+    name: str
+    arguments: str = Field(description="The call's arguments, a JSON string.")
+
+
+class MessageToolCall(_Body):
+    """One entry of an assistant message's ``tool_calls`` (history sent back by the client)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="role assistant.")
+    tool_call_id: str | None = Field(None, description="role tool: the call this answers.")
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments.")
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class PddOptions(BaseModel):
@@ -66,13 +105,22 @@ class SamplingFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # Unknown keys are kept (``model_extra``) so validation can refuse the ones that would
+    # change the answer and that pdd does not serve (``request_fields.UNSERVED_FIELDS``).
+    model_config = ConfigDict(extra="allow")
+
     messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")  # see ChatCompletionRequest
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False

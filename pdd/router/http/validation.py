@@ -61,10 +61,28 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequestError("messages must contain at least one message", param="messages")
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         item: dict[str, Any] = {"role": m.role, "content": _content_text(m.content)}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequestError(
+                    f"messages[{i}]: only assistant messages carry tool_calls",
+                    param=f"messages[{i}].tool_calls",
+                )
+            item["tool_calls"] = [
+                {"id": c.id or f"call_{i}_{j}", "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for j, c in enumerate(m.tool_calls)
+            ]  # fmt: skip
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequestError(
+                    f"messages[{i}]: a tool message needs tool_call_id",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            item["tool_call_id"] = m.tool_call_id
         out.append(item)
     return out
 

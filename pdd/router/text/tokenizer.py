@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
@@ -35,6 +36,7 @@ class TextCodec:
         self._tok = tokenizer
         self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
         self._template = _compile(chat_template) if chat_template else None
+        self._knows_tools = bool(chat_template) and _reads_tools(chat_template)
         self._added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
         self._byte_level = _is_byte_level(tokenizer)
 
@@ -60,6 +62,11 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable (else see ``tool_prompt``)."""
+        return self._knows_tools
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token IDs of client text. Raises InvalidRequestError for text that is not valid
         Unicode (JSON can carry lone surrogates such as "\\ud800")."""
@@ -71,22 +78,37 @@ class TextCodec:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
-        """Apply the chat template. A template error is the client's (400)."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Apply the chat template (``tools`` as transformers passes them: None when there are
+        none). A template error is the client's (400)."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self._special,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. str + None
             raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Render with the generation prompt and tokenize (the template adds special tokens)."""
-        text = self.render_chat(messages, add_generation_prompt=True)
+        text = self.render_chat(messages, add_generation_prompt=True, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -163,6 +185,14 @@ def _compile(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
         raise ModelError(f"chat template does not compile: {exc}") from exc
+
+
+def _reads_tools(source: str) -> bool:
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateError:
+        return False
 
 
 def _is_byte_level(tokenizer: Tokenizer) -> bool:
