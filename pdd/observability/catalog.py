@@ -115,6 +115,8 @@ ROUTER_METRICS = (
        "1 if the worker's last health poll succeeded."),
     _m("pdd_worker_requests_in_flight", G, "requests", ("worker", "role"), ROUTER,
        "Requests this router has running on the worker."),
+    _m("pdd_worker_restarts_total", C, "restarts", ("worker", "role"), ROUTER,
+       "Times the worker came back as a new process (its Health instance id changed)."),
     _m("pdd_worker_cost_per_hour", G, "cost_per_hour", ("worker", "role"), ROUTER,
        "Configured hardware cost per hour of the worker (router.cost_per_hour of its role); "
        "one series per configured worker, so sum() is the fleet's cost."),
