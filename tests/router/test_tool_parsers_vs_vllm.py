@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import vllm.tool_parsers.hermes_tool_parser as vllm_hermes  # vLLM is pinned: never skipped
+import vllm.tool_parsers.llama_tool_parser as vllm_llama
 
 from pdd.router.text.tool_calls import ToolCallStream, extract
-
-vllm_hermes = pytest.importorskip("vllm.tool_parsers.hermes_tool_parser")
-vllm_llama = pytest.importorskip("vllm.tool_parsers.llama_tool_parser")
 
 W = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 HERMES = [

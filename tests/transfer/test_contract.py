@@ -363,7 +363,6 @@ def test_unknown_codec_is_a_bad_request(make_pair):
 
 
 def test_ucx_refuses_a_codec_and_sends_raw_by_default(make_pair):
-    pytest.importorskip("ucxx")
     from pdd.errors import InvalidRequestError
 
     pair = make_pair("ucx", wan_codec="zstd", **SMALL)  # wan_codec is for TCP: ignored here
