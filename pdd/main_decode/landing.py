@@ -26,9 +26,7 @@ Transport threads run ``allocate`` / ``received`` under ``_lock``; the DRC has i
 
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +38,15 @@ from pdd.errors import CacheError, InvalidRequestError, TransferError
 from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
-from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+from pdd.worker.inbound import (
+    InboundState,
+    Recent,
+    Waiters,
+    await_response,
+    key_matches,
+    new_landing_key,
+    split_wire_id,
+)
 from pdd.worker.kv_wire import KvWireCheck
 
 log = logging.getLogger(__name__)
@@ -59,12 +65,6 @@ class Reservation:
     consumed: bool = False
     leased: bool = True
     landing_key: str = ""  # "": any sender (a fleet without a worker token)
-
-
-def split_wire_id(request_id: str) -> tuple[str, str]:
-    """(kv_id, landing key) of a chunk's request id ``kv_id#key`` (key "" without one)."""
-    kv_id, _, key = request_id.partition("#")
-    return kv_id, key
 
 
 class DrcLanding:
@@ -114,7 +114,7 @@ class DrcLanding:
                 kv_id, chain, num_prompt_tokens=n_tokens, ttl_s=lease + LEASE_SLACK_S
             )
             rec = Reservation(kv_id, tuple(chain), len(res.receive), time.monotonic() + lease)
-            rec.landing_key = secrets.token_urlsafe(9) if keyed else ""  # 72 bits, 12 chars
+            rec.landing_key = new_landing_key() if keyed else ""
             self._recs[kv_id] = rec
             self._recent.forget(kv_id)
             self.query_tokens += n_tokens
@@ -236,7 +236,7 @@ class DrcLanding:
             rec = self._recs.get(kv_id)
             if rec is None or not rec.leased or rec.inbound.cancelled is not None:
                 raise TransferError(f"no DRC reservation for the KV of {kv_id!r}")
-            if rec.landing_key and not hmac.compare_digest(key.encode(), rec.landing_key.encode()):
+            if not key_matches(rec.landing_key, key):
                 self.refused_chunks += 1
                 raise TransferError(f"KV of {kv_id!r}: not from the P its reservation is for")
             if i >= len(rec.chain):

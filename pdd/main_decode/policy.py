@@ -204,5 +204,5 @@ class MainDecodeRole:
             drc_hit_tokens=self._landing.hit_tokens,
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
-            kv_refused_chunks=self._landing.wire_check.refused,
+            kv_refused_chunks=self._landing.wire_check.refused + self._landing.refused_chunks,
         )

@@ -168,7 +168,8 @@ WORKER_METRICS = (
        "Duration of each finished outbound KV transfer, by transport."),
     _m("pdd_worker_kv_refused_chunks_total", C, "chunks", R, {RELAY_DECODE, MAIN_DECODE},
        "Inbound KV chunks refused because their header describes other KV than this worker's "
-       "geometry (dtype, block size, layout, heads, layers); the request recomputes."),
+       "geometry (dtype, block size, layout, heads, layers) or lack their reservation's landing "
+       "key (not from the P the router chose); the request recomputes."),
     _m("pdd_worker_kv_internal_errors_total", C, "transfers", R, {RELAY_DECODE, MAIN_DECODE},
        "Inbound KV transfers failed by a bug on this worker (logged with a traceback)."),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,

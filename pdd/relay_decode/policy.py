@@ -5,8 +5,11 @@ the inbound transfer. Lifecycle of one landing::
 
     PrepareKv (or the first chunk)   slots for the prompt's whole blocks (RESOURCE_EXHAUSTED /
                                      a refused chunk when the staging arena is full); leased
-                                     (PrepareKv.lease_s, else worker.kv_landing_lease_s)
-    chunks land                      allocate(header) -> the view of block block_start's slot
+                                     (PrepareKv.lease_s, else worker.kv_landing_lease_s). With
+                                     fleet credentials: a fresh landing key the router hands only
+                                     to the P it chose, and no landing without a PrepareKv
+    chunks land                      allocate(header) -> the view of block block_start's slot;
+                                     a chunk without the landing's key is refused
     Generate(kv_in)                  waits up to kv_in.wait_s for the transfer to be DONE, then
                                      loads the landed prefix (LoadParams); otherwise computes
                                      the prompt (still correct). Later chunks are refused.
@@ -34,7 +37,16 @@ from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
-from pdd.worker.inbound import InboundState, Recent, Waiters, await_response
+from pdd.transfer.ucx_auth import kv_token
+from pdd.worker.inbound import (
+    InboundState,
+    Recent,
+    Waiters,
+    await_response,
+    key_matches,
+    new_landing_key,
+    split_wire_id,
+)
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     plain,
@@ -58,6 +70,7 @@ class _Landing:
     inbound: InboundState = field(default_factory=InboundState)
     users: int = 0  # Generates whose engine request may still read the slots
     consumed: bool = False  # a Generate took it (or gave up waiting): no more chunks
+    key: str = ""  # its chunks' landing key ("": any sender, a fleet without credentials)
 
     def loadable(self, whole_blocks: int) -> list[int]:
         """Slots of the landed prefix [0, k), k <= whole_blocks."""
@@ -91,6 +104,7 @@ class RelayDecodeRole:
         self._recent = Recent()
         self._waiters = Waiters()
         self._lock = threading.Lock()
+        self.refused_chunks = 0  # chunks without a prepared landing's key (keyed fleets)
         self._ticker = Ticker(self.tick, TICK_S, "rld-leases")
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -113,14 +127,20 @@ class RelayDecodeRole:
     def _allocate(self, header: ChunkHeader) -> memoryview:
         """The slot view for one chunk; raises (the chunk and its transfer are refused)."""
         self.wire_check(header)  # this worker's geometry, one whole slot
-        kv_id, block = header.request_id, header.block_start
+        (kv_id, key), block = split_wire_id(header.request_id), header.block_start
         with self._lock:
             landing = self._landings.get(kv_id)
             if landing is None:
                 if kv_id in self._recent:
                     raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
+                if kv_token() is not None:  # keyed fleet: only a PrepareKv makes a landing
+                    self.refused_chunks += 1
+                    raise TransferError(f"no landing prepared for the KV of {kv_id!r}")
                 lease = time.monotonic() + self._worker.kv_landing_lease_s
                 landing = self._landings[kv_id] = _Landing(kv_id, lease)
+            if not key_matches(landing.key, key):
+                self.refused_chunks += 1
+                raise TransferError(f"KV of {kv_id!r}: not from the P its landing is for")
             if landing.consumed or landing.inbound.cancelled is not None:
                 raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
             slot = landing.slots.get(block)
@@ -132,11 +152,12 @@ class RelayDecodeRole:
 
     def _received(self, result: InboundResult) -> None:
         with self._lock:
-            landing = self._landings.get(result.request_id)
+            kv_id = split_wire_id(result.request_id)[0]
+            landing = self._landings.get(kv_id)
             if landing is not None:
                 landing.inbound.finish(result)
         if landing is not None:
-            self._waiters.notify_threadsafe(result.request_id, lambda: self._maybe_free(landing))
+            self._waiters.notify_threadsafe(kv_id, lambda: self._maybe_free(landing))
 
     # --- Generate -------------------------------------------------------------------------
 
@@ -205,6 +226,7 @@ class RelayDecodeRole:
             landing = self._landings.get(kv_id)
             if landing is None:
                 landing = _Landing(kv_id, time.monotonic() + lease)
+                landing.key = new_landing_key() if kv_token() is not None else ""
                 missing = list(range(n))
             else:
                 landing.deadline = max(landing.deadline, time.monotonic() + lease)
@@ -214,8 +236,9 @@ class RelayDecodeRole:
             self._landings[kv_id] = landing
             self._recent.forget(kv_id)
         return pb.PrepareKvResponse(
-            cached_blocks=0, reserved_blocks=n, address=self._plane.address()
-        )
+            cached_blocks=0, reserved_blocks=n, address=self._plane.address(),
+            landing_key=landing.key,
+        )  # fmt: skip
 
     async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:
         key = req.kv_request_id
@@ -272,5 +295,5 @@ class RelayDecodeRole:
             open_transfers=self._plane.open_transfers(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
-            kv_refused_chunks=self.wire_check.refused,
+            kv_refused_chunks=self.wire_check.refused + self.refused_chunks,
         )

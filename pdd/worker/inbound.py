@@ -12,6 +12,9 @@ wake them with ``notify_threadsafe``.
 ``Recent``: the outcome of requests whose records were released, so a late AwaitKv still gets
 the real answer and late chunks of a released request are refused (bounded).
 
+``split_wire_id``: a chunk's request id is ``kv_id#landing_key`` when the receiver keyed its
+reservation (PrepareKvResponse.landing_key, handed by the router to the one P it chose).
+
 ``whole_slot``: the one check of an inbound chunk's segment shape (both receivers land one
 whole block per segment; the place to widen for partial or converted landing).
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +35,22 @@ from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
 
 RECENT = 4096
+
+
+def split_wire_id(request_id: str) -> tuple[str, str]:
+    """(kv_id, landing key) of a chunk's request id ``kv_id#key`` (key "" without one)."""
+    kv_id, _, key = request_id.partition("#")
+    return kv_id, key
+
+
+def new_landing_key() -> str:
+    """A reservation's landing key: 72 random bits, 12 characters."""
+    return secrets.token_urlsafe(9)
+
+
+def key_matches(expected: str, got: str) -> bool:
+    """Whether a chunk's landing key is its reservation's ("" expected: any sender)."""
+    return not expected or hmac.compare_digest(expected.encode(), got.encode())
 
 
 @dataclass

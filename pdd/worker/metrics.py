@@ -100,7 +100,7 @@ def _kv_counters(kv: KvStats) -> list[tuple[str, str, float]]:
         ("pdd_worker_kv_sent_bytes", "KV bytes sent (acknowledged).", kv.kv_bytes_sent),
         ("pdd_worker_kv_received_bytes", "KV bytes received.", kv.kv_bytes_received),
         ("pdd_worker_kv_refused_chunks", "Inbound KV chunks refused: not in this worker's "
-         "KV geometry.", kv.kv_refused_chunks),
+         "KV geometry, or without their reservation's landing key.", kv.kv_refused_chunks),
     ]  # fmt: skip
     if kv.drc is not None:
         rows += [

@@ -88,7 +88,7 @@ class KvStats:
     kv_bytes_received: int = 0
     kv_wire_bytes_sent: int = 0  # P: what crossed after the WAN codec
     wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown)
-    kv_refused_chunks: int = 0  # inbound chunks not in this worker's KV geometry (kv_wire)
+    kv_refused_chunks: int = 0  # inbound chunks refused: other geometry (kv_wire) or landing key
 
 
 @dataclass(frozen=True)

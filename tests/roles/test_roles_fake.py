@@ -271,6 +271,47 @@ def test_md_refuses_kv_it_did_not_reserve() -> None:
     assert state == "unknown"
 
 
+def test_a_keyed_rld_takes_kv_only_from_the_p_given_its_landing_key() -> None:
+    """With fleet credentials RLD keys every landing (as MD keys its reservations): P's chunks
+    carry ``kv_id#key``; a wrong key, or KV for a request nobody prepared, is refused."""
+    from pdd.transfer.ucx_auth import set_kv_token
+
+    prompt = list(range(500, 516))  # 4 blocks
+
+    async def keyed_send(topo, rid, addr, key):
+        dest = pb.KvDestination(peer=addr, first_block=0, landing_key=key)
+        msg = pb.SendKvRequest(kv_request_id=rid, destinations=[dest], deadline_s=10)
+        await topo.roles["p"].send_kv(msg)
+        req = pb.AwaitKvRequest(kv_request_id=rid, timeout_s=5)
+        return (await topo.roles["rld"].await_kv(req)).state
+
+    async def scenario():
+        async with Topo() as topo:
+            rld = topo.roles["rld"]
+            states = {}
+            for rid, key in (("k1", None), ("k2", "A" * 12), ("k3", "")):
+                prep = await prepare(topo, "rld", rid, prompt)
+                assert len(prep.landing_key) == 12
+                await topo.generate("p", rid, prompt, 1, stage=True)
+                key = prep.landing_key if key is None else key  # None: the right one
+                states[rid] = await keyed_send(topo, rid, prep.address, key)
+            await topo.generate("p", "k4", prompt, 1, stage=True)  # no PrepareKv on RLD
+            states["k4"] = await keyed_send(topo, "k4", topo.planes["rld"].address(), "")
+            for rid in ("k1", "k2", "k3"):
+                await rld.cancel_kv(pb.CancelKvRequest(kv_request_id=rid))
+            return states, rld.kv_stats().kv_refused_chunks, await topo.idle()
+
+    set_kv_token(b"fleet-token-for-this-test")
+    try:
+        states, refused, stats = asyncio.run(scenario())
+    finally:
+        set_kv_token(None)
+    assert states["k1"] == "done"  # the key the router handed to P
+    assert states["k2"] != "done" and states["k3"] != "done" and states["k4"] != "done"
+    assert refused >= 3
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+
+
 async def _drain(stream) -> list:
     async with aclosing(stream):
         return [out async for out in stream]
