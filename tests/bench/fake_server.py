@@ -34,6 +34,7 @@ class FakeServer:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     max_model_len: int = 4096
     health: list[int] = field(default_factory=list)  # statuses /health answers, then 200
+    keys: list[str | None] = field(default_factory=list)  # each request's Authorization
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -47,6 +48,7 @@ class FakeServer:
             return httpx.Response(200, json={"object": "list", "data": [card]})
         body = json.loads(request.content)
         self.bodies.append(body)
+        self.keys.append(request.headers.get("authorization"))
         name = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
         answer = self.script.get(name, Answer())
         if answer.status != 200:

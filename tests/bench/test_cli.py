@@ -97,6 +97,18 @@ def test_served_topology_command_line(tmp_path):
     topo.stop()  # never started: nothing to do
 
 
+def test_an_api_key_mode_serves_with_a_fresh_private_keys_file(tmp_path):
+    mode = ModeConfig(name="on", config=Path("configs/lab.yaml"), api_key=True)
+    topo = ServedTopology(mode, 10, tmp_path / "serve-on.log")
+    keys = tmp_path / "keys-on.txt"
+    assert f"router.api_keys_file={keys}" in topo.argv()
+    topo._write_key()
+    assert keys.stat().st_mode & 0o777 == 0o600
+    assert keys.read_text().split()[0] == topo.api_key and len(topo.api_key) >= 32
+    with pytest.raises(ValueError, match="api_key needs a config"):
+        ModeConfig(name="x", url="http://x", api_key=True)
+
+
 def test_ready_line_is_found_even_when_a_child_line_runs_into_it():
     assert ready_url("pdd ready: http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
     line = "[w0] pdd worker ready: id=w0 metrics=127.0.0.1:51071pdd ready: http://h:1/v1"

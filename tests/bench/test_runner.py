@@ -181,6 +181,14 @@ def test_run_mode_sends_the_configured_body_and_checks_the_context():
         asyncio.run(run_mode(cfg, "http://fake/v1/", {"w": wl}, "m", server.transport()))
 
 
+def test_run_mode_sends_the_api_key_on_every_request():
+    server = FakeServer()
+    cfg = BenchConfig.model_validate({"progress_interval_s": 60})
+    wl = Workload("w", [Group("g")], [req("a", 0), req("b", 1)])
+    asyncio.run(run_mode(cfg, "http://fake", {"w": wl}, "m", server.transport(), api_key="k1"))
+    assert server.keys == ["Bearer k1", "Bearer k1"]
+
+
 def test_api_base():
     assert api_base("http://h:1") == "http://h:1/v1"
     assert api_base("http://h:1/v1/") == "http://h:1/v1"

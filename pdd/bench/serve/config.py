@@ -163,11 +163,19 @@ class ModeConfig(Section):
         default_factory=dict,
         description="Workers of each kind (for cost). Empty: counted from the topology's roles.",
     )
+    api_key: bool = Field(
+        False,
+        description="Serve the mode with client authentication on: a throwaway API key in a "
+        "keys file in the results folder (`router.api_keys_file`), sent on every request "
+        "(a `config` mode only).",
+    )
 
     @model_validator(mode="after")
     def _one_target(self) -> ModeConfig:
         if (self.url is None) == (self.config is None):
             raise ValueError(f"mode {self.name!r}: give exactly one of url and config")
+        if self.api_key and self.config is None:
+            raise ValueError(f"mode {self.name!r}: api_key needs a config (pdd serve) mode")
         return self
 
 

@@ -60,7 +60,9 @@ def run_one_mode(
         _log(f"mode {mode.name}: starting" if mode.config else f"mode {mode.name}: {mode.url}")
         result.url = system.start()
         _log(f"mode {mode.name}: ready at {result.url} after {time.monotonic() - t0:.1f}s")
-        phases = asyncio.run(run_mode(cfg, result.url, workloads, mode.name))
+        phases = asyncio.run(
+            run_mode(cfg, result.url, workloads, mode.name, api_key=system.api_key)
+        )
         for name, wl in workloads.items():
             hits = {g.name: g.hit for g in wl.groups}
             result.workloads[name] = WorkloadResult.build(name, phases[name], hits, cfg.sla, cost)

@@ -251,15 +251,19 @@ async def run_mode(
     workloads: dict[str, Workload],
     label: str,
     transport: httpx.AsyncBaseTransport | None = None,
+    api_key: str | None = None,
 ) -> dict[str, list[PhaseResult]]:
-    """Every workload, in order, against the server at ``url`` (``transport``: tests only).
+    """Every workload, in order, against the server at ``url`` (``transport``: tests only;
+    ``api_key``: sent as a Bearer key on every request).
     Raises PddError when the server cannot be asked or a workload does not fit its context."""
     load = cfg.load
     limits = httpx.Limits(max_connections=max(load.concurrency, load.max_in_flight) + 4)
     timeout = httpx.Timeout(load.request_timeout_s, connect=10.0)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(
-        base_url=api_base(url), limits=limits, timeout=timeout, transport=transport
-    ) as http:
+        base_url=api_base(url), limits=limits, timeout=timeout, transport=transport,
+        headers=headers,
+    ) as http:  # fmt: skip
         await wait_healthy(http, api_base(url).removesuffix("/v1"), cfg.serve_ready_timeout_s)
         model, max_len = await discover(http, cfg.model)
         for wl in workloads.values():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,6 +35,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class System(Protocol):
+    api_key: str | None  # the Bearer key clients send (None: no authentication)
+
     def start(self) -> str:
         """Bring the system up (if this process owns it); return its base URL."""
         ...
@@ -48,6 +51,7 @@ class Endpoint:
 
     def __init__(self, url: str):
         self.url = url
+        self.api_key: str | None = None
 
     def start(self) -> str:
         return self.url
@@ -74,14 +78,26 @@ class ServedTopology:
         self.tail: deque[str] = deque(maxlen=40)
         self._ready = threading.Event()
         self._pump_thread: threading.Thread | None = None
+        self.api_key: str | None = None
+        self._keys_file = log_path.with_name(f"keys-{mode.name}.txt").absolute()
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "pdd.cli", "serve", "--config", str(self.mode.config)]
-        for item in ["router.port=0", *self.mode.overrides]:
+        keys = [f"router.api_keys_file={self._keys_file}"] if self.mode.api_key else []
+        for item in ["router.port=0", *keys, *self.mode.overrides]:
             args += ["--set", item]
         return args
 
+    def _write_key(self) -> None:
+        """mode.api_key: a fresh key in a 0600 keys file the router reads (default tenant)."""
+        self.api_key = secrets.token_urlsafe(24)
+        fd = os.open(self._keys_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"{self.api_key}  # pdd bench serve, mode {self.mode.name}\n")
+
     def start(self) -> str:
+        if self.mode.api_key:
+            self._write_key()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             self.argv(),
