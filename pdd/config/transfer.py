@@ -42,7 +42,22 @@ class TransferConfig(Section):
     window_chunks: int = Field(
         4,
         gt=0,
-        description="Unacknowledged chunks in flight per TCP stream / per UCX peer (bounds memory).",
+        description="Unacknowledged chunks in flight per TCP stream / per UCX peer (bounds memory). "
+        "TCP: the starting window; it grows with the path's bandwidth-delay product.",
+    )
+    max_wan_streams: int = Field(
+        32,
+        gt=0,
+        le=256,
+        description="TCP: most streams per WAN peer. A link whose bandwidth-delay product "
+        "exceeds what wan_streams sockets can hold in flight (the kernel's tcp_wmem/tcp_rmem "
+        "maxima) opens more, up to this.",
+    )
+    max_inflight_bytes: int = Field(
+        2 * 1024**3,
+        gt=0,
+        description="TCP: most unacknowledged bytes per WAN peer (chunks reference pinned KV, "
+        "so this bounds no copy; 2 GiB covers 100 Gbit/s x 80 ms).",
     )
     deadline_s: float = Field(60.0, gt=0, description="Default deadline of one transfer.")
     inbound_grace_s: float = Field(
@@ -112,4 +127,6 @@ class TransferConfig(Section):
             raise ValueError("tls needs tls_cert_file, tls_key_file and tls_ca_file")
         if self.min_chunk_bytes > self.chunk_bytes:
             raise ValueError("min_chunk_bytes must not exceed chunk_bytes")
+        if self.max_wan_streams < self.wan_streams:
+            raise ValueError("max_wan_streams must not be below wan_streams")
         return self

@@ -1,20 +1,38 @@
-"""Live link estimates (bandwidth, RTT) per peer, and the chunk-size policy built on them.
+"""Live link estimates (bandwidth, RTT) per peer, and the sending plan built on them.
 
 Bandwidth is the goodput of acknowledged bytes measured only while the link is busy (at least
 one chunk unacknowledged), over intervals of at least `interval_s`, smoothed with an EWMA:
 idle time never drags the estimate down. RTT is the kernel's minimum RTT of the streams
 (TCP_INFO tcpi_min_rtt), so it excludes our own queueing. The router reads these through
 `TcpTransport.link_estimates()`.
+
+The plan of a WAN link (``plan_flow``, pure): how many streams, what chunk size and how many
+unacknowledged chunks per stream, so the bytes in flight cover the path's bandwidth-delay
+product (BDP)::
+
+    start         wan_streams x window_chunks chunks (no estimate yet)
+    in flight     max(start, WINDOW_HEADROOM x measured BDP), at most max_inflight_bytes: a
+                  link held back by the window measures its own window as bandwidth, so the
+                  window doubles each sample (~each RTT) until the path, not pdd, limits it
+    streams       enough that no socket must hold more than the kernel lets it
+                  (``socket_inflight_limit``: half the smaller tcp_wmem / tcp_rmem maximum),
+                  from wan_streams up to max_wan_streams; past that the plan names the sysctl
+    chunk         chunk_bytes_for (a cancel stops the bytes within ~2 RTTs)
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 from pdd.config.transfer import TransferConfig
 from pdd.transfer.api import LinkEstimate
 
 LAN_RTT_S = 0.001  # below this a path is treated as local: chunks need not shrink for cancel
+WINDOW_HEADROOM = 2.0  # bytes in flight per measured BDP: room to measure a faster path
+DEFAULT_SOCKET_BYTES = 4 * 1024 * 1024  # Linux's default tcp_wmem maximum
 
 
 class LinkEstimator:
@@ -85,3 +103,54 @@ def chunk_bytes_for(est: LinkEstimate | None, streams: int, config: TransferConf
     budget_s = max(est.rtt_s / 2, config.chunk_time_floor_s)
     target = int(per_stream_bytes_s * budget_s) & ~0xFFFF  # whole 64 KiB units
     return max(lo, min(hi, target))
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPlan:
+    """How one WAN peer link sends now."""
+
+    streams: int
+    chunk_bytes: int
+    window_chunks: int  # unacknowledged chunks per stream
+    limited_by: str = ""  # why the plan holds less than the path's BDP ("": it does not)
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self.streams * self.window_chunks * self.chunk_bytes
+
+
+def socket_inflight_limit(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
+    """Bytes one TCP socket can keep in flight here: half the smaller of the kernel's
+    autotuning maxima (tcp_wmem, tcp_rmem; the other half is the kernel's own overhead)."""
+    maxima = []
+    for name in ("tcp_wmem", "tcp_rmem"):
+        try:
+            maxima.append(int((proc / name).read_text().split()[2]))
+        except (OSError, ValueError, IndexError):
+            maxima.append(DEFAULT_SOCKET_BYTES)
+    return max(64 * 1024, min(maxima) // 2)
+
+
+def plan_flow(est: LinkEstimate | None, config: TransferConfig, socket_bytes: int) -> FlowPlan:
+    """The plan for a link with estimate ``est`` (module doc). Pure."""
+    streams = config.wan_streams
+    start = FlowPlan(streams, chunk_bytes_for(est, streams, config), config.window_chunks)
+    if est is None or est.samples == 0 or est.rtt_s < LAN_RTT_S:
+        return start  # nothing measured yet, or a LAN: the starting window is plenty
+    bdp = est.bandwidth_bps / 8 * est.rtt_s
+    want = min(max(start.inflight_bytes, int(bdp * WINDOW_HEADROOM)), config.max_inflight_bytes)
+    needed = math.ceil(want / socket_bytes)
+    streams = max(streams, min(needed, config.max_wan_streams))
+    want = min(want, streams * socket_bytes)  # what the kernel lets that many sockets hold
+    chunk = chunk_bytes_for(est, streams, config)
+    window = max(config.window_chunks, math.ceil(want / (streams * chunk)))
+    limited_by = ""
+    if want < bdp:  # pdd, not the path, would bound the rate
+        limited_by = (
+            "transfer.max_inflight_bytes"
+            if want == config.max_inflight_bytes
+            else f"transfer.max_wan_streams ({config.max_wan_streams}) x "
+            f"{socket_bytes >> 20} MiB per socket: raise the net.ipv4.tcp_wmem and "
+            "tcp_rmem maxima"
+        )
+    return FlowPlan(streams, chunk, window, limited_by)

@@ -3,17 +3,19 @@ mutual TLS, live link estimates.
 
 Owns one `Listener` (when built with receiver hooks) and one `PeerLink` per destination,
 created on first send and replaced when it breaks. Threads: the reaper, the listener and one
-per accepted stream (receiving), `wan_streams` per peer link (sending). `close()` fails what
+per accepted stream (receiving), the plan's streams per peer link (sending: `wan_streams`,
+more on a path whose bandwidth-delay product needs them). `close()` fails what
 is open, shuts every socket down and joins every thread.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from pdd.transfer.api import LinkEstimate, PeerAddress
 from pdd.transfer.base import BaseTransport
-from pdd.transfer.estimate import chunk_bytes_for
+from pdd.transfer.estimate import plan_flow, socket_inflight_limit
 from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import client_tls, server_tls
 from pdd.transfer.tcp_recv import Listener
@@ -31,6 +33,7 @@ class TcpTransport(BaseTransport):
         self.refused = 0  # connections closed: no proof, or the receiver was full
         self.server_tls = server_tls(self.config)
         self.client_tls = client_tls(self.config)
+        self.socket_bytes = socket_inflight_limit()  # what one socket can keep in flight here
         self._links: dict[str, PeerLink] = {}
         self._dead: list[PeerLink] = []
         self._links_lock = threading.Lock()
@@ -82,8 +85,9 @@ class TcpTransport(BaseTransport):
     def _chunk_bytes(self, peer: PeerAddress) -> int:
         with self._links_lock:
             link = self._links.get(peer.key())
-        est = link.estimator.estimate() if link is not None else None
-        return chunk_bytes_for(est, self.config.wan_streams, self.config)
+        if link is None:
+            return plan_flow(None, self.config, self.socket_bytes).chunk_bytes
+        return link.replan(time.monotonic()).chunk_bytes
 
     def _submit(self, peer: PeerAddress, record: OutRecord) -> None:
         self._link(peer).submit(record)

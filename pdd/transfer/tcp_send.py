@@ -7,12 +7,15 @@ TLS socket is never used by two threads. Its loop:
     drain ready ACKs -> window open? send a control frame, else the next chunk -> else sleep
     on (socket readable | wake pipe)
 
-A chunk's successor is put back at the head of the FIFO before the chunk is sent, so all
-streams work on the oldest transfer together and its first chunks land while later ones are
-still queued. At most `window_chunks` chunks per stream are unacknowledged (bounded memory
-at the receiver's kernel, and a bounded amount to drain on cancel). Any socket error breaks
-the whole link: every open transfer to that peer fails, the link's threads exit, and the
-next send opens a fresh link.
+Open transfers share the link chunk by chunk (round robin: a chunk's successor goes to the
+back of the queue), so a two-block transfer submitted behind a 1 GiB one waits for one chunk
+per transfer ahead of it, not for the gigabyte; a lone transfer has every stream to itself.
+Within a transfer chunks leave in block order, so they land in prefix order. The link follows
+its `FlowPlan` (`pdd.transfer.estimate.plan_flow`, re-planned at most every RTT_REFRESH_S
+from its estimate): at most `plan.window_chunks` chunks per stream are unacknowledged, and a
+path whose bandwidth-delay product needs more streams than the link has opens them. Any
+socket error breaks the whole link: every open transfer to that peer fails, the link's
+threads exit, and the next send opens a fresh link.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from pdd.errors import TransferError
 from pdd.transfer.api import PeerAddress, TransferState
-from pdd.transfer.estimate import LAN_RTT_S, LinkEstimator
+from pdd.transfer.estimate import LAN_RTT_S, FlowPlan, LinkEstimator, plan_flow
 from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import (
     SLICE,
@@ -67,12 +70,47 @@ class PeerLink:
         self._work: deque[tuple[OutRecord, int]] = deque()
         self._control: deque[bytes] = deque()
         self.broken: str | None = None
-        n = transport.config.wan_streams
-        self.streams = [SenderStream(self, i, n) for i in range(n)]
+        self.plan = plan_flow(None, transport.config, transport.socket_bytes)
+        self._planned_at = 0.0
+        n = self.plan.streams
+        self.streams = [SenderStream(self, i, n) for i in range(n)]  # replaced, never mutated
+        self._started = False
 
     def start(self) -> None:
-        for s in self.streams:
+        with self._lock:
+            self._started = True
+            streams = self.streams
+        for s in streams:
             s.thread.start()
+
+    def replan(self, now: float) -> FlowPlan:
+        """The link's plan, recomputed from its estimate at most every RTT_REFRESH_S; opens
+        the streams a larger plan asks for."""
+        with self._lock:
+            if now - self._planned_at < RTT_REFRESH_S or self.broken is not None:
+                return self.plan
+            self._planned_at = now
+            old = self.plan
+            cfg = self.transport.config
+            self.plan = plan = plan_flow(
+                self.estimator.estimate(), cfg, self.transport.socket_bytes
+            )
+            added = [SenderStream(self, i, plan.streams) for i in range(len(self.streams),
+                                                                        plan.streams)]  # fmt: skip
+            self.streams = [*self.streams, *added]
+            started = self._started
+        if started:
+            for s in added:
+                s.thread.start()
+        if added:
+            log.info("link to %s: %d streams, %d x %d KiB in flight each (%s)", self.key,
+                     plan.streams, plan.window_chunks, plan.chunk_bytes >> 10,
+                     self.estimator.estimate())  # fmt: skip
+        if plan.limited_by and plan.limited_by != old.limited_by:
+            log.warning("link to %s: pdd keeps less than the path's bandwidth-delay product in "
+                        "flight (%s): limited by %s", self.key, self.estimator.estimate(),
+                        plan.limited_by)  # fmt: skip
+        return plan
 
     def submit(self, rec: OutRecord) -> None:
         with self._lock:
@@ -100,8 +138,8 @@ class PeerLink:
                 rec, index = self._work.popleft()
                 if rec.stop_state is not None:  # a hint; begin_chunk decides under its lock
                     continue
-                if index + 1 < len(rec.chunks):
-                    self._work.appendleft((rec, index + 1))
+                if index + 1 < len(rec.chunks):  # round robin among open transfers
+                    self._work.append((rec, index + 1))
                 return rec, index
         return None
 
@@ -195,9 +233,9 @@ class SenderStream:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, cfg.chunk_bytes)
 
     def _loop(self) -> None:
-        window = self.config.window_chunks
         while self.link.broken is None:
             self._drain_acks()
+            window = self.link.replan(time.monotonic()).window_chunks
             item = self.link.take() if len(self.unacked) < window else None
             if isinstance(item, bytes):
                 send_all(self.sock, [item])

@@ -8,7 +8,8 @@ import pytest
 
 from pdd.config.transfer import TransferConfig
 from pdd.transfer import KVSegment, LinkEstimate, SendRequest, TransferState
-from pdd.transfer.estimate import LinkEstimator, chunk_bytes_for
+from pdd.transfer.api import PeerAddress
+from pdd.transfer.estimate import LinkEstimator, chunk_bytes_for, plan_flow, socket_inflight_limit
 from pdd.transfer.testing import LandingZone, crc_of, make_pki, pattern
 from tests.transfer.helpers import wait_for
 
@@ -113,3 +114,78 @@ def test_estimator_measures_busy_time_only():
     est.on_rtt(0.03)  # the minimum is the path's RTT
     got = est.estimate()
     assert (round(got.bandwidth_bps), got.rtt_s, got.samples) == (800_000_000, 0.02, 2)
+
+
+GBIT = 1e9
+
+
+def test_the_flow_plan_covers_100_gbit_at_50_ms():
+    """A tuned host (tcp_wmem/rmem maxima of 256 MiB, as ESnet advises for 100G): the plan keeps
+    at least the path's BDP (625 MB) in flight, in whole chunks, within the configured bounds."""
+    cfg = TransferConfig()
+    est = LinkEstimate(100 * GBIT, 0.05, 10)
+    plan = plan_flow(est, cfg, socket_bytes=128 * MiB)
+    bdp = 100 * GBIT / 8 * 0.05
+    assert plan.inflight_bytes >= bdp and plan.limited_by == ""
+    assert cfg.wan_streams <= plan.streams <= cfg.max_wan_streams
+    assert cfg.min_chunk_bytes <= plan.chunk_bytes <= cfg.chunk_bytes
+    assert plan.streams * 128 * MiB >= bdp  # no socket asked to hold more than the kernel lets it
+    # Linux's default 4 MiB maxima: the plan says what bounds it, and names the sysctl.
+    small = plan_flow(est, cfg, socket_bytes=2 * MiB)
+    assert small.streams == cfg.max_wan_streams and small.inflight_bytes < bdp
+    assert "tcp_wmem" in small.limited_by
+
+
+def test_the_window_grows_quickly_from_a_sane_start():
+    """A link held back by its window measures the window as bandwidth; the plan doubles it
+    each sample, so 100 Gbit/s x 50 ms is reached within a few RTTs of samples."""
+    cfg, rtt, path = TransferConfig(), 0.05, 100 * GBIT
+    plan = plan_flow(None, cfg, 128 * MiB)
+    assert plan.streams == cfg.wan_streams and plan.window_chunks == cfg.window_chunks
+    samples = 0
+    while True:
+        rate = min(path, plan.inflight_bytes * 8 / rtt)  # what this window can carry
+        if rate >= 0.9 * path:
+            break
+        samples += 1
+        assert samples <= 16, plan
+        plan = plan_flow(LinkEstimate(rate, rtt, samples), cfg, 128 * MiB)
+    assert samples <= 12
+
+
+def test_a_lan_keeps_the_starting_window():
+    cfg = TransferConfig()
+    lan = plan_flow(LinkEstimate(25 * GBIT, 30e-6, 10), cfg, 2 * MiB)
+    assert (lan.streams, lan.window_chunks) == (cfg.wan_streams, cfg.window_chunks)
+
+
+def test_socket_limit_is_half_the_smaller_kernel_maximum(tmp_path):
+    (tmp_path / "tcp_wmem").write_text("4096\t16384\t4194304\n")
+    (tmp_path / "tcp_rmem").write_text("4096\t131072\t33554432\n")
+    assert socket_inflight_limit(tmp_path) == 2 * MiB
+    assert socket_inflight_limit(tmp_path / "missing") == 2 * MiB  # Linux's default maxima
+
+
+def test_transfers_share_a_link_chunk_by_chunk():
+    """A 2-chunk transfer submitted behind a 1 GiB one (256 chunks of 4 MiB) is sent after one
+    chunk of it, not after the gigabyte; each transfer's chunks still leave in order."""
+    from types import SimpleNamespace
+
+    from pdd.transfer.ledger import OutRecord
+    from pdd.transfer.tcp_send import PeerLink
+
+    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
+    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1))
+    try:
+        big = OutRecord(1, "big", link.key, list(range(256)), [], 1e9, 1 << 30)
+        small = OutRecord(2, "small", link.key, [0, 1], [], 1e9, 8 * MiB)
+        link.submit(big)
+        first = link.take()  # a stream already took the big transfer's first chunk
+        link.submit(small)
+        order = [link.take() for _ in range(6)]
+    finally:
+        for s in link.streams:
+            s.close_pipe()
+    assert first == (big, 0)
+    assert order[:4] == [(big, 1), (small, 0), (big, 2), (small, 1)]
+    assert order[4:] == [(big, 3), (big, 4)]
