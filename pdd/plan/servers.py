@@ -158,6 +158,30 @@ class DecodeServer:
         self._reschedule()
 
 
+class PrefillQueue:
+    """One worker's serial prefill, first come first served (a ``simpy.Resource(1)`` without
+    its request and release events: an idle worker starts at once)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env, self.busy, self.waiting = env, False, deque[simpy.Event]()
+
+    def acquire(self) -> simpy.Event | None:
+        """None: the prefill starts now; else the event that fires when its turn comes."""
+        if not self.busy:
+            self.busy = True
+            return None
+        ev = self.env.event()
+        self.waiting.append(ev)
+        return ev
+
+    def release(self) -> None:
+        """The running prefill ended: the next in line starts (now), or the worker idles."""
+        if self.waiting:
+            self.waiting.popleft().succeed()
+        else:
+            self.busy = False
+
+
 @dataclass(eq=False, slots=True)
 class Transfer:
     nbytes: int

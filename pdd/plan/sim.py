@@ -29,11 +29,11 @@ import simpy
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import UnavailableError
-from pdd.plan.cache import PrefixCache, make_cache
+from pdd.plan.cache import Holders, PrefixCache, make_cache
 from pdd.plan.fleet import Fleet
 from pdd.plan.pipeline import run_pdd
 from pdd.plan.profile import ChipProfile
-from pdd.plan.servers import DecodeServer, Link, Seq
+from pdd.plan.servers import DecodeServer, Link, PrefillQueue, Seq
 from pdd.plan.stats import RequestLog, SimResult, Sla, summarize
 from pdd.plan.workload import Conversation, Turn, Workload
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
@@ -70,7 +70,7 @@ class Worker:
     profile: ChipProfile
     cache: PrefixCache | None
     decode: DecodeServer | None = None
-    prefill: simpy.Resource | None = None
+    prefill: PrefillQueue | None = None
     in_flight: int = 0
     prefill_busy_s: float = 0.0
 
@@ -90,6 +90,10 @@ class Simulation:
         self.conversation_spans: list[float] = []  # first arrival -> last turn's end
         self.workers: dict[str, Worker] = {}
         self._views: dict[str, WorkerView] = {}
+        # who holds each conversation, per role (the O(1) caches; None: exact caches)
+        self.holders: dict[Role, Holders] | None = (
+            None if self.settings.exact_cache else {r: {} for r in Role}
+        )
         mean_final = _mean_final_context(workload)
         for g in fleet.groups:
             prof = profiles[g.chip]
@@ -101,19 +105,20 @@ class Simulation:
     def _add_worker(self, wid: str, role: Role, prof: ChipProfile, mean_final: float) -> None:
         mem = prof.memory
         max_seqs = max(1, min(mem.max_batch, int(mem.kv_capacity_tokens // max(mean_final, 1))))
-        exact = self.settings.exact_cache
-        cache = {
-            Role.PREFILL: make_cache(exact, mem.kv_capacity_tokens, prof.block_size),
-            Role.COLOCATED: make_cache(exact, mem.kv_capacity_tokens, prof.block_size),
-            Role.MAIN_DECODE: make_cache(exact, mem.host_cache_tokens, prof.block_size)
-            if self.fleet.mode is RouterMode.PDD else None,
+        exact, holders = self.settings.exact_cache, self.holders and self.holders[role]
+        capacity = {
+            Role.PREFILL: mem.kv_capacity_tokens,
+            Role.COLOCATED: mem.kv_capacity_tokens,
+            Role.MAIN_DECODE: mem.host_cache_tokens if self.fleet.mode is RouterMode.PDD else None,
             Role.RELAY_DECODE: None,
         }[role]  # fmt: skip
+        cache = (None if capacity is None
+                 else make_cache(exact, capacity, prof.block_size, wid, holders))  # fmt: skip
         w = Worker(wid, role, prof, cache)
         if role is not Role.PREFILL:
             w.decode = DecodeServer(self.env, wid, prof, max_seqs)
         if role in (Role.PREFILL, Role.COLOCATED):
-            w.prefill = simpy.Resource(self.env, 1)
+            w.prefill = PrefillQueue(self.env)
         self.workers[wid] = w
         self._views[wid] = WorkerView(
             id=wid, role=role, healthy=True, datacenter=self.fleet.datacenter(role),
@@ -144,9 +149,9 @@ class Simulation:
     def route(self, conv: int, turn: Turn) -> Decision:
         """``routing.choose`` on this instant's snapshot (load, DRC and P-cache contents)."""
         n = turn.prompt_tokens
-        md_cached = _cached(self.by_role[Role.MAIN_DECODE], conv, n)
+        md_cached = self._cached(Role.MAIN_DECODE, conv, n)
         p_role = Role.COLOCATED if self.fleet.mode is RouterMode.COLOCATED else Role.PREFILL
-        p_cached = _cached(self.by_role[p_role], conv, n)
+        p_cached = self._cached(p_role, conv, n)
         view = FleetView(self.fleet.mode, self._view_tuple, self.settings.policy)
         req = RouteRequest(n, turn.output_tokens, md_cached, p_cached)
         decision = routing.choose(view, req)
@@ -156,6 +161,17 @@ class Simulation:
         if decision.pipeline is Pipeline.P_MD and wanted_rld:
             self.starved += 1  # p_rld_md was due, no RLD had a slot: degraded to p_md
         return decision
+
+    def _cached(self, role: Role, conv: int, tokens: int) -> dict[str, int]:
+        """Per worker of ``role``, the tokens of this prompt its cache holds (non-zero only)."""
+        if self.holders is None:
+            return _cached(self.by_role[role], conv, tokens)
+        out = {}
+        for wid, cache in self.holders[role].get(conv, {}).items():
+            n = cache.cached_tokens(conv, tokens)
+            if n:
+                out[wid] = n
+        return out
 
     def _with_affine_p(self, d: Decision, view: FleetView, req: RouteRequest) -> Decision:
         """Baselines with prefix affinity: the first worker (P, or the colocated one) chosen
@@ -204,7 +220,7 @@ class Simulation:
         elif decision.pipeline is Pipeline.PD:
             yield from self._pd(conv, turn, rec)
         else:
-            yield from self._pdd(conv, turn, rec)
+            yield from run_pdd(self, conv, turn, rec)
         for w in workers:
             if w.in_flight and rec.released.get(w.id) is None:
                 self._bump(w, -1)
@@ -219,16 +235,18 @@ class Simulation:
     def prefill_stage(self, p: Worker, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         assert p.prefill is not None and p.cache is not None
         t0 = self.env.now
-        with p.prefill.request() as slot:
-            yield slot
-            rec.p_wait = self.env.now - t0
-            cached = p.cache.cached_tokens(conv, turn.prompt_tokens)
-            seconds = p.profile.prefill_s(turn.prompt_tokens - cached, cached)
-            if p.decode is not None:  # colocated: the prefill stalls its decode batch
-                p.decode.add_extra(seconds)
-            yield self.env.timeout(seconds)
-            p.prefill_busy_s += seconds
-            p.cache.store(conv, turn.prompt_tokens)
+        turn_ = p.prefill.acquire()
+        if turn_ is not None:  # queued behind another prefill
+            yield turn_
+        rec.p_wait = self.env.now - t0
+        cached = p.cache.cached_tokens(conv, turn.prompt_tokens)
+        seconds = p.profile.prefill_s(turn.prompt_tokens - cached, cached)
+        if p.decode is not None:  # colocated: the prefill stalls its decode batch
+            p.decode.add_extra(seconds)
+        yield self.env.timeout(seconds)
+        p.prefill_busy_s += seconds
+        p.cache.store(conv, turn.prompt_tokens)
+        p.prefill.release()
 
     def _colocated(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         c = self.workers[rec.decision.worker(Role.COLOCATED)]
@@ -272,9 +290,6 @@ class Simulation:
 
     def local_s(self, nbytes: int) -> float:
         return self.settings.local_rtt_s / 2 + nbytes * 8 / self.settings.local_bandwidth_bps
-
-    def _pdd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
-        yield from run_pdd(self, conv, turn, rec)
 
 
 @dataclass(eq=False)

@@ -90,5 +90,7 @@ def run_case(name: str) -> dict:
 
 
 if __name__ == "__main__":
-    GOLDEN.write_text(json.dumps({n: run_case(n) for n in cases()}, indent=1, sort_keys=True) + "\n")
+    GOLDEN.write_text(
+        json.dumps({n: run_case(n) for n in cases()}, indent=1, sort_keys=True) + "\n"
+    )
     print(f"wrote {GOLDEN}")
