@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import simpy
+from simpy.events import NORMAL
 
 from pdd.plan.profile import ChipProfile
 
@@ -233,10 +234,19 @@ class PrefillQueue:
             self.busy = False
 
 
+class Landing(simpy.Event):
+    """``Transfer.landed``: waited on from the send, armed when the last byte left (it then
+    fires half an RTT later, as a simpy Timeout would, without a second event)."""
+
+    def arm(self, delay: float) -> None:
+        self._ok, self._value = True, None
+        self.env.schedule(self, NORMAL, delay)
+
+
 @dataclass(eq=False, slots=True)
 class Transfer:
     nbytes: int
-    landed: simpy.Event
+    landed: Landing
     sent: float = 0.0  # bytes that crossed (less than nbytes if cancelled)
     cancelled: bool = False
 
@@ -257,9 +267,9 @@ class Link:
 
     def send(self, nbytes: int) -> Transfer:
         """Queue ``nbytes``; ``landed`` fires when the last byte arrived."""
-        t = Transfer(nbytes, self.env.event())
+        t = Transfer(nbytes, Landing(self.env))
         if nbytes <= 0:
-            self.env.timeout(self.rtt_s / 2).callbacks.append(lambda _e: t.landed.succeed())
+            t.landed.arm(self.rtt_s / 2)
             return t
         self.queue.append(t)
         if self._current is None:
@@ -267,7 +277,8 @@ class Link:
         return t
 
     def cancel(self, t: Transfer) -> None:
-        """Drop it from the queue, or cut it now (the bytes already sent stay counted)."""
+        """Drop it from the queue, or cut it now (the bytes already sent stay counted). One
+        whose last byte already left lands anyway (no one waits for it any more)."""
         if t.landed.triggered or t.cancelled:
             return
         t.cancelled = True
@@ -299,9 +310,7 @@ class Link:
         t = self._current
         self._account()
         self._current = None
-        self.env.timeout(self.rtt_s / 2).callbacks.append(
-            lambda _e: None if t.cancelled else t.landed.succeed()
-        )
+        t.landed.arm(self.rtt_s / 2)
         self._next()
 
     def utilisation(self, duration_s: float) -> float:

@@ -22,6 +22,7 @@ What is simplified is in the servers' docstring (pdd.plan.servers) and docs/oper
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +60,25 @@ class SimSettings:
     # prefix affinity; True gives them pdd's P scorer (policy.pick_p) as a KV-aware router
     # would (vLLM production-stack, Dynamo), False plays pdd's router exactly.
     baseline_affinity: bool = True
+
+
+class SimFleetView(FleetView):
+    """The router's ``FleetView`` with ``healthy`` remembered per role: in the simulation no
+    worker changes health or role, so the list is the same on every call (a copy is handed
+    out, as the router's fresh list would be)."""
+
+    __slots__ = ("_healthy",)
+
+    def __init__(self, mode: RouterMode, workers: tuple[WorkerView, ...],
+                 policy: PddPolicyConfig) -> None:  # fmt: skip
+        super().__init__(mode, workers, policy)
+        object.__setattr__(self, "_healthy", {})
+
+    def healthy(self, *roles: Role) -> list[WorkerView]:
+        got = self._healthy.get(roles)
+        if got is None:
+            got = self._healthy[roles] = FleetView.healthy(self, *roles)
+        return list(got)
 
 
 @dataclass(eq=False)
@@ -99,7 +119,8 @@ class Simulation:
             prof = profiles[g.chip]
             for i in range(g.count):
                 self._add_worker(f"{g.role.value}-{g.chip}-{i}", g.role, prof, mean_final)
-        self._view_tuple = tuple(self._views.values())  # the same objects, updated in place
+        # one snapshot for the whole run: its WorkerViews are updated in place (``_bump``)
+        self.view = SimFleetView(fleet.mode, tuple(self._views.values()), self.settings.policy)
         self.by_role = {r: [w for w in self.workers.values() if w.role is r] for r in Role}
 
     def _add_worker(self, wid: str, role: Role, prof: ChipProfile, mean_final: float) -> None:
@@ -152,7 +173,7 @@ class Simulation:
         md_cached = self._cached(Role.MAIN_DECODE, conv, n)
         p_role = Role.COLOCATED if self.fleet.mode is RouterMode.COLOCATED else Role.PREFILL
         p_cached = self._cached(p_role, conv, n)
-        view = FleetView(self.fleet.mode, self._view_tuple, self.settings.policy)
+        view = self.view
         req = RouteRequest(n, turn.output_tokens, md_cached, p_cached)
         decision = routing.choose(view, req)
         if self.settings.baseline_affinity and decision.pipeline in _AFFINE:
@@ -190,7 +211,16 @@ class Simulation:
         started, cpu = time.perf_counter(), time.process_time()
         for conv in self.workload.conversations:
             self.env.process(self._conversation(conv))
-        self.env.run()
+        # The run's objects die by reference counting (events drop their callbacks once
+        # processed), so the cyclic collector would only rescan the workload's million
+        # turns, again and again: paused for the run (a tenth of the time at 1M requests).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.env.run()
+        finally:
+            if collecting:
+                gc.enable()
         wall = time.perf_counter() - started
         return summarize(self, wall, time.process_time() - cpu)
 
