@@ -115,20 +115,23 @@ def pick_md(
     weight: float = 0.5,
 ) -> WorkerView | None:
     """Highest MD score among MDs with a free slot (all MDs when none has one)."""
-    pool = [w for w in mds if w.has_capacity] or mds
-    if not pool:
+    if not mds:
         return None
     if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
+        pool = [w for w in mds if w.has_capacity] or mds
         return min(pool, key=lambda w: (-cached.get(w.id, 0), *_tie(w)))
     get = cached.get
 
-    def key(w: WorkerView) -> tuple[float, int, float, int, str]:  # md_score, _tie, inlined
-        load = w.load
+    def key(w: WorkerView) -> tuple[bool, float, int, float, int, str]:
+        # one pass: "full" first is the same as choosing among the MDs with a free slot
+        # when there are any (has_capacity), among all otherwise; then md_score and _tie
+        load, seqs = w.load, w.max_num_seqs
         hit = min(get(w.id, 0), prompt_tokens) / prompt_tokens
-        frac = load / w.max_num_seqs if w.max_num_seqs > 0 else 0.0
-        return (-(hit - weight * frac), load, w.kv_cache_usage, w.served, w.id)
+        frac = load / seqs if seqs > 0 else 0.0
+        full = seqs > 0 and load >= seqs
+        return (full, -(hit - weight * frac), load, w.kv_cache_usage, w.served, w.id)
 
-    return min(pool, key=key)
+    return min(mds, key=key)
 
 
 def pick_p(
