@@ -139,7 +139,9 @@ class Timer:
         return (await self.run(prompt, 1, salt))[0][0]
 
     async def cold(self, n: int) -> float:
-        times = [await self.ttft(self.tokens(n), f"cold-{self._n}") for _ in range(self.plan.repeats)]
+        times = [
+            await self.ttft(self.tokens(n), f"cold-{self._n}") for _ in range(self.plan.repeats)
+        ]
         return statistics.median(times)
 
     async def cached(self, base: list[int], salt: str, extra: int) -> float:
