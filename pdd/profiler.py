@@ -1,6 +1,6 @@
 """``pdd profile``: time one worker kind's real engine and write its chip profile.
 
-    pdd profile --config configs/local.yaml --worker md-0 --name cpu --price 0.05 \\
+    pdd profile --config configs/local.yaml --worker md --name cpu --price 0.05 \\
                 --out cpu.yaml [--lengths 128,512,1024] [--batches 1,2,4,8] [--set k=v ...]
 
 Starts the worker's engine (its config's model and ``engine_for(worker)`` section) in this
