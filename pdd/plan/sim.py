@@ -234,35 +234,45 @@ class Simulation:
             env.process(self._conversation(conv))
 
     def _conversation(self, conv: Conversation):  # noqa: ANN202 (a simpy process)
+        """Its turns one after the other; each request runs inline (no process of its own,
+        and one generator level less: every resume of a stage passes through each level)."""
         for turn in conv.turns:
             if turn.at_s is not None and turn.at_s > self.env.now:
                 yield self.env.timeout(turn.at_s - self.env.now)
             elif turn.think_s:
                 yield self.env.timeout(turn.think_s)
-            yield from self._request(conv.id, turn)  # inline: no process per request
+            rec = self._admit(conv.id, turn)
+            if rec is None:
+                continue
+            pipeline = rec.decision.pipeline
+            if pipeline is Pipeline.COLOCATED:
+                yield from self._colocated(conv.id, turn, rec)
+            elif pipeline is Pipeline.PD:
+                yield from self._pd(conv.id, turn, rec)
+            else:
+                yield from run_pdd(self, conv.id, turn, rec)
+            self._done(turn, rec)
         self.conversation_spans.append(self.env.now - conv.start_s)
 
-    def _request(self, conv: int, turn: Turn):  # noqa: ANN202
+    def _admit(self, conv: int, turn: Turn) -> Record | None:
+        """A request arrives: routed, its workers' counts raised (None: no worker, logged)."""
         arrival = self.env.now
         try:
             decision = self.route(conv, turn)
         except UnavailableError:
             self.log.add(arrival, None, None, turn.output_tokens, "unavailable")
-            return
-        workers = [self.workers[wid] for _, wid in decision.assignments]
-        for w in workers:
+            return None
+        rec = Record(arrival, decision, [self.workers[wid] for _, wid in decision.assignments])
+        for w in rec.workers:
             self._bump(w, +1)
-        rec = Record(arrival, decision)
-        if decision.pipeline is Pipeline.COLOCATED:
-            yield from self._colocated(conv, turn, rec)
-        elif decision.pipeline is Pipeline.PD:
-            yield from self._pd(conv, turn, rec)
-        else:
-            yield from run_pdd(self, conv, turn, rec)
-        for w in workers:
+        return rec
+
+    def _done(self, turn: Turn, rec: Record) -> None:
+        """A request ended: counts of the workers it still held lowered, its figures logged."""
+        for w in rec.workers:
             if w.in_flight and rec.released.get(w.id) is None:
                 self._bump(w, -1)
-        self.log.add(arrival, rec.first_at, self.env.now, turn.output_tokens,
+        self.log.add(rec.arrival, rec.first_at, self.env.now, turn.output_tokens,
                      rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait)  # fmt: skip
 
     def release(self, rec: Record, w: Worker) -> None:
@@ -334,6 +344,7 @@ class Simulation:
 class Record:
     arrival: float
     decision: Decision
+    workers: list[Worker]  # the decision's, in its order
     first_at: float | None = None
     rld_tokens: int = 0
     wan_bytes: int = 0
