@@ -180,14 +180,14 @@ class DecodeServer:
             self._extra = 0.0
             return
         fixed, per_seq, per_ctx = self._coef
-        self._step = fixed + len(self.running) * per_seq + self._ctx * per_ctx
+        step = self._step = fixed + len(self.running) * per_seq + self._ctx * per_ctx
         soonest = self._soonest_end() - self.progress
-        due = self.env.now + self._extra + max(soonest, 0.0) * self._step
-        if self.env.now <= self._due <= due:
+        now = self.env.now
+        due = now + self._extra + (soonest if soonest > 0.0 else 0.0) * step
+        if now <= self._due <= due:
             return
         self._due = due
-        ev = self.env.timeout(due - self.env.now)
-        ev.callbacks.append(lambda _e: self._on_timer(due))
+        self.env.timeout(due - now).callbacks.append(lambda _e: self._on_timer(due))
 
     def _on_timer(self, due: float) -> None:
         if due != self._due:
@@ -200,7 +200,8 @@ class DecodeServer:
             _, _, s = heapq.heappop(ends)
             if s in self.running:
                 finished.append(s)
-        finished.sort(key=lambda s: s.order)
+        if len(finished) > 1:
+            finished.sort(key=lambda s: s.order)
         for s in finished:
             self._leave(s)
             if s.first_at < 0:
