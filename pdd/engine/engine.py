@@ -119,6 +119,7 @@ class Engine:
         self._eos_ids: tuple[int, ...] = ()
         self.vocab_size = 0
         self.kv_block_bytes = 0
+        self.kv_capacity_tokens = 0  # device KV in tokens (vLLM's blocks x block size)
         self.kv_geometry: KvGeometry | None = None  # set once the engine is up
         self.startup_s: float | None = None
 
@@ -150,6 +151,8 @@ class Engine:
         self.vocab_size = llm.model_config.get_vocab_size()
         self._eos_ids = _eos_ids(llm)
         self.kv_block_bytes = _kv_block_bytes(llm, self.engine_config.block_size)
+        blocks = llm.vllm_config.cache_config.num_gpu_blocks or 0  # the core's, via handshake
+        self.kv_capacity_tokens = blocks * self.engine_config.block_size
         fingerprint = await asyncio.to_thread(model_fingerprint, path)
         self.kv_geometry = _kv_geometry(llm, fingerprint, self.engine_config.block_size)
         self.startup_s = time.monotonic() - started

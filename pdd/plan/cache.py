@@ -87,15 +87,26 @@ class RadixPrefixCache:
         return len(self.index)
 
 
-class ConversationLruCache:
-    """Fast: a block count per conversation and an LRU of conversations (module docstring)."""
+Holders = dict[int, dict[str, "ConversationLruCache"]]
+"""conversation -> {cache owner: the cache} of every cache (of one role) holding some of it:
+the simulator's routing inputs in O(holders), not O(workers), per request."""
 
-    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+
+class ConversationLruCache:
+    """Fast: a block count per conversation and an LRU of conversations (module docstring).
+
+    ``holders`` (optional, shared by the caches of one role): this cache enters itself under
+    ``owner`` for each conversation it holds an entry of, and leaves when the entry goes.
+    """
+
+    def __init__(self, capacity_tokens: int, block_size: int, owner: str = "",
+                 holders: Holders | None = None) -> None:  # fmt: skip
         self.block_size = block_size
         self.capacity = capacity_tokens // block_size
         self.used_blocks = 0
         self._blocks: OrderedDict[int, int] = OrderedDict()  # LRU first
         self._pins: dict[int, list[int]] = {}  # conv -> pinned prefix lengths (blocks)
+        self.owner, self.holders = owner, holders
 
     def cached_tokens(self, conv: int, tokens: int) -> int:
         return min(self._blocks.get(conv, 0), tokens // self.block_size) * self.block_size
@@ -107,6 +118,8 @@ class ConversationLruCache:
             self._blocks.move_to_end(conv)
         elif want:
             self._blocks[conv] = 0
+            if self.holders is not None:
+                self.holders.setdefault(conv, {})[self.owner] = self
         if want <= have:
             return
         short = want - have - (self.capacity - self.used_blocks)
@@ -135,6 +148,11 @@ class ConversationLruCache:
                 gone.append(conv)
         for conv in gone:
             del self._blocks[conv]
+            if self.holders is not None:
+                held = self.holders[conv]
+                del held[self.owner]
+                if not held:
+                    del self.holders[conv]
 
     def pin(self, conv: int, tokens: int) -> object:
         n = self.cached_tokens(conv, tokens) // self.block_size
@@ -153,6 +171,9 @@ class ConversationLruCache:
             del self._pins[conv]
 
 
-def make_cache(exact: bool, capacity_tokens: int, block_size: int) -> PrefixCache:
-    cls = RadixPrefixCache if exact else ConversationLruCache
-    return cls(capacity_tokens, block_size)
+def make_cache(exact: bool, capacity_tokens: int, block_size: int, owner: str = "",
+               holders: Holders | None = None) -> PrefixCache:  # fmt: skip
+    """The exact RadixIndex cache, or the O(1) one (entered in ``holders`` when given)."""
+    if exact:
+        return RadixPrefixCache(capacity_tokens, block_size)
+    return ConversationLruCache(capacity_tokens, block_size, owner, holders)

@@ -79,7 +79,7 @@ def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: Record): 
     assert rld.decode is not None and md.decode is not None
     for _ in range(policy.max_catch_up_rounds):
         rld.decode.advance()
-        gap = int(seq.generated) - known
+        gap = int(rld.decode.generated(seq)) - known
         if gap < policy.catch_up_threshold_tokens or seq.done.triggered:
             break
         seconds = md.profile.extend_s(gap)

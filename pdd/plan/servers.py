@@ -15,10 +15,12 @@ Everything runs on simpy event callbacks, no process per server.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
 import simpy
+from simpy.events import NORMAL
 
 from pdd.plan.profile import ChipProfile
 
@@ -27,34 +29,51 @@ from pdd.plan.profile import ChipProfile
 class Seq:
     """One request's stretch on one decoder."""
 
-    remaining: float  # tokens still to generate here
-    context: float  # KV tokens it reads per step
+    remaining: float  # tokens to generate here (fixed; what is left: DecodeServer.generated)
+    context: float  # KV tokens it reads per step (when it joined; + generated when it left)
     done: simpy.Event
     reserve: float = 0.0  # device KV reserved at admission (final context)
-    generated: float = 0.0
+    generated: float = 0.0  # set when it leaves; while it runs, ask DecodeServer.generated
     first_at: float = -1.0  # when its first token here was out (-1: not yet)
     extra_s: float = 0.0  # its one-off forward (extend-decode), run when it is admitted
     admitted_at: float = -1.0
+    start: float = 0.0  # the server's progress when it joined the batch
+    end: float = 0.0  # the progress at which it is done (start + remaining)
+    order: int = 0  # admission number (finishing together: in admission order)
 
 
 @dataclass(eq=False)
 class DecodeServer:
+    """A decode batch. Every running sequence gains the same tokens between two events, so
+    the server keeps one counter, ``progress`` (tokens each running sequence generated since
+    the server started), and a sequence its ``start``/``end`` on it: an event costs O(1) in
+    the batch size plus O(log batch) per sequence that finishes (a heap of ends)."""
+
     env: simpy.Environment
     id: str
     profile: ChipProfile
     max_seqs: int
-    running: list[Seq] = field(default_factory=list)
+    running: dict[Seq, None] = field(default_factory=dict)  # admission order
     waiting: deque[Seq] = field(default_factory=deque)
     in_flight: int = 0  # the router's count (routing -> the request leaves this worker)
     tokens: float = 0.0  # generated here in all
     busy_s: float = 0.0  # time with a non-empty batch
     occupancy_s: float = 0.0  # integral of (running + waiting) / max_seqs over time
+    progress: float = 0.0
+    _ends: list[tuple[float, int, Seq]] = field(default_factory=list)  # heap; stale entries
+    _fresh: list[Seq] = field(default_factory=list)  # running, first token not out yet
+    _admitted: int = 0
     _ctx: float = 0.0
     _kv: float = 0.0
     _extra: float = 0.0
     _step: float = 0.0
     _t: float = 0.0
     _due: float = -1.0  # when the armed timer fires (-1: none armed)
+
+    def __post_init__(self) -> None:
+        d = self.profile.decode
+        self._coef = (d.step_fixed_s, d.per_seq_s, d.per_context_token_s)
+        self._cap = self.profile.memory.kv_capacity_tokens
 
     def add(self, seq: Seq, extra_s: float = 0.0) -> None:
         """Queue ``seq``; ``extra_s`` is its one-off forward (extend-decode), run before it
@@ -66,18 +85,31 @@ class DecodeServer:
         self._admit()
         self._reschedule()
 
+    def generated(self, seq: Seq) -> float:
+        """Tokens ``seq`` generated here so far (call ``advance`` first for "now")."""
+        if seq in self.running:
+            return min(self.progress - seq.start, seq.remaining)
+        return seq.generated
+
     def remove(self, seq: Seq) -> int:
         """Take ``seq`` out (handoff, abort); returns the whole tokens it generated here."""
         self.advance()
         if seq in self.running:
-            self.running.remove(seq)
-            self._ctx -= seq.context
-            self._kv -= seq.reserve
+            self._leave(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._admit()
         self._reschedule()
         return int(seq.generated)
+
+    def _leave(self, seq: Seq) -> None:
+        del self.running[seq]  # its heap entry goes stale
+        seq.generated = min(self.progress - seq.start, seq.remaining)
+        seq.context += seq.generated
+        self._ctx -= seq.context
+        self._kv -= seq.reserve
+        if seq.first_at < 0 and seq in self._fresh:
+            self._fresh.remove(seq)
 
     def add_extra(self, seconds: float) -> None:
         """A one-off forward that stalls the batch (a Catch-Up round, a colocated prefill)."""
@@ -90,13 +122,18 @@ class DecodeServer:
         return len(self.running) + len(self.waiting)
 
     def _admit(self) -> None:
-        cap = self.profile.memory.kv_capacity_tokens
-        while self.waiting and len(self.running) < self.max_seqs:
+        cap, running = self._cap, self.running
+        while self.waiting and len(running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.running and self._kv + seq.reserve > cap:
+            if running and self._kv + seq.reserve > cap:
                 return
             self.waiting.popleft()
-            self.running.append(seq)
+            running[seq] = None
+            seq.start, seq.end = self.progress, self.progress + seq.remaining
+            self._admitted += 1
+            seq.order = self._admitted
+            heapq.heappush(self._ends, (seq.end, seq.order, seq))
+            self._fresh.append(seq)
             self._ctx += seq.context
             self._kv += seq.reserve
             self._extra += seq.extra_s
@@ -107,8 +144,9 @@ class DecodeServer:
         dt, self._t = now - self._t, now
         if not self.running or dt <= 0:
             return
+        k = len(self.running)
         self.busy_s += dt
-        self.occupancy_s += dt * (len(self.running) + len(self.waiting)) / self.max_seqs
+        self.occupancy_s += dt * (k + len(self.waiting)) / self.max_seqs
         used = min(dt, self._extra)
         self._extra -= used
         if self._step <= 0:
@@ -116,15 +154,24 @@ class DecodeServer:
         n = (dt - used) / self._step
         if n <= 0:
             return
-        for s in self.running:
-            take = min(n, s.remaining)
-            s.generated += take
-            s.remaining -= take
-            s.context += take
-            if s.first_at < 0 and s.generated >= 1 - 1e-9:
-                s.first_at = now - (s.generated - 1) * self._step
-        self._ctx += n * len(self.running)
-        self.tokens += n * len(self.running)
+        self.progress += n
+        self._ctx += n * k
+        self.tokens += n * k
+        if self._fresh:
+            waiting_first = []
+            for s in self._fresh:
+                g = min(self.progress - s.start, s.remaining)
+                if g >= 1 - 1e-9:
+                    s.first_at = now - (g - 1) * self._step
+                else:
+                    waiting_first.append(s)
+            self._fresh = waiting_first
+
+    def _soonest_end(self) -> float:
+        ends = self._ends
+        while ends and ends[0][2] not in self.running:
+            heapq.heappop(ends)  # a sequence that left early (handoff)
+        return ends[0][0]
 
     def _reschedule(self) -> None:
         """Arm the timer for the next finish. An armed timer due no later is kept (it wakes,
@@ -132,25 +179,31 @@ class DecodeServer:
         if not self.running:
             self._extra = 0.0
             return
-        self._step = self.profile.decode_step_s(len(self.running), self._ctx)
-        soonest = min(s.remaining for s in self.running)
-        due = self.env.now + self._extra + max(soonest, 0.0) * self._step
-        if self.env.now <= self._due <= due:
+        fixed, per_seq, per_ctx = self._coef
+        step = self._step = fixed + len(self.running) * per_seq + self._ctx * per_ctx
+        soonest = self._soonest_end() - self.progress
+        now = self.env.now
+        due = now + self._extra + (soonest if soonest > 0.0 else 0.0) * step
+        if now <= self._due <= due:
             return
         self._due = due
-        ev = self.env.timeout(due - self.env.now)
-        ev.callbacks.append(lambda _e: self._on_timer(due))
+        self.env.timeout(due - now).callbacks.append(lambda _e: self._on_timer(due))
 
     def _on_timer(self, due: float) -> None:
         if due != self._due:
             return  # superseded by an earlier timer
         self._due = -1.0
         self.advance()
-        finished = [s for s in self.running if s.remaining <= 1e-6]
+        finished = []
+        ends, limit = self._ends, self.progress + 1e-6
+        while ends and (ends[0][0] <= limit or ends[0][2] not in self.running):
+            _, _, s = heapq.heappop(ends)
+            if s in self.running:
+                finished.append(s)
+        if len(finished) > 1:
+            finished.sort(key=lambda s: s.order)
         for s in finished:
-            self.running.remove(s)
-            self._ctx -= s.context
-            self._kv -= s.reserve
+            self._leave(s)
             if s.first_at < 0:
                 s.first_at = self.env.now
             s.done.succeed()
@@ -158,10 +211,43 @@ class DecodeServer:
         self._reschedule()
 
 
+class PrefillQueue:
+    """One worker's serial prefill, first come first served (a ``simpy.Resource(1)`` without
+    its request and release events: an idle worker starts at once)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env, self.busy, self.waiting = env, False, deque[simpy.Event]()
+
+    def acquire(self) -> simpy.Event | None:
+        """None: the prefill starts now; else the event that fires when its turn comes."""
+        if not self.busy:
+            self.busy = True
+            return None
+        ev = self.env.event()
+        self.waiting.append(ev)
+        return ev
+
+    def release(self) -> None:
+        """The running prefill ended: the next in line starts (now), or the worker idles."""
+        if self.waiting:
+            self.waiting.popleft().succeed()
+        else:
+            self.busy = False
+
+
+class Landing(simpy.Event):
+    """``Transfer.landed``: waited on from the send, armed when the last byte left (it then
+    fires half an RTT later, as a simpy Timeout would, without a second event)."""
+
+    def arm(self, delay: float) -> None:
+        self._ok, self._value = True, None
+        self.env.schedule(self, NORMAL, delay)
+
+
 @dataclass(eq=False, slots=True)
 class Transfer:
     nbytes: int
-    landed: simpy.Event
+    landed: Landing
     sent: float = 0.0  # bytes that crossed (less than nbytes if cancelled)
     cancelled: bool = False
 
@@ -182,9 +268,9 @@ class Link:
 
     def send(self, nbytes: int) -> Transfer:
         """Queue ``nbytes``; ``landed`` fires when the last byte arrived."""
-        t = Transfer(nbytes, self.env.event())
+        t = Transfer(nbytes, Landing(self.env))
         if nbytes <= 0:
-            self.env.timeout(self.rtt_s / 2).callbacks.append(lambda _e: t.landed.succeed())
+            t.landed.arm(self.rtt_s / 2)
             return t
         self.queue.append(t)
         if self._current is None:
@@ -192,7 +278,8 @@ class Link:
         return t
 
     def cancel(self, t: Transfer) -> None:
-        """Drop it from the queue, or cut it now (the bytes already sent stay counted)."""
+        """Drop it from the queue, or cut it now (the bytes already sent stay counted). One
+        whose last byte already left lands anyway (no one waits for it any more)."""
         if t.landed.triggered or t.cancelled:
             return
         t.cancelled = True
@@ -224,9 +311,7 @@ class Link:
         t = self._current
         self._account()
         self._current = None
-        self.env.timeout(self.rtt_s / 2).callbacks.append(
-            lambda _e: None if t.cancelled else t.landed.succeed()
-        )
+        t.landed.arm(self.rtt_s / 2)
         self._next()
 
     def utilisation(self, duration_s: float) -> float:

@@ -22,6 +22,7 @@ What is simplified is in the servers' docstring (pdd.plan.servers) and docs/oper
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,11 +30,11 @@ import simpy
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import UnavailableError
-from pdd.plan.cache import PrefixCache, make_cache
+from pdd.plan.cache import Holders, PrefixCache, make_cache
 from pdd.plan.fleet import Fleet
 from pdd.plan.pipeline import run_pdd
 from pdd.plan.profile import ChipProfile
-from pdd.plan.servers import DecodeServer, Link, Seq
+from pdd.plan.servers import DecodeServer, Link, PrefillQueue, Seq
 from pdd.plan.stats import RequestLog, SimResult, Sla, summarize
 from pdd.plan.workload import Conversation, Turn, Workload
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
@@ -61,6 +62,25 @@ class SimSettings:
     baseline_affinity: bool = True
 
 
+class SimFleetView(FleetView):
+    """The router's ``FleetView`` with ``healthy`` remembered per role: in the simulation no
+    worker changes health or role, so the list is the same on every call (a copy is handed
+    out, as the router's fresh list would be)."""
+
+    __slots__ = ("_healthy",)
+
+    def __init__(self, mode: RouterMode, workers: tuple[WorkerView, ...],
+                 policy: PddPolicyConfig) -> None:  # fmt: skip
+        super().__init__(mode, workers, policy)
+        object.__setattr__(self, "_healthy", {})
+
+    def healthy(self, *roles: Role) -> list[WorkerView]:
+        got = self._healthy.get(roles)
+        if got is None:
+            got = self._healthy[roles] = FleetView.healthy(self, *roles)
+        return list(got)
+
+
 @dataclass(eq=False)
 class Worker:
     """One simulated instance: a prefill queue and/or a decode batch, and a prefix cache."""
@@ -70,7 +90,7 @@ class Worker:
     profile: ChipProfile
     cache: PrefixCache | None
     decode: DecodeServer | None = None
-    prefill: simpy.Resource | None = None
+    prefill: PrefillQueue | None = None
     in_flight: int = 0
     prefill_busy_s: float = 0.0
 
@@ -90,30 +110,36 @@ class Simulation:
         self.conversation_spans: list[float] = []  # first arrival -> last turn's end
         self.workers: dict[str, Worker] = {}
         self._views: dict[str, WorkerView] = {}
+        # who holds each conversation, per role (the O(1) caches; None: exact caches)
+        self.holders: dict[Role, Holders] | None = (
+            None if self.settings.exact_cache else {r: {} for r in Role}
+        )
         mean_final = _mean_final_context(workload)
         for g in fleet.groups:
             prof = profiles[g.chip]
             for i in range(g.count):
                 self._add_worker(f"{g.role.value}-{g.chip}-{i}", g.role, prof, mean_final)
-        self._view_tuple = tuple(self._views.values())  # the same objects, updated in place
+        # one snapshot for the whole run: its WorkerViews are updated in place (``_bump``)
+        self.view = SimFleetView(fleet.mode, tuple(self._views.values()), self.settings.policy)
         self.by_role = {r: [w for w in self.workers.values() if w.role is r] for r in Role}
 
     def _add_worker(self, wid: str, role: Role, prof: ChipProfile, mean_final: float) -> None:
         mem = prof.memory
         max_seqs = max(1, min(mem.max_batch, int(mem.kv_capacity_tokens // max(mean_final, 1))))
-        exact = self.settings.exact_cache
-        cache = {
-            Role.PREFILL: make_cache(exact, mem.kv_capacity_tokens, prof.block_size),
-            Role.COLOCATED: make_cache(exact, mem.kv_capacity_tokens, prof.block_size),
-            Role.MAIN_DECODE: make_cache(exact, mem.host_cache_tokens, prof.block_size)
-            if self.fleet.mode is RouterMode.PDD else None,
+        exact, holders = self.settings.exact_cache, self.holders and self.holders[role]
+        capacity = {
+            Role.PREFILL: mem.kv_capacity_tokens,
+            Role.COLOCATED: mem.kv_capacity_tokens,
+            Role.MAIN_DECODE: mem.host_cache_tokens if self.fleet.mode is RouterMode.PDD else None,
             Role.RELAY_DECODE: None,
         }[role]  # fmt: skip
+        cache = (None if capacity is None
+                 else make_cache(exact, capacity, prof.block_size, wid, holders))  # fmt: skip
         w = Worker(wid, role, prof, cache)
         if role is not Role.PREFILL:
             w.decode = DecodeServer(self.env, wid, prof, max_seqs)
         if role in (Role.PREFILL, Role.COLOCATED):
-            w.prefill = simpy.Resource(self.env, 1)
+            w.prefill = PrefillQueue(self.env)
         self.workers[wid] = w
         self._views[wid] = WorkerView(
             id=wid, role=role, healthy=True, datacenter=self.fleet.datacenter(role),
@@ -144,10 +170,10 @@ class Simulation:
     def route(self, conv: int, turn: Turn) -> Decision:
         """``routing.choose`` on this instant's snapshot (load, DRC and P-cache contents)."""
         n = turn.prompt_tokens
-        md_cached = _cached(self.by_role[Role.MAIN_DECODE], conv, n)
+        md_cached = self._cached(Role.MAIN_DECODE, conv, n)
         p_role = Role.COLOCATED if self.fleet.mode is RouterMode.COLOCATED else Role.PREFILL
-        p_cached = _cached(self.by_role[p_role], conv, n)
-        view = FleetView(self.fleet.mode, self._view_tuple, self.settings.policy)
+        p_cached = self._cached(p_role, conv, n)
+        view = self.view
         req = RouteRequest(n, turn.output_tokens, md_cached, p_cached)
         decision = routing.choose(view, req)
         if self.settings.baseline_affinity and decision.pipeline in _AFFINE:
@@ -156,6 +182,17 @@ class Simulation:
         if decision.pipeline is Pipeline.P_MD and wanted_rld:
             self.starved += 1  # p_rld_md was due, no RLD had a slot: degraded to p_md
         return decision
+
+    def _cached(self, role: Role, conv: int, tokens: int) -> dict[str, int]:
+        """Per worker of ``role``, the tokens of this prompt its cache holds (non-zero only)."""
+        if self.holders is None:
+            return _cached(self.by_role[role], conv, tokens)
+        out = {}
+        for wid, cache in self.holders[role].get(conv, {}).items():
+            n = cache.cached_tokens(conv, tokens)
+            if n:
+                out[wid] = n
+        return out
 
     def _with_affine_p(self, d: Decision, view: FleetView, req: RouteRequest) -> Decision:
         """Baselines with prefix affinity: the first worker (P, or the colocated one) chosen
@@ -172,43 +209,70 @@ class Simulation:
 
     def run(self) -> SimResult:
         started, cpu = time.perf_counter(), time.process_time()
-        for conv in self.workload.conversations:
-            self.env.process(self._conversation(conv))
-        self.env.run()
+        self.env.process(self._arrivals())
+        # The run's objects die by reference counting (events drop their callbacks once
+        # processed), so the cyclic collector would only rescan the workload's million
+        # turns, again and again: paused for the run (a tenth of the time at 1M requests).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.env.run()
+        finally:
+            if collecting:
+                gc.enable()
         wall = time.perf_counter() - started
         return summarize(self, wall, time.process_time() - cpu)
 
+    def _arrivals(self):  # noqa: ANN202 (a simpy process)
+        """Start each conversation when it arrives: one pending arrival, not one timer per
+        conversation, so the event heap holds only what is in flight (at 1M requests the
+        50,000 start timers made every heap operation slower)."""
+        env = self.env
+        for conv in sorted(self.workload.conversations, key=lambda c: c.start_s):
+            if conv.start_s > env.now:
+                yield env.timeout(conv.start_s - env.now)
+            env.process(self._conversation(conv))
+
     def _conversation(self, conv: Conversation):  # noqa: ANN202 (a simpy process)
-        yield self.env.timeout(conv.start_s)
+        """Its turns one after the other; each request runs inline (no process of its own,
+        and one generator level less: every resume of a stage passes through each level)."""
         for turn in conv.turns:
             if turn.at_s is not None and turn.at_s > self.env.now:
                 yield self.env.timeout(turn.at_s - self.env.now)
             elif turn.think_s:
                 yield self.env.timeout(turn.think_s)
-            yield from self._request(conv.id, turn)  # inline: no process per request
+            rec = self._admit(conv.id, turn)
+            if rec is None:
+                continue
+            pipeline = rec.decision.pipeline
+            if pipeline is Pipeline.COLOCATED:
+                yield from self._colocated(conv.id, turn, rec)
+            elif pipeline is Pipeline.PD:
+                yield from self._pd(conv.id, turn, rec)
+            else:
+                yield from run_pdd(self, conv.id, turn, rec)
+            self._done(turn, rec)
         self.conversation_spans.append(self.env.now - conv.start_s)
 
-    def _request(self, conv: int, turn: Turn):  # noqa: ANN202
+    def _admit(self, conv: int, turn: Turn) -> Record | None:
+        """A request arrives: routed, its workers' counts raised (None: no worker, logged)."""
         arrival = self.env.now
         try:
             decision = self.route(conv, turn)
         except UnavailableError:
             self.log.add(arrival, None, None, turn.output_tokens, "unavailable")
-            return
-        workers = [self.workers[wid] for _, wid in decision.assignments]
-        for w in workers:
+            return None
+        rec = Record(arrival, decision, [self.workers[wid] for _, wid in decision.assignments])
+        for w in rec.workers:
             self._bump(w, +1)
-        rec = Record(arrival, decision)
-        if decision.pipeline is Pipeline.COLOCATED:
-            yield from self._colocated(conv, turn, rec)
-        elif decision.pipeline is Pipeline.PD:
-            yield from self._pd(conv, turn, rec)
-        else:
-            yield from self._pdd(conv, turn, rec)
-        for w in workers:
+        return rec
+
+    def _done(self, turn: Turn, rec: Record) -> None:
+        """A request ended: counts of the workers it still held lowered, its figures logged."""
+        for w in rec.workers:
             if w.in_flight and rec.released.get(w.id) is None:
                 self._bump(w, -1)
-        self.log.add(arrival, rec.first_at, self.env.now, turn.output_tokens,
+        self.log.add(rec.arrival, rec.first_at, self.env.now, turn.output_tokens,
                      rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait)  # fmt: skip
 
     def release(self, rec: Record, w: Worker) -> None:
@@ -219,16 +283,18 @@ class Simulation:
     def prefill_stage(self, p: Worker, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         assert p.prefill is not None and p.cache is not None
         t0 = self.env.now
-        with p.prefill.request() as slot:
-            yield slot
-            rec.p_wait = self.env.now - t0
-            cached = p.cache.cached_tokens(conv, turn.prompt_tokens)
-            seconds = p.profile.prefill_s(turn.prompt_tokens - cached, cached)
-            if p.decode is not None:  # colocated: the prefill stalls its decode batch
-                p.decode.add_extra(seconds)
-            yield self.env.timeout(seconds)
-            p.prefill_busy_s += seconds
-            p.cache.store(conv, turn.prompt_tokens)
+        turn_ = p.prefill.acquire()
+        if turn_ is not None:  # queued behind another prefill
+            yield turn_
+        rec.p_wait = self.env.now - t0
+        cached = p.cache.cached_tokens(conv, turn.prompt_tokens)
+        seconds = p.profile.prefill_s(turn.prompt_tokens - cached, cached)
+        if p.decode is not None:  # colocated: the prefill stalls its decode batch
+            p.decode.add_extra(seconds)
+        yield self.env.timeout(seconds)
+        p.prefill_busy_s += seconds
+        p.cache.store(conv, turn.prompt_tokens)
+        p.prefill.release()
 
     def _colocated(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
         c = self.workers[rec.decision.worker(Role.COLOCATED)]
@@ -273,14 +339,12 @@ class Simulation:
     def local_s(self, nbytes: int) -> float:
         return self.settings.local_rtt_s / 2 + nbytes * 8 / self.settings.local_bandwidth_bps
 
-    def _pdd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
-        yield from run_pdd(self, conv, turn, rec)
-
 
 @dataclass(eq=False)
 class Record:
     arrival: float
     decision: Decision
+    workers: list[Worker]  # the decision's, in its order
     first_at: float | None = None
     rld_tokens: int = 0
     wan_bytes: int = 0

@@ -54,6 +54,8 @@ class Sla:
 
 PIPES = ("colocated", "pd", "p_md", "p_rld_md", "unavailable")
 HANDOFFS = ("none", "one_shot", "catch_up", "rld_finished")
+_PIPE = {p: i for i, p in enumerate(PIPES)}
+_HANDOFF = {h: i for i, h in enumerate(HANDOFFS)}
 
 
 class RequestLog:
@@ -72,8 +74,8 @@ class RequestLog:
         self.e2e.append(-1.0 if end is None else end - arrival)
         self.out.append(out)
         self.rld.append(rld)
-        self.pipe.append(PIPES.index(pipeline))
-        self.handoff.append(HANDOFFS.index(handoff))
+        self.pipe.append(_PIPE[pipeline])
+        self.handoff.append(_HANDOFF[handoff])
         self.wan.append(wan)
         self.p_wait.append(p_wait)
 

@@ -254,6 +254,31 @@ def test_engine_core_bounds_its_heap(h: Harness) -> None:
     assert heap.THREAD_NAME in threads
 
 
+def test_a_small_chip_profile_of_this_engine(h: Harness) -> None:
+    """`pdd profile` on the module's engine, tiny (two lengths, batches 1 and 2, 8 tokens):
+    every sample is a real timing and the fitted profile is one the planner reads."""
+    from pdd.plan.fit import fit_profile
+    from pdd.profiler import Plan, Progress, measure
+
+    plan = Plan(lengths=(64, 192), batches=(1, 2), extend_tokens=(1, 24), decode_tokens=8,
+                repeats=1)  # fmt: skip
+    measured = h.run(measure(h.engine, plan, "cpu", 0, Progress(plan.steps)))
+    assert len(measured.prefill) == 6 and len(measured.decode) == 4 and len(measured.extend) == 2
+    assert all(s.seconds > 0 for s in measured.prefill) and all(
+        d.step_s > 0 for d in measured.decode
+    )
+    assert measured.kv_bytes_per_token == h.engine.kv_block_bytes // BLOCK  # all layers, K and V
+    assert measured.block_size == BLOCK and measured.chunk_tokens == CHUNK
+    assert (
+        measured.kv_capacity_tokens > 0
+        and measured.max_batch == h.engine.engine_config.max_num_seqs
+    )
+    profile = fit_profile(measured, 0.1)
+    assert profile.prefill_s(192, 0) > 0 and profile.decode_step_s(2, 400) > 0
+    assert profile.kv_bytes_per_token * BLOCK == h.engine.kv_block_bytes
+    assert h.engine.stats().running == 0  # every timed request ended
+
+
 def test_stop_leaves_no_engine_process(h: Harness) -> None:
     """Runs last: it stops the module's engine."""
     assert len(vllm_children()) == 1

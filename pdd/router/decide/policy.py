@@ -115,12 +115,23 @@ def pick_md(
     weight: float = 0.5,
 ) -> WorkerView | None:
     """Highest MD score among MDs with a free slot (all MDs when none has one)."""
-    pool = [w for w in mds if w.has_capacity] or mds
-    if not pool:
+    if not mds:
         return None
     if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
+        pool = [w for w in mds if w.has_capacity] or mds
         return min(pool, key=lambda w: (-cached.get(w.id, 0), *_tie(w)))
-    return min(pool, key=lambda w: (-md_score(w, cached, prompt_tokens, weight), *_tie(w)))
+    get = cached.get
+
+    def key(w: WorkerView) -> tuple[bool, float, int, float, int, str]:
+        # one pass: "full" first is the same as choosing among the MDs with a free slot
+        # when there are any (has_capacity), among all otherwise; then md_score and _tie
+        load, seqs = w.load, w.max_num_seqs
+        hit = min(get(w.id, 0), prompt_tokens) / prompt_tokens
+        frac = load / seqs if seqs > 0 else 0.0
+        full = seqs > 0 and load >= seqs
+        return (full, -(hit - weight * frac), load, w.kv_cache_usage, w.served, w.id)
+
+    return min(mds, key=key)
 
 
 def pick_p(
@@ -129,7 +140,14 @@ def pick_p(
     """Highest P score (prefix affinity against queue length)."""
     if not ps:
         return None
-    return min(ps, key=lambda w: (-p_score(w, cached, prompt_tokens, weight), *_tie(w)))
+    get = cached.get
+
+    def key(w: WorkerView) -> tuple[float, int, float, int, str]:  # p_score, _tie, inlined
+        load = w.load
+        hit = min(get(w.id, 0), prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+        return (-(hit - weight * load), load, w.kv_cache_usage, w.served, w.id)
+
+    return min(ps, key=key)
 
 
 def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:
@@ -164,12 +182,12 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
     cached = min(request.md_cached_tokens.get(md.id, 0), n)
     est = wan_estimate(p, md, cached, n, view)
-    rlds = [w for w in view.healthy(Role.RELAY_DECODE) if kv_conflict(p, w) is None]
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
         rlds = _receivers(p, view.healthy(Role.RELAY_DECODE), Role.RELAY_DECODE)
         rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
     elif request.pipeline is None and est.eta_s > policy.ttft_budget_s:
+        rlds = [w for w in view.healthy(Role.RELAY_DECODE) if kv_conflict(p, w) is None]
         rld = pick_rld(rlds)  # None: no RLD capacity left -> degrade to p_md
     roles = [(Role.PREFILL, p.id)]
     if rld is None:
@@ -220,13 +238,19 @@ def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
 def _senders(ps: list[WorkerView], receivers: list[WorkerView]) -> list[WorkerView]:
     """The Ps whose KV at least one of ``receivers`` can take (all of them when none can:
     the receiver choice then says why)."""
-    able = [p for p in ps if any(kv_conflict(p, r) is None for r in receivers)]
+    if not receivers:
+        return ps
+    # a P that reports no geometry conflicts with no one (kv_conflict): no pair to check
+    able = [p for p in ps
+            if p.geometry is None or any(kv_conflict(p, r) is None for r in receivers)]  # fmt: skip
     return able or ps
 
 
 def _receivers(p: WorkerView, candidates: list[WorkerView], role: Role) -> list[WorkerView]:
     """The candidates that can take ``p``'s KV. Raises UnavailableError naming both workers
     and the field when there are candidates but none can (never routed between them)."""
+    if p.geometry is None:  # conflicts with no one (kv_conflict)
+        return list(candidates)
     conflicts = [kv_conflict(p, w) for w in candidates]
     able = [w for w, why in zip(candidates, conflicts, strict=True) if why is None]
     if candidates and not able:
