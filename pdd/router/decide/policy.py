@@ -120,16 +120,11 @@ def pick_md(
     if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
         pool = [w for w in mds if w.has_capacity] or mds
         return min(pool, key=lambda w: (-cached.get(w.id, 0), *_tie(w)))
-    get = cached.get
 
     def key(w: WorkerView) -> tuple[bool, float, int, float, int, str]:
-        # one pass: "full" first is the same as choosing among the MDs with a free slot
-        # when there are any (has_capacity), among all otherwise; then md_score and _tie
-        load, seqs = w.load, w.max_num_seqs
-        hit = min(get(w.id, 0), prompt_tokens) / prompt_tokens
-        frac = load / seqs if seqs > 0 else 0.0
-        full = seqs > 0 and load >= seqs
-        return (full, -(hit - weight * frac), load, w.kv_cache_usage, w.served, w.id)
+        # one pass: the full MDs last is choosing among those with a free slot when there
+        # are any, among all otherwise
+        return (not w.has_capacity, -md_score(w, cached, prompt_tokens, weight), *_tie(w))
 
     return min(mds, key=key)
 
@@ -140,14 +135,7 @@ def pick_p(
     """Highest P score (prefix affinity against queue length)."""
     if not ps:
         return None
-    get = cached.get
-
-    def key(w: WorkerView) -> tuple[float, int, float, int, str]:  # p_score, _tie, inlined
-        load = w.load
-        hit = min(get(w.id, 0), prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
-        return (-(hit - weight * load), load, w.kv_cache_usage, w.served, w.id)
-
-    return min(ps, key=key)
+    return min(ps, key=lambda w: (-p_score(w, cached, prompt_tokens, weight), *_tie(w)))
 
 
 def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:
