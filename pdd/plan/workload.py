@@ -27,6 +27,7 @@ previous turn ends if that is later. Bad lines are reported with their line numb
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,8 @@ def _shape(w: AgenticWorkload, turns: int, new: float) -> tuple[float, float]:
     """(c0, mean hit) for T turns and D new tokens per turn."""
     o, step = w.output_tokens, w.output_tokens + new
     c0 = w.context_tokens - (turns - 1) / 2 * step
+    if c0 <= 0:  # no first prompt: not a shape
+        return c0, 0.0
     hits = [(c0 + (k - 1) * step + o) / (c0 + k * step) for k in range(1, turns)]
     return c0, sum(hits) / turns
 
@@ -103,6 +106,18 @@ def solve_shape(w: AgenticWorkload) -> tuple[int, float, float]:
                 f"(at most {max(top, 0):.3f} with context_tokens {w.context_tokens}, "
                 f"output_tokens {w.output_tokens}); give more turns or turns: 0"
             )
+        if c0 <= 0:  # the first prompt vanished: the most turns that leave one (the best hit)
+            most = math.ceil(2 * w.context_tokens / w.output_tokens)
+            c0, top = _shape(w, most, 0.0) if most < turns else (c0, top)
+            if c0 <= 0 or top < w.hit_rate:
+                raise ConfigError(
+                    f"workload: hit_rate {w.hit_rate} is out of reach with context_tokens "
+                    f"{w.context_tokens} and output_tokens {w.output_tokens} (every turn adds "
+                    "its answer to the context); lower hit_rate or output_tokens, or raise "
+                    "context_tokens"
+                )
+            turns = most
+            break
         turns += 1
     lo, hi = 0.0, 2 * w.context_tokens / max(turns - 1, 1)
     for _ in range(60):  # the mean hit falls as D grows; c0 stays positive below hi

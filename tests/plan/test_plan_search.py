@@ -100,6 +100,10 @@ def test_cli_one_fleet(capsys) -> None:
         (("--sla", "ttft=5,tpot=0.05,p99=1"), "unknown key 'p99'"),
         (("--workload", "agentic:hit_rate=1.5"), "hit_rate"),
         (("--workload", "agentic:turns=2,hit_rate=0.95"), "out of reach with turns 2"),
+        (
+            ("--workload", "agentic:context_tokens=4096,output_tokens=1024,hit_rate=0.95"),
+            "out of reach with context_tokens 4096 and output_tokens 1024",
+        ),  # fmt: skip
         (("--prices", "Z=3"), "chip 'Z' has no profile"),
         (("--chips", "MD=C"), "chip 'C' has no profile"),
         (("--modes", "pdq"), "mode 'pdq'"),

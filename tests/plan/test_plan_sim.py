@@ -97,3 +97,12 @@ def test_exact_radix_cache_gives_the_same_run(profiles) -> None:
     exact = _run(_pdd(), profiles, work, exact_cache=True)
     assert exact.wan_gb == pytest.approx(fast.wan_gb)
     assert exact.ttft_p50_s == pytest.approx(fast.ttft_p50_s)
+
+
+def test_long_answers_shape_a_workload_with_fewer_turns_instead_of_crashing():
+    """A 95% hit with 1,024-token answers in a 16K context: the usual 40 turns would leave no
+    first prompt; the shape takes the most turns that leave one and still meets the hit."""
+    wl = AgenticWorkload(requests=300, rate=6.0, context_tokens=16384, output_tokens=1024,
+                         hit_rate=0.95, seed=3)  # fmt: skip
+    conversations = agentic(wl).conversations
+    assert all(len(c.turns) == 32 for c in conversations[:-1])
