@@ -10,14 +10,27 @@ import asyncio
 
 import pytest
 
-from pdd.engine.engine import _add_whole
-from pdd.errors import InvalidRequestError
+from pdd.config import EngineConfig, ModelConfig
+from pdd.engine.engine import Engine, _add_whole
+from pdd.engine.types import SamplingSpec
+from pdd.errors import InvalidRequestError, WorkerError
 
 
 class FakeQueue:
-    def __init__(self, request_id: str) -> None:
+    """vLLM's RequestOutputCollector: here it only ever yields ``error`` (if any)."""
+
+    def __init__(self, request_id: str, error: Exception | None = None) -> None:
         self.request_id = request_id
         self.closed = False
+        self._error = error
+
+    def get_nowait(self):
+        if self._error is not None:
+            raise self._error
+        return None
+
+    async def get(self):
+        await asyncio.Event().wait()  # no output ever comes
 
     def close(self) -> None:
         self.closed = True
@@ -28,19 +41,22 @@ class FakeLLM:
 
     errored = False
 
-    def __init__(self, add_error: Exception | None = None) -> None:
+    def __init__(
+        self, add_error: Exception | None = None, output_error: Exception | None = None
+    ) -> None:
         self.core: list[tuple[str, str]] = []
         self.queues: list[FakeQueue] = []
         self.entered = asyncio.Event()
         self.proceed = asyncio.Event()
         self._add_error = add_error
+        self._output_error = output_error
 
     async def add_request(self, request_id: str, prompt, params) -> FakeQueue:
         self.entered.set()
         await self.proceed.wait()  # vLLM: process_inputs on the renderer's thread pool
         if self._add_error is not None:
             raise self._add_error
-        queue = FakeQueue(f"{request_id}-internal")
+        queue = FakeQueue(f"{request_id}-internal", self._output_error)
         self.queues.append(queue)
         self.core.append(("add", queue.request_id))
         return queue
@@ -99,3 +115,46 @@ def test_an_uncancelled_add_returns_its_queue() -> None:
         "r2-internal",
         False,
     )
+
+
+def _engine(llm: FakeLLM) -> Engine:
+    engine = Engine(ModelConfig(), EngineConfig())
+    engine._llm = llm  # a started engine, as far as generate() is concerned
+    return engine
+
+
+async def _first(engine: Engine, rid: str) -> None:
+    async for _ in engine.generate(rid, [5, 6, 7], SamplingSpec(max_tokens=2)):
+        pass
+
+
+def test_engine_generate_cancelled_mid_add_aborts_the_added_request() -> None:
+    async def go():
+        llm = FakeLLM()
+        engine = _engine(llm)
+        task = asyncio.ensure_future(_first(engine, "g1"))
+        await llm.entered.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        llm.proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return llm, engine.stats().running
+
+    llm, running = asyncio.run(go())
+    assert llm.core == [("add", "g1-internal"), ("abort", "g1-internal")]
+    assert running == 0
+
+
+def test_an_error_after_the_add_is_a_worker_error_never_invalid_request() -> None:
+    """InvalidRequestError means "the engine core never saw it" (kv_run frees the fence at
+    once on it): an error out of the output queue, after the add, must not say so."""
+
+    async def go():
+        llm = FakeLLM(output_error=ValueError("broken output"))
+        llm.proceed.set()
+        with pytest.raises(WorkerError, match="broken output"):
+            await _first(_engine(llm), "g2")
+        return llm
+
+    assert asyncio.run(go()).core == [("add", "g2-internal"), ("abort", "g2-internal")]
