@@ -276,10 +276,10 @@ def test_cancel_mid_transfer_releases_everything(workers) -> None:
 
 def test_rld_generate_cancelled_before_its_first_delta_gives_its_slots_back(workers) -> None:
     """The One-Shot switch's cancel, right after RLD's Generate began (the unposted-fence bug,
-    docs/notes/engine.md): RLD's KV landed, its Generate is cancelled a few ms in, before any
-    delta; its landing slots must come back (the fence was posted) and it stays ready. The
-    cancel delays sweep the window where vLLM is still adding the request; which one hits it
-    depends on the machine: tests/engine/test_connector.py hits it deterministically."""
+    docs/notes/engine.md): RLD's KV landed, its Generate is cancelled 0-20 ms in, around
+    its start; its landing slots must come back (the fence was posted) and it stays ready.
+    The delays sweep the window where vLLM is still adding the request; which one (if any)
+    hits it depends on the machine: tests/engine/test_connector.py hits it every time."""
     prompt = prompt_of(11, 200)  # 6 whole blocks + an 8-token tail
 
     async def scenario(c: Client):
