@@ -31,11 +31,12 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.outputs import RequestOutput  # noqa: E402
+from vllm.outputs import STREAM_FINISHED, RequestOutput  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError  # noqa: E402
+from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from pdd.config import EngineConfig, ModelConfig  # noqa: E402
@@ -267,8 +268,13 @@ class Engine:
         vLLM's prefix-cache namespace (blocks cached under another salt never hit).
 
         Closing the iterator early (``aclose``, break + GC, task cancellation) aborts the request
-        in the engine. Raises InvalidRequestError before the first delta for bad input,
-        UnavailableError when not started, WorkerError when the engine fails.
+        in the engine. Submission is atomic with respect to cancellation (``_add_whole``): once
+        the first ``__anext__`` has begun, either the engine core receives the request (and a
+        cancelled caller's abort follows it there, so the core finishes it and its KV
+        connector sees ``request_finished``) or this raises InvalidRequestError, and then the
+        core never saw the request. Raises InvalidRequestError only that way, before the first
+        delta, for bad input; UnavailableError when not started; WorkerError when the engine
+        fails.
         """
         llm = self._require_llm()
         self.validate(prompt_token_ids, sampling)
@@ -279,22 +285,27 @@ class Engine:
         if cache_salt:
             prompt["cache_salt"] = cache_salt
         self._inflight.add(request_id)
+        queue: RequestOutputCollector | None = None
         finished = False
-        stream = llm.generate(prompt, params, request_id)
         try:
-            async for out in stream:
-                delta = _to_delta(out, sampling.logprobs)
-                finished = delta.finished
-                yield delta
-        except (VLLMClientError, ValueError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            queue = await _add_whole(llm, request_id, prompt, params)
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                if out is not STREAM_FINISHED:
+                    yield _to_delta(out, sampling.logprobs)
         except (EngineDeadError, EngineGenerateError) as exc:
             raise WorkerError(f"engine failed on request {request_id}: {exc}") from exc
+        except PddError:  # InvalidRequestError from the add; _to_delta's own check
+            raise
+        except Exception as exc:  # what vLLM's own generate() reports as EngineGenerateError
+            raise WorkerError(f"engine failed on request {request_id}: {exc!r}") from exc
         finally:
             self._inflight.discard(request_id)
-            if not finished and self._llm is not None and not self._llm.errored:
-                await self._llm.abort(request_id)
-            await stream.aclose()
+            if queue is not None:
+                if not finished and self._llm is not None and not self._llm.errored:
+                    await self._llm.abort(queue.request_id, internal=True)
+                queue.close()
 
     async def abort(self, request_id: str) -> bool:
         """Abort one request; its stream ends with finish_reason "abort". False if unknown."""
@@ -366,6 +377,46 @@ class Engine:
             )
         except (VLLMClientError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+
+async def _add_whole(
+    llm: AsyncLLM, request_id: str, prompt: TokensPrompt, params: SamplingParams
+) -> RequestOutputCollector:
+    """``llm.add_request`` run to its end even when the caller is cancelled meanwhile.
+
+    vLLM's own ``AsyncLLM.generate`` adds the request inside its first ``__anext__``, and
+    the add awaits (the prompt is processed on the renderer's thread pool): a cancellation
+    landing there leaves the request nowhere. generate has no queue yet, so it aborts
+    nothing; the engine core never sees the request and never runs its connector's
+    ``request_finished``, so the request's KV fence is never posted and its slots stay
+    quarantined forever (docs/notes/engine.md, "the unposted fence"). Here the add runs as
+    its own task that the caller's cancellation does not reach: it ends with the request
+    sent to the engine core (then a cancelled caller aborts it by its internal id over the
+    same socket, after the add, and re-raises) or with the add's error, raised before the
+    send: a validation error becomes InvalidRequestError, raised even to a cancelled caller
+    (it means "the core never saw it", which the caller needs to free a fence at once).
+    """
+    add = asyncio.ensure_future(llm.add_request(request_id, prompt, params))
+    cancelled: asyncio.CancelledError | None = None
+    while not add.done():
+        try:
+            await asyncio.wait([add])  # a cancellation lands here, never in the add
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if add.cancelled():  # only a closing event loop cancels the add itself
+        raise cancelled or asyncio.CancelledError()
+    error = add.exception()
+    if error is None:
+        queue = add.result()
+        if cancelled is None:
+            return queue
+        if not llm.errored:
+            await llm.abort(queue.request_id, internal=True)
+        queue.close()
+        raise cancelled
+    if isinstance(error, (VLLMClientError, ValueError)):  # even if cancelled: the caller
+        raise InvalidRequestError(str(error)) from error  # must learn the core never saw it
+    raise error
 
 
 def _kv_block_bytes(llm: AsyncLLM, block_size: int) -> int:

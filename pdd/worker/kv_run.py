@@ -8,6 +8,12 @@ the request's fence does. ``run_with_kv`` turns that into one call of ``release`
     aborted / cancelled / engine failed .... release() once the fence is posted (Fences)
     refused before the engine saw it ....... release() at once (no fence will come)
 
+"Refused before the engine saw it" is InvalidRequestError before the first delta:
+Engine.generate raises it only when the engine core never received the request. A cancel
+that lands before the first delta, even while vLLM is still adding the request, cannot leave
+the fence unposted: Engine.generate finishes the add first, then aborts, so the engine core
+always sees the request and its connector posts the fence (docs/notes/engine.md).
+
 ``release`` runs on the event loop, exactly once, and must not raise.
 """
 
@@ -62,7 +68,7 @@ async def run_with_kv(
                 finished = delta.finish_reason in REAL_FINISHES
                 yield delta
     except InvalidRequestError:
-        never_ran = not started  # refused by the frontend: the engine core never saw it
+        never_ran = not started  # refused before the add: the engine core never saw it
         raise
     finally:
         if never_ran:

@@ -11,8 +11,10 @@ test uses a fresh prompt so that no prefix cache answers for the arena, and its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+from contextlib import aclosing
 
 import pytest
 
@@ -22,6 +24,9 @@ from pdd.config import EngineConfig, ModelConfig
 from pdd.engine.connector_params import ConnectorSettings, ExportParams, FenceRef, LoadParams, wrap
 from pdd.engine.engine import Engine
 from pdd.engine.types import EngineDelta, KvConnectorSpec, SamplingSpec
+from pdd.worker.kv_run import stream_loading
+from pdd.worker.roles import GenerateCall
+from pdd.worker.slots import Fences
 
 pytestmark = pytest.mark.slow
 
@@ -231,4 +236,65 @@ def test_abort_after_the_load_frees_every_block_and_posts_the_fence(loop, engine
     want, _ = run(loop, p, "base-6", prompt, 8)
     got, _ = run(loop, d, "d-6b", prompt, 8, wrap(load=LoadParams(slots=slots)))
     assert got == want
+    wait_idle(loop, d)
+
+
+def test_a_load_cancelled_while_vllm_adds_it_still_posts_its_fence(loop, engines, shell):
+    """The unposted-fence bug (docs/notes/engine.md). The worker shell's ``stream_loading``
+    (pdd.worker.kv_run) with real ``Fences``: a KV-load request cancelled before its first
+    delta, at each of its first await points (one ``sleep(0)`` in: vLLM's AsyncLLM is still
+    processing the prompt on its renderer thread, the request is nowhere yet), must still
+    reach the engine core, so that the connector posts its fence and the shell gets its slots
+    back. Before the fix a cancel landing inside vLLM's add left the core without the request:
+    the fence was never posted and the slots stayed quarantined (the worker not ready) for
+    good."""
+    p, d = engines
+    prompt = prompt_of(7, 300)  # 9 whole blocks + a 12-token tail
+    slots = list(range(48, 57))
+    export(loop, shell, p, "p-7", prompt, slots)
+    for index in range(shell.fences.size):  # a fresh board, as a worker starts with: every
+        shell.fences.post(index, 0)  # fence of the earlier tests was read back, none is due
+    fences = Fences(shell.fences, timeout_s=5.0)
+    spec = SamplingSpec(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def cancel_after(steps: int) -> tuple[int, bool]:
+        """Cancel a load request after ``steps`` loop turns: (deltas seen, released)."""
+        seen, released = [], asyncio.Event()
+        call = GenerateCall(request_id=f"d-7-{steps}", prompt=prompt, sampling=spec)
+
+        async def consume() -> None:
+            stream = stream_loading(d, fences, call, slots, BLOCK, released.set)
+            async with aclosing(stream):
+                async for kv_delta in stream:
+                    seen.append(kv_delta)
+
+        task = asyncio.ensure_future(consume())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(TimeoutError):  # a deadline on a wait, not a timing claim
+            await asyncio.wait_for(released.wait(), 20)
+        return len(seen), released.is_set()
+
+    async def scenario() -> dict[int, tuple[int, bool, int, str | None]]:
+        fences.start()
+        try:
+            out = {}
+            for steps in (1, 2, 3, 5, 8):
+                n, released = await cancel_after(steps)
+                out[steps] = (n, released, fences.outstanding, fences.stall_reason())
+            return out
+        finally:
+            await fences.stop()
+
+    got = loop.run_until_complete(scenario())
+    assert got[1][0] == 0  # one loop turn in, the request had no delta yet (inside the add)
+    assert {s: r[1:] for s, r in got.items()} == {s: (True, 0, None) for s in got}, got
+    wait_idle(loop, d)
+    # The slots' blocks are intact: a load of them still decodes like P.
+    want, _ = run(loop, p, "base-7", prompt, 8)
+    got_tokens, _ = run(loop, d, "d-7b", prompt, 8, wrap(load=LoadParams(slots=slots)))
+    assert got_tokens == want
     wait_idle(loop, d)

@@ -274,6 +274,40 @@ def test_cancel_mid_transfer_releases_everything(workers) -> None:
     assert "no staged KV" in again.details()
 
 
+def test_rld_generate_cancelled_before_its_first_delta_gives_its_slots_back(workers) -> None:
+    """The One-Shot switch's cancel, right after RLD's Generate began (the unposted-fence bug,
+    docs/notes/engine.md): RLD's KV landed, its Generate is cancelled 0-20 ms in, around
+    its start; its landing slots must come back (the fence was posted) and it stays ready.
+    The delays sweep the window where vLLM is still adding the request; which one (if any)
+    hits it depends on the machine: tests/engine/test_connector.py hits it every time."""
+    prompt = prompt_of(11, 200)  # 6 whole blocks + an 8-token tail
+
+    async def scenario(c: Client):
+        out = []
+        for i, delay_s in enumerate((0.0, 0.002, 0.005, 0.01, 0.02)):
+            rid = f"cx{i}"
+            t1, _, prep_rld, _ = await p_stage(c, rid, prompt)
+            await c.stub["md"].CancelKv(pb.CancelKvRequest(kv_request_id=rid), timeout=10)
+            await send(c, rid, [(prep_rld.address, 0)])
+            req = pb.GenerateRequest(
+                request_id=rid, prompt_token_ids=prompt + t1, sampling=greedy(8),
+                kv_in=kv_in(pb.KvIn.TRANSFER, rid),
+            )  # fmt: skip
+            call = c.stub["rld"].Generate(req, timeout=60)
+            await asyncio.sleep(delay_s)
+            call.cancel()
+            # as the router's KvParties does on a switch: RLD's KV is no longer wanted (frees
+            # a landing the cancelled Generate never took; one it took waits for its fence)
+            await c.stub["rld"].CancelKv(pb.CancelKvRequest(kv_request_id=rid), timeout=10)
+            idle = await c.until_idle("rld")
+            health = await c.stub["rld"].Health(pb.HealthRequest(), timeout=5)
+            out.append((rid, idle.pinned_slots, health.ready))
+        return out
+
+    got = run(workers, scenario)
+    assert got == [(f"cx{i}", 0, True) for i in range(5)]
+
+
 def test_staged_kv_is_released_when_its_lease_expires(workers) -> None:
     async def scenario(c: Client):
         resps = await c.generate("p", "lease1", prompt_of(5, 100), 1, kv_stage=True)
