@@ -473,6 +473,100 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
         messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
 
 
+# --- structured outputs: json_schema on every pipeline, across the handoff ------------------
+
+SCHEMA_MAX_TOKENS = 96
+SCHEMAS = [  # (question, schema): required fields, nested objects, enums, arrays
+    ("Describe a person called Ana, age 31, as JSON.",
+     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+      "age": {"type": "integer"}}, "required": ["name", "age"]}),
+    ("Give a city and its country as JSON.",
+     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+      "country": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+       "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]}},
+       "required": ["name", "continent"]}}, "required": ["city", "country"]}),
+    ("List three primary colors as JSON.",
+     {"type": "object", "properties": {"colors": {"type": "array", "minItems": 1, "maxItems": 3,
+      "items": {"enum": ["red", "green", "blue", "yellow"]}}}, "required": ["colors"]}),
+    ("Is the sky blue? Answer as JSON.",
+     {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+      "confidence": {"type": "number"}}, "required": ["answer", "confidence"]}),
+    ("Make a shopping list of two items as JSON.",
+     {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+      "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+       "qty": {"type": "integer"}}, "required": ["name", "qty"]}}}, "required": ["items"]}),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def schema_oracle(codec):
+    """vLLM's own structured outputs (xgrammar), one engine, greedy: the texts to match."""
+    runs = [{"prompt_token_ids": codec.encode_chat([{"role": "user", "content": q}]),
+             "json_schema": schema} for q, schema in SCHEMAS]  # fmt: skip
+    return run_oracle(runs, DTYPE, SCHEMA_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_json_schema_outputs_validate_and_equal_vllms_own(served, schema_oracle, variant):
+    """response_format json_schema on p_md and p_rld_md (One-Shot, Catch-Up): every answer
+    parses and validates, and equals vLLM's own structured output of one engine (float32,
+    greedy), so the constraint resumed exactly on each tier. P's token is the JSON's first,
+    so every later tier (RLD, MD after the handoff) resumes inside the JSON."""
+    import jsonschema
+
+    handed_inside = 0
+    for (question, schema), want in zip(SCHEMAS, schema_oracle, strict=True):
+        rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+              "strict": True}}  # fmt: skip
+        body = {"model": load_config(CONFIG).model.name, "temperature": 0,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": SCHEMA_MAX_TOKENS, "response_format": rf,
+                "pdd": VARIANTS[variant]}  # fmt: skip
+        r = httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out, record = r.json(), r.json()["pdd"]
+        text = out["choices"][0]["message"]["content"]
+        assert out["choices"][0]["finish_reason"] == "stop", (text, record)
+        jsonschema.validate(json.loads(text), schema)
+        assert text == want["text"], (variant, record)
+        n = out["usage"]["completion_tokens"]
+        if record["pipeline"] == "p_rld_md" and record["handoff"] != "rld_finished":
+            handed_inside += int(1 + record["rld_tokens"] < n)  # MD wrote part of the JSON
+    if variant != "p_md":
+        assert handed_inside >= 1, "no handoff fell inside a JSON answer"
+
+
+def test_a_schema_the_backend_refuses_is_a_400_naming_the_parameter(served):
+    """The worker's grammar backend refuses it (P is the first to see it): 400, with the
+    parameter named, never a 500."""
+    for extra, param in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "nope"}}}}, "response_format"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ):  # fmt: skip
+        body = {"model": load_config(CONFIG).model.name, "prompt": "Hi", "max_tokens": 4,
+                **extra}  # fmt: skip
+        r = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def test_choice_and_regex_hold_across_the_handoff(served):
+    """guided_choice and guided_regex on p_rld_md (One-Shot), completions API."""
+    import re
+
+    name = load_config(CONFIG).model.name
+    base = {"model": name, "temperature": 0, "max_tokens": 24,
+            "pdd": {"pipeline": "p_rld_md", "handoff": "one_shot"}}  # fmt: skip
+    r = httpx.post(f"{served.url}/completions", timeout=300, json={
+        **base, "prompt": "The best season is", "guided_choice": ["summer", "winter"]})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("summer", "winter"), r.text
+    r = httpx.post(f"{served.url}/completions", timeout=300, json={
+        **base, "prompt": "A date: ", "guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.json()["choices"][0]["text"])
+
+
 def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):
     """MD SIGKILLed in the middle of a p_md stream: the stream still completes with the text of
     a healthy run (another tier continues prompt + emitted), `pdd serve` starts MD again (the
