@@ -22,8 +22,8 @@ history is lost:
 ``tool_choice`` "required" or a named function is served by forcing the opening of a call
 after the generation prompt (``ToolPlan.forced_prefix``): the model continues inside the call,
 so the name is chosen (named) or must be one of the tools' (required, not enforced); the
-arguments are the model's own and are not constrained (structured outputs are not served yet),
-so they may fail to parse and then come back as text.
+arguments are the model's own and are not constrained (structured outputs are served, but not
+yet applied to tool arguments), so they may fail to parse and then come back as text.
 """
 
 from __future__ import annotations
