@@ -123,7 +123,7 @@ def to_extra(spec: ConstraintSpec) -> dict[str, Any]:
 class _Row:
     """One constrained request in a batch row: its matcher and how far it has read."""
 
-    matcher: xgr.GrammarMatcher
+    matcher: xgr.GrammarMatcher | None  # None: it could not be built (the row is broken)
     output: list[int]  # vLLM's live output list of the request
     seen: int = 0  # output tokens already fed to the matcher
     broken: bool = False  # a token the grammar refused: only stop tokens are allowed now
@@ -200,12 +200,20 @@ class ConstraintLogitsProcessor(LogitsProcessor):
                 self._rows[a] = rb
 
     def _new_row(self, spec: ConstraintSpec, params: SamplingParams, output: list[int]) -> _Row:
-        if self._compiler is None:
-            self._compiler = _Compiler(self._config)
-        c = self._compiler
-        stop_ids = list(params.stop_token_ids or ()) or c.eos
-        row = _Row(xgr.GrammarMatcher(c.compile(spec), override_stop_tokens=stop_ids or None),
-                   output, stop_ids=stop_ids)  # fmt: skip
+        """A matcher in the state after ``spec.resume``. Never raises: this runs inside the
+        engine core's step, where an exception kills the engine for every request; a spec
+        that cannot be built (validated before, so not expected) gives a broken row."""
+        stop_ids = list(params.stop_token_ids or ())
+        try:
+            if self._compiler is None:
+                self._compiler = _Compiler(self._config)
+            c = self._compiler
+            stop_ids = stop_ids or c.eos
+            matcher = xgr.GrammarMatcher(c.compile(spec), override_stop_tokens=stop_ids or None)
+        except Exception:  # see above: logged, and the request ends
+            log.exception("constraint %s could not be built: the request ends", spec.kind)
+            return _Row(None, output, broken=True, stop_ids=stop_ids)
+        row = _Row(matcher, output, stop_ids=stop_ids)
         if replay(row, spec.resume) != len(spec.resume):
             row.broken = True  # a resume id is never a placeholder
         return row
@@ -216,11 +224,9 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         if not self._rows:
             return logits
         rows = sorted(i for i in self._rows if i < logits.shape[0])
+        vocab = self._config.model_config.get_vocab_size()
         if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
-            assert self._compiler is not None  # a row exists, so it was built
-            self._bitmask = xgr.allocate_token_bitmask(
-                max(logits.shape[0], 8), self._compiler.vocab_size
-            )
+            self._bitmask = xgr.allocate_token_bitmask(max(logits.shape[0], 8), vocab)
         broken = []
         for i in rows:
             row = self._rows[i]
@@ -228,13 +234,12 @@ class ConstraintLogitsProcessor(LogitsProcessor):
             if row.broken:
                 broken.append(i)
             else:
+                assert row.matcher is not None  # only a broken row has none
                 row.matcher.fill_next_token_bitmask(self._bitmask, i)
         live = [i for i in rows if i not in broken]
         if live:
             mask = self._bitmask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(
-                logits, mask, vocab_size=self._compiler.vocab_size, indices=live
-            )
+            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=live)
         for i in broken:  # only the request's stop tokens: it ends now
             if not self._rows[i].stop_ids:
                 continue
@@ -252,7 +257,7 @@ def replay(row: _Row, tokens: list[int] | tuple[int, ...]) -> int:
     for n, t in enumerate(tokens):
         if t < 0:
             return n
-        if row.broken or row.matcher.is_terminated():
+        if row.broken or row.matcher is None or row.matcher.is_terminated():
             continue
         if not row.matcher.accept_token(t):
             log.error("constraint refused token %d: the request ends on a stop token", t)

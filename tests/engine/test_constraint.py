@@ -230,3 +230,12 @@ def test_valid_specs_pass_and_round_trip_through_extra_args():
         ConstraintLogitsProcessor.validate_params(_params(spec))
     with pytest.raises(ValueError, match="invalid regex"):
         ConstraintLogitsProcessor.validate_params(_params(ConstraintSpec("regex", "(")))
+
+
+def test_a_spec_that_cannot_be_built_in_the_engine_core_never_raises(vllm_config):
+    """Validated before it gets there, but if one did: the step must not raise (that would
+    kill the engine for every request); the row allows only its stop tokens."""
+    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc.update_state(_batch(added=[(0, _params(ConstraintSpec("regex", "(")), [1], [])]))
+    row = proc.apply(torch.zeros(1, VOCAB))[0]
+    assert torch.isfinite(row).nonzero().flatten().tolist() == [EOS]
