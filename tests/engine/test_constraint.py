@@ -18,6 +18,7 @@ from pdd.config import ModelConfig
 from pdd.engine.constraint import (
     EXTRA_KEY,
     ConstraintLogitsProcessor,
+    _Compiler,
     check_spec,
     spec_from_extra,
     to_extra,
@@ -58,6 +59,19 @@ def tokenizer(vllm_config):
     return AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
 
 
+_COMPILERS: dict[int, object] = {}
+
+
+def _proc(vllm_config) -> ConstraintLogitsProcessor:
+    """A processor as vLLM builds one per engine; the tokenizer's compiler (~1 s to build)
+    is shared between the tests' processors, as one engine's requests share it."""
+    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    if id(vllm_config) not in _COMPILERS:
+        _COMPILERS[id(vllm_config)] = _Compiler(vllm_config)
+    proc._compiler = _COMPILERS[id(vllm_config)]
+    return proc
+
+
 def _params(spec: ConstraintSpec):
     from vllm import SamplingParams
 
@@ -87,7 +101,7 @@ def _decode(proc, row: int, output: list[int], start: int, steps: int, rows: int
 
 
 def _one_tier(vllm_config, spec: ConstraintSpec, steps: int) -> list[int]:
-    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc = _proc(vllm_config)
     output: list[int] = []
     proc.update_state(_batch(added=[(0, _params(spec), [1, 2, 3], output)]))
     _decode(proc, 0, output, 0, steps)
@@ -101,7 +115,7 @@ def test_a_tier_resumed_from_emitted_tokens_decodes_as_one_tier_would(vllm_confi
     spec = ConstraintSpec("json_schema", json.dumps(PERSON))
     whole = _one_tier(vllm_config, spec, 40)
     first = whole[:handoff_at]
-    md = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    md = _proc(vllm_config)
     output: list[int] = []
     resumed = ConstraintSpec("json_schema", json.dumps(PERSON), resume=tuple(first))
     md.update_state(_batch(added=[(0, _params(resumed), [1, 2, 3, *first], output)]))
@@ -114,7 +128,7 @@ def test_without_resume_the_next_tier_would_restart_the_grammar(vllm_config, tok
     quote; a fresh one (what vLLM's own structured outputs would build on MD) does not."""
 
     def allowed(resume: list[int]) -> set[int]:
-        proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+        proc = _proc(vllm_config)
         spec = ConstraintSpec("json_schema", json.dumps(PERSON), resume=tuple(resume))
         proc.update_state(_batch(added=[(0, _params(spec), [1, *resume], [])]))
         return set(
@@ -133,7 +147,7 @@ def test_completed_output_parses_and_validates(vllm_config, tokenizer):
     strings held back: random logits would wander forever) ends in a JSON that validates."""
     jsonschema = pytest.importorskip("jsonschema")
     spec = ConstraintSpec("json_schema", json.dumps(PERSON))
-    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc = _proc(vllm_config)
     output: list[int] = []
     proc.update_state(_batch(added=[(0, _params(spec), [1], output)]))
     blank = [t for t in range(VOCAB) if t != EOS and not tokenizer.decode([t]).strip()]
@@ -159,7 +173,7 @@ def test_rows_follow_batch_moves_and_swaps(vllm_config):
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import MoveDirectionality
 
-    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc = _proc(vllm_config)
     oa, ob, of = [], [], []
     proc.update_state(_batch(
         added=[(0, _params(a), [1], oa), (1, SamplingParams(), [1], of), (2, _params(b), [1], ob)],
@@ -186,7 +200,7 @@ def test_a_refused_resume_token_ends_the_request(vllm_config, tokenizer):
     token is refused the row allows only its stop tokens: it ends instead of leaving the
     grammar or failing the batch."""
     bad = ConstraintSpec("regex", "[0-9]+", resume=tuple(tokenizer.encode("abc")))
-    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc = _proc(vllm_config)
     proc.update_state(_batch(added=[(0, _params(bad), [1], [])]))
     row = proc.apply(torch.zeros(1, VOCAB))[0]
     assert torch.isfinite(row).nonzero().flatten().tolist() == [EOS]
@@ -235,7 +249,77 @@ def test_valid_specs_pass_and_round_trip_through_extra_args():
 def test_a_spec_that_cannot_be_built_in_the_engine_core_never_raises(vllm_config):
     """Validated before it gets there, but if one did: the step must not raise (that would
     kill the engine for every request); the row allows only its stop tokens."""
-    proc = ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc = _proc(vllm_config)
     proc.update_state(_batch(added=[(0, _params(ConstraintSpec("regex", "(")), [1], [])]))
     row = proc.apply(torch.zeros(1, VOCAB))[0]
     assert torch.isfinite(row).nonzero().flatten().tolist() == [EOS]
+
+
+def _obj(props: dict, required: list[str] | None = None) -> dict:
+    return {"type": "object", "properties": props, "required": required or list(props)}
+
+
+S, INT, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+SCHEMA_CASES = [  # (schema, a valid instance): required fields, nesting, enums, arrays
+    (_obj({"name": S}), {"name": "Ana"}),
+    (_obj({"age": INT}), {"age": 31}),
+    (_obj({"x": N, "y": N}), {"x": 1.5, "y": -2}),
+    (_obj({"ok": B}), {"ok": True}),
+    (_obj({"color": {"enum": ["red", "green"]}}), {"color": "green"}),
+    (_obj({"tags": {"type": "array", "items": S}}), {"tags": ["a", "b c"]}),
+    (_obj({"ids": {"type": "array", "items": INT, "maxItems": 3}}), {"ids": [1, 2, 3]}),
+    (_obj({"p": _obj({"q": S})}), {"p": {"q": "deep"}}),
+    (_obj({"a": _obj({"b": _obj({"c": INT})})}), {"a": {"b": {"c": 7}}}),
+    (_obj({"items": {"type": "array", "items": _obj({"n": S, "k": INT})}}),
+     {"items": [{"n": "x", "k": 1}, {"n": "y", "k": 2}]}),
+    (_obj({"name": S, "nick": S}, ["name"]), {"name": "Bo"}),
+    (_obj({"name": S, "nick": S}, ["name"]), {"name": "Bo", "nick": "B"}),
+    (_obj({"v": {"type": ["string", "null"]}}), {"v": None}),
+    (_obj({"v": {"anyOf": [INT, S]}}), {"v": "seven"}),
+    (_obj({"when": {"type": "string", "format": "date"}}), {"when": "2026-12-02"}),
+    (_obj({"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}), {"code": "CDG"}),
+    (_obj({"n": {"type": "integer", "minimum": 1, "maximum": 9}}), {"n": 5}),
+    (_obj({"m": {"type": "object", "additionalProperties": INT}}), {"m": {"a": 1, "b": 2}}),
+    (_obj({"mode": {"const": "fast"}}), {"mode": "fast"}),
+    (_obj({"grid": {"type": "array", "items": {"type": "array", "items": INT}}}),
+     {"grid": [[1, 2], [3]]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "instance"), SCHEMA_CASES)
+def test_twenty_schemas_resume_at_every_token(vllm_config, tokenizer, schema, instance):
+    """For each schema and a valid answer, the mask of a matcher resumed after k tokens
+    equals the mask the one tier that emitted them holds, at every k; the whole answer is
+    accepted and then only the stop token is allowed."""
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(instance, schema)
+    text = json.dumps(instance)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    spec = ConstraintSpec("json_schema", json.dumps(schema))
+    one = _proc(vllm_config)
+    output: list[int] = []
+    one.update_state(_batch(added=[(0, _params(spec), [1], output)]))
+    for k in range(len(ids) + 1):
+        mask = torch.isfinite(one.apply(torch.zeros(1, VOCAB))[0])
+        assert bool(mask[ids[k]]) if k < len(ids) else mask.nonzero().flatten().tolist() == [EOS]
+        resumed = _proc(vllm_config)
+        rspec = ConstraintSpec("json_schema", json.dumps(schema), resume=tuple(ids[:k]))
+        resumed.update_state(_batch(added=[(0, _params(rspec), [1, *ids[:k]], [])]))
+        assert torch.equal(torch.isfinite(resumed.apply(torch.zeros(1, VOCAB))[0]), mask), k
+        if k < len(ids):
+            output.append(ids[k])
+
+
+def test_an_answer_missing_a_required_field_is_refused(vllm_config, tokenizer):
+    schema = _obj({"name": S, "age": INT})
+    ids = tokenizer.encode(json.dumps({"name": "Ana"}), add_special_tokens=False)
+    proc = _proc(vllm_config)
+    output: list[int] = []
+    proc.update_state(
+        _batch(added=[(0, _params(ConstraintSpec("json_schema", json.dumps(schema))), [1], output)])
+    )
+    allowed = []
+    for t in ids:
+        allowed.append(bool(torch.isfinite(proc.apply(torch.zeros(1, VOCAB))[0, t])))
+        output.append(t)
+    assert allowed[:-1] == [True] * (len(ids) - 1) and allowed[-1] is False  # the closing }
