@@ -62,6 +62,23 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(f'"{lit(c)}"' for c in choices)
 
 
+def _literal(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(choice_grammar([text]))
+
+
+def tool_call_grammar(alternatives: list[dict[str, Any]]) -> xgr.Grammar:
+    """One of the alternatives: ``prefix`` (literal), arguments per ``schema``, ``suffix``."""
+    options = []
+    for alt in alternatives:
+        parts = [_literal(alt["prefix"])] if alt.get("prefix") else []
+        parts.append(xgr.Grammar.from_json_schema(json.dumps(alt["schema"])))
+        parts += [_literal(alt["suffix"])] if alt.get("suffix") else []
+        options.append(parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts))
+    if not options:
+        raise ValueError("no tool to call")
+    return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
+
+
 def grammar_of(spec: ConstraintSpec) -> xgr.Grammar:
     """The xgrammar grammar of ``spec`` (no tokenizer needed). Raises InvalidRequestError
     naming ``spec.param`` for a schema, regex, choice list or grammar xgrammar refuses."""
@@ -74,10 +91,12 @@ def grammar_of(spec: ConstraintSpec) -> xgr.Grammar:
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
             return xgr.Grammar.from_ebnf(choice_grammar(json.loads(spec.spec)))
+        if spec.kind == "tool_call":
+            return tool_call_grammar(json.loads(spec.spec))
         if grammar_is_likely_lark(spec.spec):  # "grammar": Lark or EBNF, as vLLM tells them
             return xgr.Grammar.from_lark(spec.spec)
         return xgr.Grammar.from_ebnf(spec.spec)
-    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:  # xgrammar: RuntimeError
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         first = _XGR_PREFIX.sub("", lines[0])  # "[hh:mm:ss] /project/cpp/x.cc:83: ..."
         raise InvalidRequestError(
@@ -94,8 +113,12 @@ def check_spec(spec: ConstraintSpec, vocab_size: int) -> None:
             f"constraint resume token ids must be in [0, {vocab_size})", param=spec.param
         )
     grammar_of(spec)
+    schemas = []
     if spec.kind == "json_schema":
-        schema = json.loads(spec.spec)
+        schemas = [json.loads(spec.spec)]
+    elif spec.kind == "tool_call":
+        schemas = [alt["schema"] for alt in json.loads(spec.spec)]
+    for schema in schemas:
         if isinstance(schema, dict) and has_xgrammar_unsupported_json_features(schema):
             raise InvalidRequestError(
                 f"{spec.param}: the schema uses a JSON Schema feature the grammar backend "

@@ -16,15 +16,17 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 # What a structured-output constraint is written in (``ConstraintSpec.kind``).
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 
 
 @dataclass(frozen=True)
 class ConstraintSpec:
     """A structured-output constraint and where it resumes (``pdd.engine.constraint``).
 
-    ``spec``: a JSON schema (JSON text), a regex, a JSON list of choices or an EBNF grammar;
-    "" for ``json_object``. ``resume``: the tokens already emitted under the constraint (the
+    ``spec``: a JSON schema (JSON text), a regex, a JSON list of choices, an EBNF or Lark
+    grammar, "" for ``json_object``; for ``tool_call`` a JSON list of ``{"prefix", "schema",
+    "suffix"}`` (one alternative per tool: literal text, the arguments' JSON schema, literal
+    text), the continuation of a forced tool-call opening. ``resume``: the tokens already emitted under the constraint (the
     client's text so far; the request's prompt ends with them). ``param``: the request field
     it came from, named in a 400.
     """

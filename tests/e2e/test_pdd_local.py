@@ -370,16 +370,22 @@ _RAW_CACHE: dict[str, str] = {}  # greedy text per prompt: every variant shares 
 def _tool_turn_expected(served, codec, messages, choice):
     """What the router must answer: the hermes parse of the greedy text that the same prompt
     gives on /v1/completions (the prompt as the router renders it: tools, tool history and
-    the opening of the named call)."""
+    the opening of the named call; a named call's rest constrained by the same grammar, sent
+    as guided_grammar)."""
+    from pdd.engine.constraint import grammar_of
+    from pdd.engine.types import ConstraintSpec
     from pdd.router.http.schemas import ChatMessage
     from pdd.router.http.validation import chat_messages
     from pdd.router.text.tool_calls import extract
-    from pdd.router.text.tool_prompt import ToolPlan, prompt_ids, prompt_text
+    from pdd.router.text.tool_prompt import ToolPlan, call_constraint, prompt_ids, prompt_text
 
     plan = ToolPlan("hermes", (WEATHER, TIME), choice)
     msgs = chat_messages([ChatMessage.model_validate(m) for m in messages])
     ids = prompt_ids(codec, msgs, plan)
     kw = {"max_tokens": 48, "skip_special_tokens": not plan.parses}  # as the router sets it
+    forced = call_constraint(plan)
+    if forced is not None:  # the same grammar as the router's, as EBNF text
+        kw["guided_grammar"] = str(grammar_of(ConstraintSpec(forced.kind, forced.spec)))
     key = json.dumps([ids, kw])
     if key not in _RAW_CACHE:
         _RAW_CACHE[key] = complete(served.url, ids, {"pipeline": "p_md"}, **kw)["choices"][0][
@@ -423,6 +429,7 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
     model write a well-formed call, whose arguments must validate against the tool's schema.
     The forced call opening puts every token of a named call inside its arguments, so on
     p_rld_md the handoff happens inside them."""
+    import jsonschema
     import openai
 
     client = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
@@ -459,6 +466,9 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
             (c.name, json.loads(c.arguments)) for c in found.calls
         ], (raw, record)
         assert (msg.content or None) == found.content
+        schemas = {t["function"]["name"]: t["function"].get("parameters") for t in (WEATHER, TIME)}
+        for n, a in calls:  # a forced call is constrained: its arguments always validate
+            jsonschema.validate(json.loads(a), schemas[n] or {"type": "object"})
         if turn == 0:
             assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"})]
             assert choice_out.finish_reason == "tool_calls"

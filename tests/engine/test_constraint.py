@@ -323,3 +323,32 @@ def test_an_answer_missing_a_required_field_is_refused(vllm_config, tokenizer):
         allowed.append(bool(torch.isfinite(proc.apply(torch.zeros(1, VOCAB))[0, t])))
         output.append(t)
     assert allowed[:-1] == [True] * (len(ids) - 1) and allowed[-1] is False  # the closing }
+
+
+def test_a_forced_tool_call_continues_to_valid_arguments_and_the_close(vllm_config, tokenizer):
+    """The ``tool_call`` kind the router sends for tool_choice required: one of the names,
+    arguments valid against that tool's schema, the hermes close, then only the stop token."""
+    weather = _obj({"city": S})
+    alts = [
+        {"prefix": 'get_weather", "arguments": ', "schema": weather, "suffix": "}\n</tool_call>"},
+        {"prefix": 'get_time", "arguments": ', "schema": {"type": "object"},
+         "suffix": "}\n</tool_call>"},
+    ]  # fmt: skip
+    spec = ConstraintSpec("tool_call", json.dumps(alts), param="tools")
+    check_spec(spec, VOCAB)
+
+    def accepts(text: str) -> bool:
+        proc = _proc(vllm_config)
+        output: list[int] = []
+        proc.update_state(_batch(added=[(0, _params(spec), [1], output)]))
+        for t in [*tokenizer.encode(text, add_special_tokens=False), EOS]:
+            if not bool(torch.isfinite(proc.apply(torch.zeros(1, VOCAB))[0, t])):
+                return False
+            output.append(t)
+        return True
+
+    assert accepts('get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert accepts('get_time", "arguments": {}}\n</tool_call>')
+    assert not accepts('get_weather", "arguments": {"town": "Paris"}}\n</tool_call>')
+    assert not accepts('get_news", "arguments": {}}\n</tool_call>')
+    assert not accepts('get_time", "arguments": {}}\n</tool_call>\n<tool_call>')  # one call

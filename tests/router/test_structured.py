@@ -169,3 +169,36 @@ def test_a_takeover_resumes_the_constraint(spares):  # noqa: F811 (fixture)
     assert list(spares.by_id(first).requests[-1].constraint.resume) == ids[:1]
     assert list(spares.by_id(second).requests[-1].constraint.resume) == ids[:4]
     _resumes_match_prompts(spares, ["p0", "p1", "md0", "md1"], prompt_ids(spares))
+
+
+def test_a_forced_tool_call_is_constrained_to_its_tools_schemas(router):
+    """tool_choice named / required: the Generate carries a ``tool_call`` constraint (one
+    alternative per eligible tool: name + arguments key, the parameters' schema, the close)."""
+    from tests.router.test_api_tools import CALL, TIME, WEATHER, say
+
+    say(router, CALL[len('<tool_call>\n{"name": "get_weather", "arguments": ') :])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": named}
+    r = httpx.post(router.url + "/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    c = router.fake.requests[-1].constraint
+    assert (c.kind, c.param) == ("tool_call", "tools")
+    params = WEATHER["function"]["parameters"]
+    assert json.loads(c.spec) == [{"prefix": "", "schema": params, "suffix": "}\n</tool_call>"}]
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    router.reset()
+    say(router, "x")
+    r = httpx.post(router.url + "/chat/completions", timeout=10,
+                   json={**body, "tool_choice": "required"})  # fmt: skip
+    alts = json.loads(router.fake.requests[-1].constraint.spec)
+    assert [a["prefix"] for a in alts] == [
+        'get_weather", "arguments": ',
+        'get_time", "arguments": ',
+    ]
+    assert alts[1]["schema"] == {"type": "object"}
+    router.reset()
+    r = httpx.post(router.url + "/chat/completions", timeout=10,
+                   json={**body, "response_format": {"type": "json_object"}})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert not router.fake.requests

@@ -12,7 +12,7 @@ from typing import Any
 
 from pdd.errors import InvalidRequestError
 from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from pdd.router.text.tool_prompt import ToolPlan
+from pdd.router.text.tool_prompt import ToolPlan, call_constraint
 from pdd.router.types import Constraint
 
 # Fields (OpenAI's or vLLM's extras) that change the answer and that pdd does not serve yet:
@@ -54,6 +54,20 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
         chosen = choice or "auto"
     tools = tuple(t.model_dump(exclude_none=True) for t in body.tools)
     return ToolPlan(parser, tools, chosen, parallel=body.parallel_tool_calls)
+
+
+def with_tool_call(structured: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
+    """The request's constraint once tools are known: a forced call (tool_choice required or
+    a named function) is constrained to its tools' schemas; with another constraint too, 400."""
+    if plan is None or (forced := call_constraint(plan)) is None:
+        return structured
+    if structured is not None:
+        raise InvalidRequestError(
+            f"tool_choice {plan.choice!r} forces a tool call; it cannot be combined with "
+            f"{structured.param}",
+            param="tool_choice",
+        )
+    return forced
 
 
 def check_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -24,7 +24,12 @@ from pdd.protocol import new_request_id
 from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
 from pdd.router.http.errors import pdd_error_body
-from pdd.router.http.request_fields import check_unserved, constraint, tool_plan
+from pdd.router.http.request_fields import (
+    check_unserved,
+    constraint,
+    tool_plan,
+    with_tool_call,
+)
 from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
 from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
 from pdd.router.http.sse import (
@@ -70,6 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     st.service.check_capacity()
     messages = chat_messages(body.messages)
     plan = tool_plan(body, st.cfg.model.tool_parser)
+    structured = with_tool_call(structured, plan)
     prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
