@@ -193,13 +193,18 @@ class ConstraintLogitsProcessor(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """vLLM's admission hook (frontend): a malformed constraint is a 400 there too."""
-        spec = spec_from_extra(sampling_params)
-        if spec is not None:
-            try:
-                check_spec(spec, 0)
-            except InvalidRequestError as exc:
-                raise ValueError(exc.message) from exc
+        """vLLM's admission hook (frontend, inside ``AsyncLLM.generate``): the shape only.
+        The grammar itself was checked by ``Engine.validate`` (``check_spec``) before; not
+        building it twice keeps the time before the request reaches the engine core short."""
+        raw = (sampling_params.extra_args or {}).get(EXTRA_KEY)
+        if raw is None:
+            return
+        if not isinstance(raw, dict) or raw.get("kind") not in CONSTRAINT_KINDS:
+            raise ValueError(f"{EXTRA_KEY} must be a constraint of kind {CONSTRAINT_KINDS}")
+        if not isinstance(raw.get("spec"), str) or not all(
+            isinstance(t, int) and t >= 0 for t in raw.get("resume", ())
+        ):
+            raise ValueError(f"{EXTRA_KEY} needs a text spec and non-negative resume ids")
 
     def is_argmax_invariant(self) -> bool:
         return False  # a mask changes the argmax

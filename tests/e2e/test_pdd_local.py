@@ -541,7 +541,9 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, schema_oracle,
         assert text == want["text"], (variant, record)
         n = out["usage"]["completion_tokens"]
         if record["pipeline"] == "p_rld_md" and record["handoff"] != "rld_finished":
-            handed_inside += int(1 + record["rld_tokens"] < n)  # MD wrote part of the JSON
+            # MD wrote the JSON's rest after P's token and RLD's ones. On one host MD's KV
+            # often lands before RLD emits any (rld_tokens 0: MD resumes after P's token).
+            handed_inside += int(1 + record["rld_tokens"] < n)
     if variant != "p_md":
         assert handed_inside >= 1, "no handoff fell inside a JSON answer"
 

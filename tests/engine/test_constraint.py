@@ -242,8 +242,10 @@ def test_valid_specs_pass_and_round_trip_through_extra_args():
         check_spec(spec, VOCAB)
         assert spec_from_extra(_params(spec)) == spec
         ConstraintLogitsProcessor.validate_params(_params(spec))
-    with pytest.raises(ValueError, match="invalid regex"):
-        ConstraintLogitsProcessor.validate_params(_params(ConstraintSpec("regex", "(")))
+    with pytest.raises(ValueError, match="must be a constraint of kind"):
+        ConstraintLogitsProcessor.validate_params(_params(ConstraintSpec("nope", "(")))
+    with pytest.raises(ValueError, match="non-negative resume ids"):
+        ConstraintLogitsProcessor.validate_params(_params(ConstraintSpec("regex", "a", (-1,))))
 
 
 def test_a_spec_that_cannot_be_built_in_the_engine_core_never_raises(vllm_config):
