@@ -41,6 +41,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from pdd.config import EngineConfig, ModelConfig  # noqa: E402
 from pdd.engine import heap  # noqa: E402
+from pdd.engine.constraint import EXTRA_KEY, FQCN, check_spec, to_extra  # noqa: E402
 from pdd.engine.lifeline import spawning  # noqa: E402
 from pdd.engine.model import prepare_model  # noqa: E402
 from pdd.engine.types import (  # noqa: E402
@@ -189,6 +190,8 @@ class Engine:
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our _StatSink still receives every step's stats
             enable_log_requests=False,
+            # structured outputs that resume across tiers (pdd.engine.constraint)
+            logits_processors=[FQCN],
         )
 
     @contextlib.contextmanager
@@ -255,6 +258,8 @@ class Engine:
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids"
             )
+        if sampling.constraint is not None:
+            check_spec(sampling.constraint, self.vocab_size)
 
     async def generate(
         self,
@@ -356,7 +361,11 @@ class Engine:
         stop_ids = list(s.stop_token_ids)
         if not s.ignore_eos:  # no tokenizer in the engine: EOS is a stop token id
             stop_ids += [t for t in self._eos_ids if t not in stop_ids]
-        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        extra: dict[str, Any] = {}
+        if kv_transfer_params:
+            extra["kv_transfer_params"] = kv_transfer_params
+        if s.constraint is not None:
+            extra[EXTRA_KEY] = to_extra(s.constraint)
         try:
             return SamplingParams(
                 temperature=s.temperature,
@@ -373,7 +382,7 @@ class Engine:
                 min_tokens=s.min_tokens,
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
-                extra_args=extra,
+                extra_args=extra or None,
             )
         except (VLLMClientError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from exc

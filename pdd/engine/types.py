@@ -15,6 +15,28 @@ KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
+# What a structured-output constraint is written in (``ConstraintSpec.kind``).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A structured-output constraint and where it resumes (``pdd.engine.constraint``).
+
+    ``spec``: a JSON schema (JSON text), a regex, a JSON list of choices, an EBNF or Lark
+    grammar, "" for ``json_object``; for ``tool_call`` a JSON list of ``{"prefix", "schema",
+    "suffix"}`` (one alternative per tool: literal text, the arguments' JSON schema, literal
+    text), the continuation of a forced tool-call opening. ``resume``: the tokens already emitted under the constraint (the
+    client's text so far; the request's prompt ends with them). ``param``: the request field
+    it came from, named in a 400.
+    """
+
+    kind: str
+    spec: str
+    resume: tuple[int, ...] = ()
+    param: str = "response_format"
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """How to sample one request. Validated on construction (InvalidRequestError on bad input).
@@ -35,6 +57,7 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    constraint: ConstraintSpec | None = None
 
     MAX_LOGPROBS = 20
 

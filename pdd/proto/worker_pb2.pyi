@@ -36,20 +36,34 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_STAGE_FIELD_NUMBER: _ClassVar[int]
     KV_IN_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv_stage: bool
     kv_in: KvIn
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("kind", "spec", "resume", "param")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    resume: _containers.RepeatedScalarFieldContainer[int]
+    param: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., resume: _Optional[_Iterable[int]] = ..., param: _Optional[str] = ...) -> None: ...
 
 class KvIn(_message.Message):
     __slots__ = ("source", "kv_request_id", "wait_s")

@@ -43,6 +43,23 @@ class TextOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """A structured-output constraint (``response_format``, ``structured_outputs``, ...).
+
+    ``kind``: json_schema | json_object | regex | choice | grammar; ``spec``: the schema as
+    JSON text, the regex, the choices as a JSON list, or the EBNF ("" for json_object).
+    ``resume``: the tokens emitted under it so far; every tier's Generate carries them
+    (``EmittedStream.continuation``) so the worker resumes the grammar where the client is.
+    ``param``: the request field it came from (a worker's 400 names it).
+    """
+
+    kind: str
+    spec: str
+    param: str
+    resume: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One admitted request, ready to route. ``arrival`` is ``time.monotonic()`` at receipt."""
 
@@ -54,6 +71,7 @@ class GenerationRequest:
     pipeline: Pipeline | None = None  # body "pdd": {"pipeline": ...}; None: auto
     handoff: HandoffMode | None = None  # body "pdd": {"handoff": ...}; None: auto
     cache_salt: str = ""  # prefix-cache namespace of the caller's tenant ("": the shared one)
+    constraint: Constraint | None = None  # structured output; None: free text
 
 
 @dataclass(frozen=True, slots=True)

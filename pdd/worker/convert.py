@@ -7,14 +7,22 @@ context. Temperature 0 is greedy. ``logprobs`` -1 (or any negative) means none.
 
 from __future__ import annotations
 
-from pdd.engine.types import EngineDelta, EngineStats, SamplingSpec
+from pdd.engine.types import ConstraintSpec, EngineDelta, EngineStats, SamplingSpec
 from pdd.proto import worker_pb2 as pb
 from pdd.worker.roles import GenerateCall, KvDelta, KvInSpec, KvStats
 
 _SOURCES = {pb.KvIn.TRANSFER: "transfer", pb.KvIn.DRC: "drc"}
 
 
-def sampling_from_proto(p: pb.SamplingParams) -> SamplingSpec:
+def constraint_from_proto(c: pb.Constraint) -> ConstraintSpec:
+    return ConstraintSpec(
+        kind=c.kind, spec=c.spec, resume=tuple(c.resume), param=c.param or "response_format"
+    )
+
+
+def sampling_from_proto(
+    p: pb.SamplingParams, constraint: pb.Constraint | None = None
+) -> SamplingSpec:
     """Raises InvalidRequestError (from SamplingSpec) on out-of-range values."""
     return SamplingSpec(
         temperature=p.temperature,
@@ -29,6 +37,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingSpec:
         repetition_penalty=p.repetition_penalty or 1.0,
         ignore_eos=p.ignore_eos,
         min_tokens=p.min_tokens,
+        constraint=None if constraint is None else constraint_from_proto(constraint),
     )
 
 

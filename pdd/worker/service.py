@@ -66,6 +66,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+PARAM_METADATA = "pdd-param"  # trailing metadata: the request parameter a 400 names
+
+
+def error_metadata(err: PddError) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of an error status: the parameter it names, if any."""
+    param = getattr(err, "param", None)
+    return ((PARAM_METADATA, param),) if param else ()
+
+
 def status_for(err: PddError) -> grpc.StatusCode:
     """The gRPC status a pdd error travels as (the router maps it back)."""
     if isinstance(err, InvalidRequestError):
@@ -128,7 +137,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             call = self._admit(request)
         except PddError as err:
             self._metrics.request_done(self.role, "rejected")
-            await context.abort(status_for(err), err.message)
+            await context.abort(status_for(err), err.message, error_metadata(err))
             return  # not reached: abort raises
         except _Refused as ref:
             self._metrics.request_done(self.role, "rejected")
@@ -152,7 +161,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 "rejected" if isinstance(err, InvalidRequestError | OverloadedError) else "error"
             )
             log.warning("request %s failed: %s", rid, err.message)
-            await context.abort(status_for(err), err.message)
+            await context.abort(status_for(err), err.message, error_metadata(err))
         except BaseException:  # cancelled by the client or by server shutdown
             outcome = "cancelled"
             raise
@@ -169,7 +178,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise InvalidRequestError("request_id must not be empty", param="request_id")
         if not request.HasField("sampling"):
             raise InvalidRequestError("sampling must be set", param="sampling")
-        spec = sampling_from_proto(request.sampling)
+        constraint = request.constraint if request.HasField("constraint") else None
+        spec = sampling_from_proto(request.sampling, constraint)
         call = call_from_proto(request, spec)
         for wanted, feature in ((call.kv_stage, KV_STAGE), (call.kv_in is not None, KV_IN)):
             if wanted and feature not in self._role.supports:

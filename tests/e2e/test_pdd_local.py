@@ -370,16 +370,22 @@ _RAW_CACHE: dict[str, str] = {}  # greedy text per prompt: every variant shares 
 def _tool_turn_expected(served, codec, messages, choice):
     """What the router must answer: the hermes parse of the greedy text that the same prompt
     gives on /v1/completions (the prompt as the router renders it: tools, tool history and
-    the opening of the named call)."""
+    the opening of the named call; a named call's rest constrained by the same grammar, sent
+    as guided_grammar)."""
+    from pdd.engine.constraint import grammar_of
+    from pdd.engine.types import ConstraintSpec
     from pdd.router.http.schemas import ChatMessage
     from pdd.router.http.validation import chat_messages
     from pdd.router.text.tool_calls import extract
-    from pdd.router.text.tool_prompt import ToolPlan, prompt_ids, prompt_text
+    from pdd.router.text.tool_prompt import ToolPlan, call_constraint, prompt_ids, prompt_text
 
     plan = ToolPlan("hermes", (WEATHER, TIME), choice)
     msgs = chat_messages([ChatMessage.model_validate(m) for m in messages])
     ids = prompt_ids(codec, msgs, plan)
     kw = {"max_tokens": 48, "skip_special_tokens": not plan.parses}  # as the router sets it
+    forced = call_constraint(plan)
+    if forced is not None:  # the same grammar as the router's, as EBNF text
+        kw["guided_grammar"] = str(grammar_of(ConstraintSpec(forced.kind, forced.spec)))
     key = json.dumps([ids, kw])
     if key not in _RAW_CACHE:
         _RAW_CACHE[key] = complete(served.url, ids, {"pipeline": "p_md"}, **kw)["choices"][0][
@@ -424,6 +430,7 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
     model write a well-formed call, whose arguments must validate against the tool's schema.
     The forced call opening puts every token of a named call inside its arguments, so on
     p_rld_md the handoff happens inside them."""
+    import jsonschema
     import openai
 
     client = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
@@ -460,6 +467,9 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
             (c.name, json.loads(c.arguments)) for c in found.calls
         ], (raw, record)
         assert (msg.content or None) == found.content
+        schemas = {t["function"]["name"]: t["function"].get("parameters") for t in (WEATHER, TIME)}
+        for n, a in calls:  # a forced call is constrained: its arguments always validate
+            jsonschema.validate(json.loads(a), schemas[n] or {"type": "object"})
         if turn == 0:
             assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"})]
             assert choice_out.finish_reason == "tool_calls"
@@ -472,6 +482,105 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
                 "name": msg.tool_calls[0].function.name,
                 "arguments": msg.tool_calls[0].function.arguments}}]})  # fmt: skip
         messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+
+
+# --- structured outputs: json_schema on every pipeline, across the handoff ------------------
+
+SCHEMA_MAX_TOKENS = 96
+SCHEMAS = [  # (question, schema): required fields, nested objects, enums, arrays
+    ("Describe a person called Ana, age 31, as JSON.",
+     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+      "age": {"type": "integer"}}, "required": ["name", "age"]}),
+    ("Give a city and its country as JSON.",
+     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+      "country": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+       "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]}},
+       "required": ["name", "continent"]}}, "required": ["city", "country"]}),
+    ("List three primary colors as JSON.",
+     {"type": "object", "properties": {"colors": {"type": "array", "minItems": 1, "maxItems": 3,
+      "items": {"enum": ["red", "green", "blue", "yellow"]}}}, "required": ["colors"]}),
+    ("Is the sky blue? Answer as JSON.",
+     {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+      "confidence": {"type": "number"}}, "required": ["answer", "confidence"]}),
+    ("Make a shopping list of two items as JSON.",
+     {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+      "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+       "qty": {"type": "integer"}}, "required": ["name", "qty"]}}}, "required": ["items"]}),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def schema_oracle(codec):
+    """vLLM's own structured outputs (xgrammar), one engine, greedy: the texts to match."""
+    runs = [{"prompt_token_ids": codec.encode_chat([{"role": "user", "content": q}]),
+             "json_schema": schema} for q, schema in SCHEMAS]  # fmt: skip
+    return run_oracle(runs, DTYPE, SCHEMA_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_json_schema_outputs_validate_and_equal_vllms_own(served, schema_oracle, variant):
+    """response_format json_schema on p_md and p_rld_md (One-Shot, Catch-Up): every answer
+    parses and validates, and equals vLLM's own structured output of one engine (float32,
+    greedy), so the constraint resumed exactly on each tier. P's token is the JSON's first,
+    so every later tier (RLD, MD after the handoff) resumes inside the JSON."""
+    import jsonschema
+
+    handed_inside = 0
+    cases = list(zip(SCHEMAS, schema_oracle, strict=True))
+    if variant != "p_md":  # one each: short p_rld_md requests hit the open RLD fence bug
+        cases = cases[1:2]  # (docs/notes/engine.md), which leaves RLD not ready for the module
+    for (question, schema), want in cases:
+        rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+              "strict": True}}  # fmt: skip
+        body = {"model": load_config(CONFIG).model.name, "temperature": 0,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": SCHEMA_MAX_TOKENS, "response_format": rf,
+                "pdd": VARIANTS[variant]}  # fmt: skip
+        r = httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out, record = r.json(), r.json()["pdd"]
+        text = out["choices"][0]["message"]["content"]
+        assert out["choices"][0]["finish_reason"] == "stop", (text, record)
+        jsonschema.validate(json.loads(text), schema)
+        assert text == want["text"], (variant, record)
+        n = out["usage"]["completion_tokens"]
+        if record["pipeline"] == "p_rld_md" and record["handoff"] != "rld_finished":
+            # MD wrote the JSON's rest after P's token and RLD's ones. On one host MD's KV
+            # often lands before RLD emits any (rld_tokens 0: MD resumes after P's token).
+            handed_inside += int(1 + record["rld_tokens"] < n)
+    if variant != "p_md":
+        assert handed_inside >= 1, "no handoff fell inside a JSON answer"
+
+
+def test_a_schema_the_backend_refuses_is_a_400_naming_the_parameter(served):
+    """The worker's grammar backend refuses it (P is the first to see it): 400, with the
+    parameter named, never a 500."""
+    for extra, param in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "nope"}}}}, "response_format"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ):  # fmt: skip
+        body = {"model": load_config(CONFIG).model.name, "prompt": "Hi", "max_tokens": 4,
+                **extra}  # fmt: skip
+        r = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def test_choice_and_regex_hold_from_p_to_md(served):
+    """guided_choice and guided_regex on p_md (P's token, then MD resumes), completions API.
+    p_md, not p_rld_md: see the open RLD fence bug in docs/notes/engine.md."""
+    import re
+
+    name = load_config(CONFIG).model.name
+    base = {"model": name, "temperature": 0, "max_tokens": 24, "pdd": {"pipeline": "p_md"}}
+    r = httpx.post(f"{served.url}/completions", timeout=300, json={
+        **base, "prompt": "The best season is", "guided_choice": ["summer", "winter"]})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("summer", "winter"), r.text
+    r = httpx.post(f"{served.url}/completions", timeout=300, json={
+        **base, "prompt": "A date: ", "guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.json()["choices"][0]["text"])
 
 
 def test_a_killed_worker_is_restarted_and_serving_goes_on(served, codec):

@@ -1,7 +1,9 @@
 """The oracle: a direct vLLM run (no pdd code on the generation path), greedy.
 
 Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS < prompts.json > results.json
-prompts.json is a list of prompts (strings, or lists of token ids); the last stdout line is ORACLE_JSON: followed by
+prompts.json is a list of prompts (strings, or lists of token ids, or {"prompt_token_ids": [...],
+"json_schema": {...}} for a greedy run under vLLM's own structured outputs, xgrammar backend);
+the last stdout line is ORACLE_JSON: followed by
 [{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
 """
 
@@ -16,13 +18,28 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     prompts = json.load(sys.stdin)
-    llm = LLM(model=model, dtype=dtype, max_model_len=4096, block_size=32, enforce_eager=True)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=4096,
+        block_size=32,
+        enforce_eager=True,
+        structured_outputs_config={"backend": "xgrammar"},
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     # One prompt at a time, as the test sends them: batch composition changes bf16 numerics.
-    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    runs = []
+    for p in prompts:
+        if isinstance(p, dict) and "json_schema" in p:
+            so = StructuredOutputsParams(json=p["json_schema"])
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+            runs.append(({"prompt_token_ids": p["prompt_token_ids"]}, sp))
+        else:
+            runs.append(({"prompt_token_ids": p} if isinstance(p, list) else p, params))
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in runs]
     sys.stdout.write("\nORACLE_JSON:")
     json.dump(
         [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -242,6 +243,50 @@ def test_seeded_sampling_of_a_chunked_prompt_survives(h: Harness) -> None:
     assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
     greedy = h.run(h.collect("after-seeded", PARIS_PROMPT, GREEDY))
     assert greedy[0].token_ids[0] == PARIS  # the engine still serves
+
+
+def test_a_constraint_is_enforced_and_resumes_from_emitted_tokens(h: Harness) -> None:
+    """The pdd constraint processor on a real engine: a regex holds, and a request whose
+    prompt ends with tokens already emitted under the constraint continues the grammar from
+    them (``resume``) instead of starting it again. Two constrained requests and a free one
+    run in one batch."""
+    from transformers import AutoTokenizer
+
+    from pdd.engine.types import ConstraintSpec
+
+    tok = AutoTokenizer.from_pretrained(str(ModelConfig().resolved_path()))
+    prompt = tok.encode("Write a code: ")
+    regex = "abc-[0-9]{3}"
+    spec = SamplingSpec(temperature=0, max_tokens=16, constraint=ConstraintSpec("regex", regex))
+    emitted = tok.encode("abc-", add_special_tokens=False)
+    resumed = SamplingSpec(
+        temperature=0, max_tokens=16,
+        constraint=ConstraintSpec("regex", regex, resume=tuple(emitted), param="guided_regex"),
+    )  # fmt: skip
+
+    async def batch():
+        return await asyncio.gather(
+            h.collect("c-whole", prompt, spec),
+            h.collect("c-resumed", prompt + emitted, resumed),
+            h.collect("c-free", PARIS_PROMPT, SamplingSpec(temperature=0, max_tokens=2)),
+        )
+
+    whole, rest, free = (tokens(d) for d in h.run(batch()))
+    assert whole[-1] == EOS and rest[-1] == EOS
+    text = tok.decode(whole[:-1])
+    assert re.fullmatch(regex, text), text
+    cont = tok.decode(rest[:-1])
+    assert re.fullmatch("[0-9]{3}", cont), cont  # the grammar went on after "abc-"
+    assert free == [PARIS, PERIOD]  # the unconstrained row is untouched
+
+
+def test_a_bad_constraint_is_refused_naming_the_parameter(h: Harness) -> None:
+    from pdd.engine.types import ConstraintSpec
+
+    bad = SamplingSpec(constraint=ConstraintSpec("json_schema", "{", param="guided_json"))
+    with pytest.raises(InvalidRequestError) as err:
+        h.run(h.collect("c-bad", PARIS_PROMPT, bad))
+    assert err.value.param == "guided_json"
 
 
 def test_engine_core_bounds_its_heap(h: Harness) -> None:

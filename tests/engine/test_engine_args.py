@@ -83,3 +83,29 @@ def test_a_workers_engine_dtype_overrides_the_models(engine_cls, tmp_path) -> No
     assert args.dtype == "bfloat16"
     # the arena's slots follow the engine's dtype: 30 layers x 3 heads x 64 x 2 x 32 tokens
     assert block_bytes_of(model, 32, "bfloat16") * 2 == block_bytes_of(model, 32) == 1_474_560
+
+
+def test_every_engine_registers_the_constraint_processor(engine_cls, tmp_path) -> None:
+    from pdd.engine.constraint import FQCN
+
+    args = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
+    assert args.logits_processors == [FQCN]
+
+
+def test_a_constraint_rides_in_extra_args_and_is_checked_first(engine_cls) -> None:
+    from pdd.engine.types import ConstraintSpec
+    from pdd.errors import InvalidRequestError
+
+    engine = engine_cls(ModelConfig(), EngineConfig())
+    spec = ConstraintSpec("regex", "[0-9]+", resume=(7, 8), param="guided_regex")
+    params = engine._sampling_params(SamplingSpec(constraint=spec), {"remote": "x"})
+    assert params.extra_args == {
+        "kv_transfer_params": {"remote": "x"},
+        "pdd_constraint": {"kind": "regex", "spec": "[0-9]+", "resume": [7, 8],
+                           "param": "guided_regex"},
+    }  # fmt: skip
+    engine.validate([1, 2], SamplingSpec(constraint=spec))
+    bad = ConstraintSpec("json_schema", '{"type": "nope"}')
+    with pytest.raises(InvalidRequestError) as err:
+        engine.validate([1, 2], SamplingSpec(constraint=bad))
+    assert err.value.param == "response_format"

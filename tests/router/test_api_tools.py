@@ -170,9 +170,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client, router):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"min_p": 0.1}, "min_p"),
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
@@ -199,9 +198,9 @@ def test_annotation_fields_stay_accepted(client, router):
 
 
 def test_completions_refuse_unserved_fields_too(router):
-    body = {"model": MODEL, "prompt": "hi", "guided_regex": "a+"}
+    body = {"model": MODEL, "prompt": "hi", "guided_whitespace_pattern": " *"}
     r = httpx.post(router.url + "/completions", json=body, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_whitespace_pattern"
 
 
 @pytest.mark.parametrize("handoff", ["one_shot", "catch_up"])

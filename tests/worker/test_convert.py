@@ -108,3 +108,12 @@ def test_unknown_worker_refused() -> None:
     r = run_cli("worker", "--config", "configs/colocated.yaml", "--worker", "nope")
     assert r.returncode == 2
     assert "no worker with id 'nope'" in r.stderr
+
+
+def test_constraint_from_proto():
+    from pdd.engine.types import ConstraintSpec
+
+    c = pb.Constraint(kind="choice", spec='["a", "b"]', resume=[4, 5], param="guided_choice")
+    spec = sampling_from_proto(pb.SamplingParams(max_tokens=3), c)
+    assert spec.constraint == ConstraintSpec("choice", '["a", "b"]', (4, 5), "guided_choice")
+    assert sampling_from_proto(pb.SamplingParams(max_tokens=3)).constraint is None

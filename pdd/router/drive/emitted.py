@@ -38,15 +38,19 @@ class EmittedStream:
         return self.req.sampling.max_tokens - len(self.emitted)
 
     def continuation(self, request_id: str, *, max_tokens: int | None = None) -> GenerationRequest:
-        """The request a tier runs: ``prompt + emitted``, the budget left (or ``max_tokens``)."""
+        """The request a tier runs: ``prompt + emitted``, the budget left (or ``max_tokens``),
+        and its constraint resumed from ``emitted``."""
         s = self.req.sampling
         budget = self.remaining if max_tokens is None else max_tokens
         min_left = min(budget, max(0, s.min_tokens - len(self.emitted)))
+        c = self.req.constraint
         return replace(
             self.req,
             request_id=request_id,
             prompt_token_ids=self.req.prompt_token_ids + tuple(self.emitted),
             sampling=replace(s, max_tokens=budget, min_tokens=min_left),
+            # the grammar resumes where the client's text is (pdd.engine.constraint)
+            constraint=None if c is None else replace(c, resume=tuple(self.emitted)),
         )
 
     def take(self, event: TokenEvent, tier: str, *, final: bool) -> TokenEvent:

@@ -244,6 +244,14 @@ class WorkerClient:
         await self._channel.close()
 
 
+def _param_of(exc: grpc.aio.AioRpcError) -> str | None:
+    """The parameter a worker's 400 names (trailing metadata ``pdd-param``), if any."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "pdd-param":
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
 def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddError:
     """Map a gRPC status to the pdd error the client should see."""
     code, details = exc.code(), exc.details() or ""
@@ -253,7 +261,7 @@ def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddErro
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return OverloadedError(text)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-        return InvalidRequestError(details or text)
+        return InvalidRequestError(details or text, param=_param_of(exc))
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return WorkerError(f"worker {worker_id} {method}: deadline exceeded", code="timeout")
     if code is grpc.StatusCode.UNAUTHENTICATED:  # a misconfigured fleet, not the client's fault
@@ -291,6 +299,11 @@ def request_to_proto(
         kv_stage=kv_stage,
         cache_salt=req.cache_salt,
     )
+    if req.constraint is not None:
+        c = req.constraint
+        msg.constraint.CopyFrom(
+            worker_pb2.Constraint(kind=c.kind, spec=c.spec, resume=list(c.resume), param=c.param)
+        )
     if kv_in is not None:
         msg.kv_in.CopyFrom(
             worker_pb2.KvIn(

@@ -1,4 +1,5 @@
-"""Request fields beyond sampling: tools and tool_choice, and the fields pdd refuses.
+"""Request fields beyond sampling: tools and tool_choice, structured outputs, and the fields
+pdd refuses.
 
 Pure functions (no I/O); each failure is an ``InvalidRequestError`` (400) naming the
 parameter. A field that would change the answer and is not served is refused, never dropped.
@@ -6,18 +7,19 @@ parameter. A field that would change the answer and is not served is refused, ne
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdd.errors import InvalidRequestError
 from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from pdd.router.text.tool_prompt import ToolPlan
+from pdd.router.text.tool_prompt import ToolPlan, call_constraint
+from pdd.router.types import Constraint
 
 # Fields (OpenAI's or vLLM's extras) that change the answer and that pdd does not serve yet:
 # a request that sets one gets a 400 naming it. ``functions``/``function_call`` are OpenAI's
 # deprecated spelling of tools.
 UNSERVED_FIELDS = (
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend", "logit_bias",
+    "guided_whitespace_pattern", "logit_bias",
     "functions", "function_call", "min_p", "bad_words", "allowed_token_ids", "prompt_logprobs",
     "use_beam_search", "length_penalty", "truncate_prompt_tokens", "chat_template",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
@@ -54,6 +56,20 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
     return ToolPlan(parser, tools, chosen, parallel=body.parallel_tool_calls)
 
 
+def with_tool_call(structured: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
+    """The request's constraint once tools are known: a forced call (tool_choice required or
+    a named function) is constrained to its tools' schemas; with another constraint too, 400."""
+    if plan is None or (forced := call_constraint(plan)) is None:
+        return structured
+    if structured is not None:
+        raise InvalidRequestError(
+            f"tool_choice {plan.choice!r} forces a tool call; it cannot be combined with "
+            f"{structured.param}",
+            param="tool_choice",
+        )
+    return forced
+
+
 def check_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
     """400 for a field that would change the answer and is not served (never a silent drop).
     Other unknown fields (annotations such as ``metadata``, ``store``) are accepted."""
@@ -65,8 +81,6 @@ def check_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 def _is_plain(name: str, value: Any) -> bool:
     """Values of an unserved field that ask for nothing beyond the default."""
-    if name == "response_format":
-        return isinstance(value, dict) and value.get("type") == "text"
     if name in ("logit_bias", "chat_template_kwargs"):
         return value == {}
     if name in ("use_beam_search", "echo", "continue_final_message"):
@@ -80,3 +94,119 @@ def _is_plain(name: str, value: Any) -> bool:
     if name == "length_penalty":
         return value == 1
     return False
+
+
+# --- structured outputs -----------------------------------------------------------------
+# Served on every pipeline by the workers' constraint processor (pdd.engine.constraint);
+# here only the shape is checked (a bad schema, regex or grammar is the worker's 400, which
+# names the same parameter). vLLM 0.32's ``structured_outputs`` and the older ``guided_*``
+# extras are both accepted.
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}  # fmt: skip
+_SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_SO_DEFAULTS = {"disable_any_whitespace": False, "disable_additional_properties": False,
+                "whitespace_pattern": None, "structural_tag": None}  # fmt: skip
+_BACKENDS = (None, "auto", "xgrammar")
+
+
+def constraint(body: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
+    """The request's structured-output constraint (None: free text). 400 naming the field for
+    a malformed one, for two at once, and for options pdd does not serve."""
+    extra = body.model_extra or {}
+    found: list[Constraint] = []
+    rf = extra.get("response_format")
+    if rf is not None:
+        c = _from_response_format(rf)
+        found += [c] if c is not None else []
+    so = extra.get("structured_outputs")
+    if so is not None:
+        found.append(_from_structured_outputs(so))
+    for name, key in _GUIDED.items():
+        if extra.get(name) is not None:
+            found.append(_make(_SO_KINDS[key], extra[name], name))
+    backend = extra.get("guided_decoding_backend")
+    if backend not in _BACKENDS:
+        raise InvalidRequestError(
+            f"guided_decoding_backend {backend!r} is not served (this server uses xgrammar)",
+            param="guided_decoding_backend",
+        )
+    if len(found) > 1:
+        names = " and ".join(c.param for c in found)
+        raise InvalidRequestError(
+            f"only one structured-output constraint per request: got {names}",
+            param=found[1].param,
+        )
+    return found[0] if found else None
+
+
+def _from_response_format(rf: Any) -> Constraint | None:
+    param = "response_format"
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", "", param)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or js.get("schema") is None:
+            raise InvalidRequestError(
+                "response_format json_schema needs json_schema.schema (a JSON Schema object)",
+                param=param,
+            )
+        if not isinstance(js.get("strict", False), bool | None):
+            raise InvalidRequestError("json_schema.strict must be a boolean", param=param)
+        return _make("json_schema", js["schema"], param)
+    raise InvalidRequestError(
+        f"response_format type must be text, json_object or json_schema, got {kind!r}",
+        param=param,
+    )
+
+
+def _from_structured_outputs(so: Any) -> Constraint:
+    param = "structured_outputs"
+    if not isinstance(so, dict):
+        raise InvalidRequestError("structured_outputs must be an object", param=param)
+    for key, default in _SO_DEFAULTS.items():
+        if so.get(key, default) != default:
+            raise InvalidRequestError(f"structured_outputs.{key} is not served", param=param)
+    unknown = set(so) - set(_SO_DEFAULTS) - set(_SO_KINDS) - {"json_object"}
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown structured_outputs field(s): {', '.join(sorted(unknown))}", param=param
+        )
+    given = [k for k in (*_SO_KINDS, "json_object") if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            param=param,
+        )
+    key = given[0]
+    if key == "json_object":
+        return Constraint("json_object", "", param)
+    return _make(_SO_KINDS[key], so[key], param)
+
+
+def _make(kind: str, value: Any, param: str) -> Constraint:
+    """A constraint of ``kind`` from the request's value, its shape checked."""
+    if kind == "json_schema":
+        if isinstance(value, str):  # guided_json / structured_outputs.json may be JSON text
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"{param}: the schema is not JSON: {exc}", param=param
+                ) from exc
+        if not isinstance(value, dict | bool):
+            raise InvalidRequestError(f"{param}: a JSON schema must be an object", param=param)
+        return Constraint(kind, json.dumps(value), param)
+    if kind == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(v, str) for v in value)):  # fmt: skip
+            raise InvalidRequestError(
+                f"{param}: choices must be a non-empty list of strings", param=param
+            )
+        return Constraint(kind, json.dumps(value), param)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{param}: must be a non-empty string", param=param)
+    return Constraint(kind, value, param)

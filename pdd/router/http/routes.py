@@ -24,7 +24,12 @@ from pdd.protocol import new_request_id
 from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
 from pdd.router.http.errors import pdd_error_body
-from pdd.router.http.request_fields import check_unserved, tool_plan
+from pdd.router.http.request_fields import (
+    check_unserved,
+    constraint,
+    tool_plan,
+    with_tool_call,
+)
 from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
 from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
 from pdd.router.http.sse import (
@@ -66,12 +71,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_model(body.model, st.limits)
     check_overrides(body.pdd, request.scope)  # 403 unless an admin key
     check_unserved(body)
+    structured = constraint(body)
     st.service.check_capacity()
     messages = chat_messages(body.messages)
     plan = tool_plan(body, st.cfg.model.tool_parser)
+    structured = with_tool_call(structured, plan)
     prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
+    req = replace(req, constraint=structured)
     if plan is not None and plan.parses and plan.parser == "hermes":
         # vLLM's hermes rule: <tool_call> is a special token in some models' vocabularies
         req = replace(req, text=replace(req.text, skip_special_tokens=False))
@@ -88,6 +96,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     check_model(body.model, st.limits)
     check_overrides(body.pdd, request.scope)  # 403 unless an admin key
     check_unserved(body)
+    structured = constraint(body)
     st.service.check_capacity()
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
@@ -97,6 +106,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_ids = list(prompt)
     rid = new_request_id("cmpl")
     req = build_completion_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    req = replace(req, constraint=structured)
     req = _in_tenant_cache(request, req)
     _charge(request, req)
     ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs is not None)

@@ -21,9 +21,10 @@ history is lost:
 
 ``tool_choice`` "required" or a named function is served by forcing the opening of a call
 after the generation prompt (``ToolPlan.forced_prefix``): the model continues inside the call,
-so the name is chosen (named) or must be one of the tools' (required, not enforced); the
-arguments are the model's own and are not constrained (structured outputs are not served yet),
-so they may fail to parse and then come back as text.
+so the name is chosen (named) or must be one of the tools' (required). ``call_constraint``
+then constrains the rest of the call (structured outputs, ``pdd.engine.constraint``): one of
+the tools' names (required), arguments valid against that tool's ``parameters`` schema, and
+the call's closing text, then the end: exactly one call, whose arguments always parse.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd.router.text.tokenizer import TextCodec
+from pdd.router.types import Constraint
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -74,6 +76,28 @@ class ToolPlan:
         if name:
             head += '"arguments": ' if self.parser == "hermes" else '"parameters": '
         return ("<tool_call>\n" + head) if self.parser == "hermes" else head
+
+
+CALL_CLOSE = {"hermes": "}\n</tool_call>", "llama3_json": "}"}  # after the arguments
+
+
+def call_constraint(plan: ToolPlan) -> Constraint | None:
+    """The constraint on what follows ``plan.forced_prefix`` (required / named), else None:
+    the name (required: one alternative per tool) with the arguments key, the arguments per
+    the tool's ``parameters`` (none: any object), the call's close."""
+    if plan.choice in ("none", "auto"):
+        return None
+    key = '"arguments": ' if plan.parser == "hermes" else '"parameters": '
+    close = CALL_CLOSE[plan.parser]
+    alternatives = []
+    for tool in plan.tools:
+        fn = tool["function"]
+        if plan.choice not in ("required", fn["name"]):
+            continue
+        prefix = "" if plan.choice != "required" else json.dumps(fn["name"])[1:-1] + '", ' + key
+        schema = fn.get("parameters") or {"type": "object"}
+        alternatives.append({"prefix": prefix, "schema": schema, "suffix": close})
+    return Constraint("tool_call", json.dumps(alternatives), "tools")
 
 
 def prompt_text(codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None) -> str:
