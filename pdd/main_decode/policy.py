@@ -96,7 +96,11 @@ class MainDecodeRole:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._landing.waiters.bind(loop)
-        hooks = ReceiverHooks(self._landing.allocate, on_received=self._landing.received)
+        hooks = ReceiverHooks(
+            self._landing.allocate,
+            on_received=self._landing.received,
+            on_verified=self._landing.verified,
+        )
         self._plane.start(hooks)
         self._ticker.start()
 
