@@ -84,6 +84,7 @@ class MainDecodeRole:
         store_slots = ctx.plane.arena.num_slots - drc_slots
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
         self._ticker = Ticker(self.tick, TICK_S, "md-leases")
+        self.kv_in_waits = 0  # Generate calls that found their KV still on its way
 
     def hashes(self, tokens: list[int], cache_salt: str = "") -> list[BlockHash]:
         """Chain hashes of the whole blocks of ``tokens`` in the prefix-cache namespace
@@ -112,8 +113,9 @@ class MainDecodeRole:
     # --- Generate -------------------------------------------------------------------------
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
-        if call.kv_in is not None:
+        if call.kv_in is not None and self._landing.expecting(call.kv_in.kv_request_id):
             kv_id = call.kv_in.kv_request_id
+            self.kv_in_waits += 1  # a full hit (nothing to receive) never gets here
             arrived = lambda: not self._landing.expecting(kv_id)  # noqa: E731
             await self._landing.waiters.wait_until(kv_id, arrived, call.kv_in.wait_s)
         owner = f"gen:{call.request_id}"
@@ -209,4 +211,5 @@ class MainDecodeRole:
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
             kv_refused_chunks=self._landing.wire_check.refused + self._landing.refused_chunks,
+            kv_in_waits=self.kv_in_waits,
         )

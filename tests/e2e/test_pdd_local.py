@@ -186,6 +186,37 @@ def test_second_turn_sends_only_new_blocks(served, codec):
     assert pd2["wan_kv_bytes"] < (p1 // block) * bytes_per_block
 
 
+def _timeline(served, request_id: str) -> list[dict]:
+    url = served.url.removesuffix("/v1") + f"/debug/requests/{request_id}"
+    return httpx.get(url, timeout=10).json()["timeline"]
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["tail", "whole_blocks"])
+def test_full_hit_sends_no_kv_and_never_waits(served, codec, aligned):
+    """A repeated prompt whose every whole block MD holds (its DRC stored them after the
+    first run): no KV crosses, nobody waits for a transfer, and the answer is the same.
+    ``whole_blocks``: the prompt is an exact multiple of the block size (every prompt token's
+    KV is on MD; vLLM still computes the last one, plus P's token)."""
+    block = load_config(CONFIG).engine.block_size
+    prompt = codec.encode(_long_text(9, 2) + "\nIn short:")
+    if aligned:
+        prompt = prompt[: len(prompt) // block * block]
+    first = complete(served.url, prompt, {"pipeline": "p_md"})
+    before = {w: stats(served, w) for w in ("p", "md")}
+    again = complete(served.url, prompt, {"pipeline": "p_md"})
+    after = {w: stats(served, w) for w in ("p", "md")}
+    pd = again["pdd"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert pd["md_cached_tokens"] == len(prompt) // block * block
+    assert (pd["wan_kv_bytes"], pd["wan_kv_raw_bytes"]) == (0, 0)
+    assert after["md"].kv_bytes_received == before["md"].kv_bytes_received
+    assert after["p"].kv_bytes_sent == before["p"].kv_bytes_sent
+    assert after["md"].kv_in_waits == before["md"].kv_in_waits  # MD's Generate never waited
+    events = {(e["event"], e["worker"]) for e in _timeline(served, again["id"])}
+    assert ("send_kv", "p") not in events and ("await_kv", "md") not in events
+    assert ("generate", "md") in events
+
+
 def complete_chat(url: str, messages: list[dict], pdd: dict | None) -> dict:
     body = {"model": load_config(CONFIG).model.name, "messages": messages, "temperature": 0}
     body["max_tokens"] = 24
