@@ -33,6 +33,7 @@ from pdd.main_decode.store import OwnBlocks
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
+from pdd.worker.capacity import ArenaSize, setting_of
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     REAL_FINISHES,
@@ -61,9 +62,15 @@ class MainDecodeRole:
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """The arena holds the DRC (+ OwnBlocks scratch); TCP receiver unless configured."""
         store = worker.staging_slots(block_bytes) if worker.kv_store_own_blocks else 0
-        slots = config.cache.host_slots(block_bytes) + store
+        drc = config.cache.host_slots(block_bytes)
+        arenas = [ArenaSize("DRC host tier", "cache.host_capacity_gib",
+                            config.cache.host_capacity_gib, drc)]  # fmt: skip
+        if store:  # the longest chain stored after a request: OwnBlocks, one at a time
+            setting = setting_of(config, worker, "kv_staging_gib")
+            arenas.append(ArenaSize("own-blocks scratch arena", setting, worker.kv_staging_gib,
+                                    store, per_sequence=False))  # fmt: skip
         role = "kv_both" if store else "kv_consumer"
-        return PlaneSpec(role, slots, worker.kv_transport or "tcp", ())
+        return PlaneSpec(role, drc + store, worker.kv_transport or "tcp", (), tuple(arenas))
 
     def __init__(self, ctx: RoleContext) -> None:
         assert ctx.plane is not None, "main_decode needs a KV plane"

@@ -31,6 +31,7 @@ from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.errors import CacheError, InvalidRequestError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
+from pdd.worker.capacity import ArenaSize, setting_of
 from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
 from pdd.worker.kv_wire import describe
@@ -61,7 +62,10 @@ class PrefillRole:
     @staticmethod
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """P stages in its own arena and sends over UCX (to RLD) and TCP (to MD)."""
-        return PlaneSpec("kv_producer", worker.staging_slots(block_bytes), None, ("ucx", "tcp"))
+        slots = worker.staging_slots(block_bytes)
+        setting = setting_of(config, worker, "kv_staging_gib")
+        arena = ArenaSize("KV staging arena", setting, worker.kv_staging_gib, slots)
+        return PlaneSpec("kv_producer", slots, None, ("ucx", "tcp"), (arena,))
 
     def __init__(self, ctx: RoleContext) -> None:
         assert ctx.plane is not None, "prefill needs a KV plane"
