@@ -217,6 +217,24 @@ def test_full_hit_sends_no_kv_and_never_waits(served, codec, aligned):
     assert ("generate", "md") in events
 
 
+def test_a_prompt_at_max_model_len_is_served_and_one_longer_is_a_400(served, codec):
+    """Every arena holds a request at max_model_len (the workers checked it at start:
+    pdd.worker.capacity), so the longest prompt the context allows is served on both
+    pipelines; one token more is refused with a 400 naming the limit, never a 429."""
+    limit = load_config(CONFIG).engine.max_model_len
+    text = _long_text(400, 3)
+    prompt = codec.encode(text)[: limit - 2]
+    assert len(prompt) == limit - 2
+    for pipeline in ("p_md", "p_rld_md"):
+        body = complete(served.url, prompt, {"pipeline": pipeline}, max_tokens=2)
+        assert body["usage"]["completion_tokens"] == 2 and body["pdd"]["pipeline"] == pipeline
+    too_long = codec.encode(text)[: limit - 1]
+    body = {"model": load_config(CONFIG).model.name, "prompt": too_long, "max_tokens": 2}
+    r = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert f"maximum context length is {limit} tokens" in r.json()["error"]["message"]
+
+
 def complete_chat(url: str, messages: list[dict], pdd: dict | None) -> dict:
     body = {"model": load_config(CONFIG).model.name, "messages": messages, "temperature": 0}
     body["max_tokens"] = 24
