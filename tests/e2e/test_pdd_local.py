@@ -202,6 +202,7 @@ def test_full_hit_sends_no_kv_and_never_waits(served, codec, aligned):
     if aligned:
         prompt = prompt[: len(prompt) // block * block]
     first = complete(served.url, prompt, {"pipeline": "p_md"})
+    wait_until(lambda: stats(served, "p").open_transfers == 0, 30, "P's sends acknowledged")
     before = {w: stats(served, w) for w in ("p", "md")}
     again = complete(served.url, prompt, {"pipeline": "p_md"})
     after = {w: stats(served, w) for w in ("p", "md")}
