@@ -97,7 +97,7 @@ def _role_class(role: Role):
 async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     """Arena (KV roles) -> engine -> role -> metrics -> service; records each in ``parts``
     as it is made, so the caller can tear down whatever exists if a later step fails."""
-    from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
+    from pdd.worker.capacity import check_arenas
     from pdd.worker.kv_plane import KvPlane
     from pdd.worker.layout import block_bytes_of
     from pdd.worker.metrics import WorkerMetrics
@@ -112,7 +112,15 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
             block_bytes_of, cfg.model, engine_cfg.block_size, engine_cfg.dtype
         )
         spec = role_cls.plane_spec(worker, block_bytes, cfg)
+        for warning in check_arenas(  # ConfigError: an arena cannot hold one request
+            spec.arenas, max_model_len=engine_cfg.max_model_len,
+            max_num_seqs=engine_cfg.max_num_seqs, block_size=engine_cfg.block_size,
+            block_bytes=block_bytes,
+        ):  # fmt: skip
+            log.warning("worker %s: %s", worker.id, warning)
         plane = parts["plane"] = KvPlane(spec, block_bytes, worker, cfg.transfer)
+    from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
+
     engine = parts["engine"] = Engine(
         cfg.model, engine_cfg, plane.connector_spec() if plane is not None else None
     )

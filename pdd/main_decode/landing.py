@@ -13,8 +13,15 @@ state. Lifecycle of one reservation::
                          else is refused, so a forged sender cannot poison the DRC under this
                          prompt's hashes) -> drc.landing_buffer(kv_id, chain[i]); a block the
                          DRC already holds lands in a throw-away buffer
-    transfer DONE        drc.land every written block (committed in chain order: visible to
-                         match(), exported as BlockStored); FAILED/CANCELLED: drc.discard them
+    chunk verified       (the transport's on_verified: bytes complete, checksum passed) once
+                         every byte of block i is verified, drc.land(kv_id, chain[i]) at once:
+                         the DRC commits landed blocks in chain order (visible to match(),
+                         exported as BlockStored), so what is committed is always a prefix
+    transfer DONE        drc.land any written block not landed yet; FAILED/CANCELLED (a cut,
+                         a cancel, a deadline): drc.discard the blocks not wholly verified.
+                         The verified prefix stays committed (the next turn's cached blocks);
+                         a verified block after a gap never commits (freed at release), and
+                         no half-written block is ever visible
     lease released       consumed by a Generate and the transfer terminal, or nothing was to
                          be received; or CancelKv; or the lease expired; or a Generate
                          consumed it before any transfer arrived. Then drc.release:
@@ -62,6 +69,8 @@ class Reservation:
     deadline: float
     inbound: InboundState = field(default_factory=InboundState)
     written: dict[int, BlockHash] = field(default_factory=dict)  # given a landing buffer
+    verified: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> offset: bytes
+    landed: set[int] = field(default_factory=set)  # wholly verified and handed to drc.land
     consumed: bool = False
     leased: bool = True
     landing_key: str = ""  # "": any sender (a fleet without a worker token)
@@ -250,21 +259,50 @@ class DrcLanding:
             rec.written[i] = block_hash
         return buf[header.offset : header.offset + header.nbytes]
 
+    def verified(self, header: ChunkHeader) -> None:
+        """One chunk's bytes are complete and checked; land its block once all of it is."""
+        i = header.block_start
+        with self._lock:
+            rec = self._recs.get(split_wire_id(header.request_id)[0])
+            if rec is None or i not in rec.written or i in rec.landed:
+                return  # a throw-away buffer (already cached), or a duplicate
+            parts = rec.verified.setdefault(i, {})
+            parts[header.offset] = header.nbytes
+            if not rec.leased or not _covers(parts, self._slot_bytes):
+                return  # more chunks of the block to come (or the lease ended: discarded)
+            rec.landed.add(i)
+            block_hash = rec.written[i]
+        self._land(rec.kv_id, block_hash, commit=True)
+
     def received(self, result: InboundResult) -> None:
         with self._lock:
             rec = self._recs.get(split_wire_id(result.request_id)[0])
             if rec is None:
                 return
             rec.inbound.finish(result)
-            written = [rec.written[i] for i in sorted(rec.written)]
+            done = result.state is TransferState.DONE
+            pending = [(rec.written[i], done) for i in sorted(rec.written) if i not in rec.landed]
             rec.written.clear()
-        landed = result.state is TransferState.DONE
-        for block_hash in written:
-            try:
-                if landed:
-                    self._drc.land(rec.kv_id, block_hash)
-                else:
-                    self._drc.discard(rec.kv_id, block_hash)
-            except CacheError as exc:
-                log.debug("KV of %s: block not taken by the DRC: %s", rec.kv_id, exc.message)
+            rec.verified.clear()
+        for block_hash, commit in pending:  # DONE: the rest lands; else: none half-written
+            self._land(rec.kv_id, block_hash, commit=commit)
         self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))
+
+    def _land(self, kv_id: str, block_hash: BlockHash, *, commit: bool) -> None:
+        try:
+            if commit:
+                self._drc.land(kv_id, block_hash)
+            else:
+                self._drc.discard(kv_id, block_hash)
+        except CacheError as exc:
+            log.debug("KV of %s: block not taken by the DRC: %s", kv_id, exc.message)
+
+
+def _covers(parts: dict[int, int], size: int) -> bool:
+    """Whether the verified byte ranges ``{offset: nbytes}`` tile ``[0, size)`` exactly."""
+    end = 0
+    for offset in sorted(parts):
+        if offset != end:
+            return False
+        end += parts[offset]
+    return end == size

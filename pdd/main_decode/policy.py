@@ -33,6 +33,7 @@ from pdd.main_decode.store import OwnBlocks
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
+from pdd.worker.capacity import ArenaSize, setting_of
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     REAL_FINISHES,
@@ -61,9 +62,15 @@ class MainDecodeRole:
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """The arena holds the DRC (+ OwnBlocks scratch); TCP receiver unless configured."""
         store = worker.staging_slots(block_bytes) if worker.kv_store_own_blocks else 0
-        slots = config.cache.host_slots(block_bytes) + store
+        drc = config.cache.host_slots(block_bytes)
+        arenas = [ArenaSize("DRC host tier", "cache.host_capacity_gib",
+                            config.cache.host_capacity_gib, drc)]  # fmt: skip
+        if store:  # the longest chain stored after a request: OwnBlocks, one at a time
+            setting = setting_of(config, worker, "kv_staging_gib")
+            arenas.append(ArenaSize("own-blocks scratch arena", setting, worker.kv_staging_gib,
+                                    store, per_sequence=False))  # fmt: skip
         role = "kv_both" if store else "kv_consumer"
-        return PlaneSpec(role, slots, worker.kv_transport or "tcp", ())
+        return PlaneSpec(role, drc + store, worker.kv_transport or "tcp", (), tuple(arenas))
 
     def __init__(self, ctx: RoleContext) -> None:
         assert ctx.plane is not None, "main_decode needs a KV plane"
@@ -84,6 +91,7 @@ class MainDecodeRole:
         store_slots = ctx.plane.arena.num_slots - drc_slots
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
         self._ticker = Ticker(self.tick, TICK_S, "md-leases")
+        self.kv_in_waits = 0  # Generate calls that found their KV still on its way
 
     def hashes(self, tokens: list[int], cache_salt: str = "") -> list[BlockHash]:
         """Chain hashes of the whole blocks of ``tokens`` in the prefix-cache namespace
@@ -96,7 +104,11 @@ class MainDecodeRole:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._landing.waiters.bind(loop)
-        hooks = ReceiverHooks(self._landing.allocate, on_received=self._landing.received)
+        hooks = ReceiverHooks(
+            self._landing.allocate,
+            on_received=self._landing.received,
+            on_verified=self._landing.verified,
+        )
         self._plane.start(hooks)
         self._ticker.start()
 
@@ -108,8 +120,9 @@ class MainDecodeRole:
     # --- Generate -------------------------------------------------------------------------
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
-        if call.kv_in is not None:
+        if call.kv_in is not None and self._landing.expecting(call.kv_in.kv_request_id):
             kv_id = call.kv_in.kv_request_id
+            self.kv_in_waits += 1  # a full hit (nothing to receive) never gets here
             arrived = lambda: not self._landing.expecting(kv_id)  # noqa: E731
             await self._landing.waiters.wait_until(kv_id, arrived, call.kv_in.wait_s)
         owner = f"gen:{call.request_id}"
@@ -205,4 +218,5 @@ class MainDecodeRole:
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
             kv_refused_chunks=self._landing.wire_check.refused + self._landing.refused_chunks,
+            kv_in_waits=self.kv_in_waits,
         )

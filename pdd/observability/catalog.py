@@ -170,6 +170,9 @@ WORKER_METRICS = (
        "Inbound KV chunks refused because their header describes other KV than this worker's "
        "geometry (dtype, block size, layout, heads, layers) or lack their reservation's landing "
        "key (not from the P the router chose); the request recomputes."),
+    _m("pdd_worker_kv_in_waits_total", C, "requests", R, MAIN_DECODE,
+       "Generate calls that found their inbound KV still on its way and waited for it (a "
+       "request whose every block the DRC holds never does)."),
     _m("pdd_worker_kv_internal_errors_total", C, "transfers", R, {RELAY_DECODE, MAIN_DECODE},
        "Inbound KV transfers failed by a bug on this worker (logged with a traceback)."),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,

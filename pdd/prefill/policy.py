@@ -4,7 +4,10 @@ Owns the *stages*: per kv_request_id, the arena slots holding the prompt's whole
 a Generate(kv_stage) and the sends reading them. Lifecycle of one stage::
 
     Generate(kv_stage)  allocate len(prompt) // block_size slots (RESOURCE_EXHAUSTED if the
-                        staging arena is full); the engine exports block i into slots[i]
+                        staging arena is full now; INVALID_ARGUMENT, a 400, if it could never
+                        hold them: the worker's start check makes that unreachable for prompts
+                        within max_model_len, pdd.worker.capacity); the engine exports block i
+                        into slots[i]
     final response      kv_staged_blocks = blocks exported; the stage is leased
                         (worker.kv_stage_lease_s)
     SendKv              one transfer per destination, in parallel (UCX to a relay_decode, TCP
@@ -28,9 +31,10 @@ from dataclasses import dataclass, field
 
 from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.connector_params import ExportParams, FenceRef, wrap
-from pdd.errors import CacheError, InvalidRequestError
+from pdd.errors import CacheError, ContextLengthError, InvalidRequestError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
+from pdd.worker.capacity import ArenaSize, setting_of
 from pdd.worker.kv_plane import PlaneSpec, to_peer
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
 from pdd.worker.kv_wire import describe
@@ -61,7 +65,10 @@ class PrefillRole:
     @staticmethod
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """P stages in its own arena and sends over UCX (to RLD) and TCP (to MD)."""
-        return PlaneSpec("kv_producer", worker.staging_slots(block_bytes), None, ("ucx", "tcp"))
+        slots = worker.staging_slots(block_bytes)
+        setting = setting_of(config, worker, "kv_staging_gib")
+        arena = ArenaSize("KV staging arena", setting, worker.kv_staging_gib, slots)
+        return PlaneSpec("kv_producer", slots, None, ("ucx", "tcp"), (arena,))
 
     def __init__(self, ctx: RoleContext) -> None:
         assert ctx.plane is not None, "prefill needs a KV plane"
@@ -108,7 +115,14 @@ class PrefillRole:
             raise InvalidRequestError(
                 f"request {kv_id!r} already has staged KV", param="request_id"
             )
-        slots = self._pool.allocate(kv_id, blocks)  # OverloadedError: the arena is full
+        if blocks > self._pool.num_slots:  # would never fit, not even idle: a 400, not a 429
+            raise ContextLengthError(
+                f"prompt of {len(call.prompt)} tokens needs {blocks} KV blocks; this prefill "
+                f"worker's staging arena holds {self._pool.num_slots} "
+                f"(workers[].kv_staging_gib={self._worker.kv_staging_gib:g})",
+                param="prompt",
+            )
+        slots = self._pool.allocate(kv_id, blocks)  # OverloadedError: the arena is full now
         self._generating[kv_id] = None
         staged = False
 

@@ -38,6 +38,7 @@ from pdd.errors import TransferError
 from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
+from pdd.worker.capacity import ArenaSize, setting_of
 from pdd.worker.inbound import (
     InboundState,
     Recent,
@@ -88,7 +89,10 @@ class RelayDecodeRole:
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
         """RLD lands into its own staging arena; UCX receiver unless configured otherwise."""
         receiver = worker.kv_transport or "ucx"
-        return PlaneSpec("kv_consumer", worker.staging_slots(block_bytes), receiver, ())
+        slots = worker.staging_slots(block_bytes)
+        setting = setting_of(config, worker, "kv_staging_gib")
+        arena = ArenaSize("KV landing arena", setting, worker.kv_staging_gib, slots)
+        return PlaneSpec("kv_consumer", slots, receiver, (), (arena,))
 
     def __init__(self, ctx: RoleContext) -> None:
         assert ctx.plane is not None, "relay_decode needs a KV plane"

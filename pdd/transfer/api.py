@@ -158,10 +158,15 @@ class ReceiverHooks:
     exception is a bug: it is logged with its traceback and fails the transfer as an internal
     error (``InboundResult.internal_error``, ``AckStatus.INTERNAL`` at the sender). `on_received` is called once per inbound transfer
     when it is terminal; it must return quickly (hand work to another thread).
+    `on_verified(header)` (optional) is called once per chunk whose bytes are complete in the
+    lent buffer and passed the checksum (and decoded), before the chunk is counted: so it
+    always runs before that transfer's `on_received`. It runs on a transport thread, must
+    return quickly and not raise (an exception is logged and ignored).
     """
 
     allocate: Allocator
     on_received: Callable[[InboundResult], None] | None = None
+    on_verified: Callable[[ChunkHeader], None] | None = None
 
 
 @dataclass

@@ -293,6 +293,18 @@ class InboundLedger:
         status = self._settle(transfer_id, apply)
         return AckStatus.GONE if status is None else status
 
+    def verified(self, header: ChunkHeader) -> None:
+        """The chunk's bytes are complete and passed their checksum (and decoded): tell the
+        hooks (``ReceiverHooks.on_verified``). Call it before ``end_chunk`` counts the chunk,
+        so it precedes the transfer's ``on_received``."""
+        hook = self._hooks.on_verified
+        if hook is None:
+            return
+        try:
+            hook(header)
+        except Exception:  # a receiver bug must not break the stream; the transfer goes on
+            log.exception("KV receive: on_verified failed for %s", header.request_id)
+
     def stop(self, transfer_id: int, state: TransferState, reason: str) -> None:
         with self._lock:
             if transfer_id not in self._open:
@@ -370,6 +382,7 @@ def land_chunk(
         except CodecError as exc:
             reason = f"integrity check failed: chunk {header.chunk_index} does not decode: {exc}"
             return inbound.end_chunk(header.transfer_id, 0, AckStatus.CODEC, reason)
+    inbound.verified(header)
     return inbound.end_chunk(header.transfer_id, header.nbytes)
 
 

@@ -220,6 +220,7 @@ class UcxReceiver:
                 reason = f"integrity check failed: chunk {header.chunk_index} checksum mismatch"
                 status = self.inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
             else:
+                self.inbound.verified(header)
                 status = self.inbound.end_chunk(tid, header.nbytes)
             self._ack(sender, header, status)
 

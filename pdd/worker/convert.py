@@ -102,6 +102,7 @@ def stats_to_proto(
     resp.wan_wire_ratio = kv.wan_wire_ratio
     resp.kv_bytes_received = kv.kv_bytes_received
     resp.kv_refused_chunks = kv.kv_refused_chunks
+    resp.kv_in_waits = kv.kv_in_waits
     resp.drc_query_tokens = kv.drc_query_tokens
     resp.drc_hit_tokens = kv.drc_hit_tokens
     if kv.drc is not None:

@@ -42,6 +42,7 @@ from pdd.transfer import (
     Transport,
     create_transport,
 )
+from pdd.worker.capacity import ArenaSize
 from pdd.worker.faults import WorkerFaults
 from pdd.worker.slots import Fences
 
@@ -61,6 +62,7 @@ class PlaneSpec:
     num_slots: int  # arena slots
     receiver: str | None = None  # transport kind of the KV receiver, None: sends only
     senders: tuple[str, ...] = ()  # transport kinds this worker sends with
+    arenas: tuple[ArenaSize, ...] = ()  # how the slots divide (checked: pdd.worker.capacity)
 
 
 def advertise_host(worker: WorkerConfig) -> str:

@@ -107,6 +107,8 @@ def _kv_counters(kv: KvStats) -> list[tuple[str, str, float]]:
             ("pdd_drc_query_tokens", "Prompt tokens looked up in the DRC (PrepareKv).",
              kv.drc_query_tokens),
             ("pdd_drc_hit_tokens", "Of those, tokens the DRC held.", kv.drc_hit_tokens),
+            ("pdd_worker_kv_in_waits", "Generate calls that waited for their inbound KV.",
+             kv.kv_in_waits),
             ("pdd_drc_evicted_blocks", "Blocks evicted from the DRC (LRU).",
              kv.drc.evicted_blocks),
         ]  # fmt: skip

@@ -89,6 +89,7 @@ class KvStats:
     kv_wire_bytes_sent: int = 0  # P: what crossed after the WAN codec
     wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown)
     kv_refused_chunks: int = 0  # inbound chunks refused: other geometry (kv_wire) or landing key
+    kv_in_waits: int = 0  # MD: Generate calls that waited for KV still on its way
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,56 @@ def test_second_turn_sends_only_new_blocks(served, codec):
     assert pd2["wan_kv_bytes"] < (p1 // block) * bytes_per_block
 
 
+def _timeline(served, request_id: str) -> list[dict]:
+    url = served.url.removesuffix("/v1") + f"/debug/requests/{request_id}"
+    return httpx.get(url, timeout=10).json()["timeline"]
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["tail", "whole_blocks"])
+def test_full_hit_sends_no_kv_and_never_waits(served, codec, aligned):
+    """A repeated prompt whose every whole block MD holds (its DRC stored them after the
+    first run): no KV crosses, nobody waits for a transfer, and the answer is the same.
+    ``whole_blocks``: the prompt is an exact multiple of the block size (every prompt token's
+    KV is on MD; vLLM still computes the last one, plus P's token)."""
+    block = load_config(CONFIG).engine.block_size
+    prompt = codec.encode(_long_text(9, 2) + "\nIn short:")
+    if aligned:
+        prompt = prompt[: len(prompt) // block * block]
+    first = complete(served.url, prompt, {"pipeline": "p_md"})
+    wait_until(lambda: stats(served, "p").open_transfers == 0, 30, "P's sends acknowledged")
+    before = {w: stats(served, w) for w in ("p", "md")}
+    again = complete(served.url, prompt, {"pipeline": "p_md"})
+    after = {w: stats(served, w) for w in ("p", "md")}
+    pd = again["pdd"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert pd["md_cached_tokens"] == len(prompt) // block * block
+    assert (pd["wan_kv_bytes"], pd["wan_kv_raw_bytes"]) == (0, 0)
+    assert after["md"].kv_bytes_received == before["md"].kv_bytes_received
+    assert after["p"].kv_bytes_sent == before["p"].kv_bytes_sent
+    assert after["md"].kv_in_waits == before["md"].kv_in_waits  # MD's Generate never waited
+    events = {(e["event"], e["worker"]) for e in _timeline(served, again["id"])}
+    assert ("send_kv", "p") not in events and ("await_kv", "md") not in events
+    assert ("generate", "md") in events
+
+
+def test_a_prompt_at_max_model_len_is_served_and_one_longer_is_a_400(served, codec):
+    """Every arena holds a request at max_model_len (the workers checked it at start:
+    pdd.worker.capacity), so the longest prompt the context allows is served on both
+    pipelines; one token more is refused with a 400 naming the limit, never a 429."""
+    limit = load_config(CONFIG).engine.max_model_len
+    text = _long_text(400, 3)
+    prompt = codec.encode(text)[: limit - 2]
+    assert len(prompt) == limit - 2
+    for pipeline in ("p_md", "p_rld_md"):
+        body = complete(served.url, prompt, {"pipeline": pipeline}, max_tokens=2)
+        assert body["usage"]["completion_tokens"] == 2 and body["pdd"]["pipeline"] == pipeline
+    too_long = codec.encode(text)[: limit - 1]
+    body = {"model": load_config(CONFIG).model.name, "prompt": too_long, "max_tokens": 2}
+    r = httpx.post(f"{served.url}/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert f"maximum context length is {limit} tokens" in r.json()["error"]["message"]
+
+
 def complete_chat(url: str, messages: list[dict], pdd: dict | None) -> dict:
     body = {"model": load_config(CONFIG).model.name, "messages": messages, "temperature": 0}
     body["max_tokens"] = 24

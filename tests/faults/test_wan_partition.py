@@ -32,7 +32,7 @@ SETS = [
     "router.pdd.await_kv_timeout_s=20", "router.pdd.kv_in_wait_s=5", "transfer.deadline_s=8",
     "cache.host_capacity_gib=0.25",  # small arenas and KV caches: the machine is shared
     *(f"workers.{i}.{key}" for i in range(3)
-      for key in ("kv_staging_gib=0.1", "engine.kv_cache_space_gib=0.25")),
+      for key in ("kv_staging_gib=0.2", "engine.kv_cache_space_gib=0.25")),
 ]  # fmt: skip
 DEADLINE_S = 90  # the partitioned request's answer, error or not, comes within this
 READY_S = 900

@@ -15,7 +15,7 @@ import pytest
 
 from pdd.config import CacheConfig, PddConfig, TransferConfig, WorkerConfig
 from pdd.engine.types import SamplingSpec
-from pdd.errors import CacheError, OverloadedError
+from pdd.errors import CacheError, ContextLengthError, OverloadedError
 from pdd.main_decode import MainDecodeRole
 from pdd.prefill import PrefillRole
 from pdd.proto import worker_pb2 as pb
@@ -199,13 +199,23 @@ def test_an_aborted_stage_is_released_once_the_engine_posts_its_fence() -> None:
 
 
 def test_a_full_staging_arena_refuses_the_request() -> None:
+    """Full now: busy (429, retry); larger than the whole arena: a 400 naming the limit."""
+
     async def scenario():
         async with Topo() as topo:
+            call = GenerateCall("a", list(range(20 * BS)), SamplingSpec(max_tokens=50), True)
+            stream = topo.roles["p"].generate(call)
+            await anext(stream)  # 20 of the 32 slots held while it runs
             with pytest.raises(OverloadedError, match="staging arena full"):
+                await topo.generate("p", "b", list(range(13 * BS)), 1, stage=True)
+            await stream.aclose()
+            with pytest.raises(ContextLengthError) as never:
                 await topo.generate("p", "big", list(range(33 * BS)), 1, stage=True)
-            return (await topo.idle())["p"].pinned_slots
+            return never.value, (await topo.idle())["p"].pinned_slots
 
-    assert asyncio.run(scenario()) == 0
+    never, left = asyncio.run(scenario())
+    assert (never.status_code, never.param, left) == (400, "prompt", 0)
+    assert "needs 33 KV blocks; this prefill worker's staging arena holds 32" in never.message
 
 
 def test_cancel_releases_p_and_the_receivers() -> None:

@@ -372,3 +372,30 @@ def test_ucx_refuses_a_codec_and_sends_raw_by_default(make_pair):
     assert {h.codec for h in pair.zone.seen(handle.transfer_id)} == {0}
     with pytest.raises(InvalidRequestError, match="raw KV only"):
         pair.sender.send(pair.receiver.address, SendRequest("z", [kv], codec="zstd"))
+
+
+def test_on_verified_sees_every_good_chunk_before_its_result(kind, make_pair):
+    """``ReceiverHooks.on_verified``: once per chunk that landed whole and passed its checksum,
+    never for a corrupted one, and always before its transfer's ``on_received`` (MD's DRC
+    lands blocks from it as they arrive: pdd.main_decode.landing)."""
+    faults = FaultHooks(corrupt=lambda h: h.request_id == "bad" and h.chunk_index == 1)
+    pair = make_pair(kind, faults=faults, wan_streams=1, **SMALL)
+    seen: list[tuple[str, int, bool]] = []
+    lock = threading.Lock()
+
+    def verified(header) -> None:
+        with lock, pair._lock:
+            late = any(r.transfer_id == header.transfer_id for r in pair.results)
+            seen.append((header.request_id, header.chunk_index, late))
+
+    pair.receiver.hooks.on_verified = verified
+    good = pair.sender.send(pair.receiver.address, SendRequest("good", [seg(9, 1 * MiB)]))
+    assert good.wait(10).state is TransferState.DONE
+    pair.result(good.transfer_id)
+    bad = pair.sender.send(pair.receiver.address, SendRequest("bad", [seg(10, 1 * MiB)]))
+    assert bad.wait(10).state is TransferState.FAILED
+    pair.result(bad.transfer_id)
+    with lock:
+        assert sorted(i for r, i, _ in seen if r == "good") == list(range(16))
+        assert 1 not in {i for r, i, _ in seen if r == "bad"}
+        assert not any(late for _, _, late in seen)

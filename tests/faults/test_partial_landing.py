@@ -1,0 +1,147 @@
+"""Partial landing on MainDecode (issue 16, Build item 2): a WAN transfer cut, cancelled or
+failed after part of its blocks leaves exactly its verified prefix committed in the DRC (what
+the next turn's PrepareKv finds cached), never a block that was only partly written.
+
+Real code end to end without an engine: P's side is a real TCP transport whose sender is cut
+at a chosen chunk (``pdd.transfer.faulty``: truncate); MD's side is a real TCP receiver whose
+hooks are ``DrcLanding`` over a real ``DecodeRadixCache``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdd.cache.drc import DecodeRadixCache
+from pdd.cache.hashing import block_hashes, model_salt
+from pdd.config.cache import GIB, CacheConfig
+from pdd.config.faults import KvChunkFault
+from pdd.config.transfer import TransferConfig
+from pdd.main_decode.landing import DrcLanding
+from pdd.transfer import KVSegment, ReceiverHooks, SendRequest, TransferState, create_transport
+from pdd.transfer.faulty import ChunkFaults
+from pdd.transfer.testing import pattern
+from pdd.transfer.wire import ChunkHeader
+from tests.transfer.helpers import idle, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+KiB = 1 << 10
+CHUNK = 64 * KiB
+BLOCK_SIZE = 4  # tokens per block
+N_BLOCKS = 8
+
+
+def chain(n_blocks: int):
+    salt = model_salt("m", "f", BLOCK_SIZE)
+    return block_hashes(list(range(n_blocks * BLOCK_SIZE)), BLOCK_SIZE, salt)
+
+
+def block_data(i: int, block_bytes: int):
+    return pattern(100 + i, block_bytes)
+
+
+def committed(drc: DecodeRadixCache, n: int) -> list[bytes]:
+    """The bytes of the committed prefix of ``chain(n)`` (pinned while read)."""
+    drc.reserve("reader", chain(n)[: drc.match(chain(n)).cached_blocks], ttl_s=10)
+    try:
+        return [bytes(drc.read(slot)) for slot in drc.ready("reader").slots]
+    finally:
+        drc.release("reader")
+
+
+def run_cut(block_bytes: int, cut_chunk: int, streams: int = 1):
+    """MD prepares N_BLOCKS blocks; P sends them all and is cut at chunk ``cut_chunk``.
+    Returns (DRC, AwaitKv's answer, next turn's cached blocks)."""
+    cfg = CacheConfig(host_capacity_gib=4 * N_BLOCKS * block_bytes / GIB)
+    drc = DecodeRadixCache(cfg, block_bytes, BLOCK_SIZE)
+    land = DrcLanding(drc, block_bytes, default_lease_s=60)
+    net = TransferConfig(
+        deadline_s=10, chunk_bytes=CHUNK, min_chunk_bytes=CHUNK, wan_streams=streams
+    )
+    rules = [KvChunkFault(action="truncate", chunks=[cut_chunk])]
+    faults = ChunkFaults("tcp", rules, deadline_s=10)
+
+    async def run():
+        land.waiters.bind(asyncio.get_running_loop())
+        hooks = ReceiverHooks(land.allocate, on_received=land.received, on_verified=land.verified)
+        receiver = create_transport("tcp", net, hooks=hooks)
+        sender = create_transport("tcp", net, faults=faults.hooks())
+        receiver.start()
+        sender.start()
+        try:
+            res = land.prepare("kv", chain(N_BLOCKS), N_BLOCKS * BLOCK_SIZE, lease_s=60)
+            assert (res.cached_blocks, len(res.receive)) == (0, N_BLOCKS)
+            segs = [
+                KVSegment(block_data(i, block_bytes), i, i + 1, 0, 1, "uint8", (block_bytes,))
+                for i in range(N_BLOCKS)
+            ]
+            handle = sender.send(receiver.address, SendRequest("kv", segs))
+            status = await asyncio.to_thread(handle.wait, 20)
+            assert status.state is TransferState.FAILED, status
+            state = await land.await_kv("kv", 10)
+            land.consume("kv")  # MD's Generate took what is there (and recomputes the rest)
+            await asyncio.sleep(0.05)  # the settle runs on the loop
+            for t in (sender, receiver):
+                wait_for(lambda t=t: idle(t), 10, "transport to release everything")
+            nxt = land.prepare("kv2", chain(N_BLOCKS), N_BLOCKS * BLOCK_SIZE, lease_s=60)
+            land.cancel("kv2", "test over")
+            return state, nxt.cached_blocks
+        finally:
+            faults.release()
+            sender.close()
+            receiver.close()
+
+    state, next_cached = asyncio.run(run())
+    stats = drc.stats()
+    assert (stats.pinned_blocks, stats.landing_blocks, land.open_records) == (0, 0, 0)
+    return drc, state, next_cached
+
+
+def test_a_transfer_cut_after_half_its_blocks_leaves_exactly_that_half():
+    drc, state, next_cached = run_cut(CHUNK, cut_chunk=N_BLOCKS // 2)  # 1 chunk per block
+    assert state.state == "failed"
+    assert state.blocks_ready == N_BLOCKS // 2
+    assert next_cached == N_BLOCKS // 2  # the next turn's md_cached_tokens: 4 blocks
+    assert committed(drc, N_BLOCKS) == [bytes(block_data(i, CHUNK)) for i in range(4)]
+
+
+def test_a_block_cut_midway_never_commits():
+    # two chunks per block: chunks 0-3 are blocks 0-1, chunk 4 is half of block 2, cut at 5
+    drc, state, next_cached = run_cut(2 * CHUNK, cut_chunk=5)
+    assert (state.state, state.blocks_ready, next_cached) == ("failed", 2, 2)
+    assert committed(drc, N_BLOCKS) == [bytes(block_data(i, 2 * CHUNK)) for i in range(2)]
+
+
+def test_parallel_streams_commit_only_a_verified_prefix():
+    # 4 streams: blocks after the cut may arrive before it; only a gap-free prefix commits
+    drc, state, next_cached = run_cut(CHUNK, cut_chunk=3, streams=4)
+    assert state.blocks_ready == next_cached <= 3
+    assert committed(drc, N_BLOCKS) == [bytes(block_data(i, CHUNK)) for i in range(next_cached)]
+
+
+def _header(block: int, offset: int, nbytes: int, block_bytes: int) -> ChunkHeader:
+    return ChunkHeader(
+        transfer_id=1, request_id="kv", chunk_index=2 * block + offset // nbytes,
+        chunk_count=2 * N_BLOCKS, segment_index=block, block_start=block, block_end=block + 1,
+        layer_start=0, layer_end=1, dtype="uint8", shape=(block_bytes,), offset=offset,
+        nbytes=nbytes, segment_nbytes=block_bytes, total_bytes=N_BLOCKS * block_bytes,
+    )  # fmt: skip
+
+
+def test_a_repeated_half_chunk_does_not_complete_its_block():
+    """Only byte ranges that tile the whole block land it: the same half twice does not."""
+    block_bytes = 32
+    drc = DecodeRadixCache(CacheConfig(host_capacity_gib=64 * block_bytes / GIB), block_bytes, 4)
+    land = DrcLanding(drc, block_bytes, default_lease_s=60)
+    land.prepare("kv", chain(N_BLOCKS), N_BLOCKS * BLOCK_SIZE, lease_s=60)
+    first_half = _header(0, 0, block_bytes // 2, block_bytes)
+    for _ in range(2):
+        land.allocate(first_half)[:] = b"\x01" * (block_bytes // 2)
+        land.verified(first_half)
+    assert drc.ready("kv").cached_blocks == 0
+    second_half = _header(0, block_bytes // 2, block_bytes // 2, block_bytes)
+    land.allocate(second_half)[:] = b"\x02" * (block_bytes // 2)
+    land.verified(second_half)
+    assert drc.ready("kv").cached_blocks == 1  # committed while the transfer still runs
+    land.release_all()
