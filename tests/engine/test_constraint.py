@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import jsonschema
 import pytest
 import torch
 
@@ -145,7 +146,6 @@ def test_without_resume_the_next_tier_would_restart_the_grammar(vllm_config, tok
 def test_completed_output_parses_and_validates(vllm_config, tokenizer):
     """A greedy run whose logits favour ending (EOS boosted, whitespace-only tokens and long
     strings held back: random logits would wander forever) ends in a JSON that validates."""
-    jsonschema = pytest.importorskip("jsonschema")
     spec = ConstraintSpec("json_schema", json.dumps(PERSON))
     proc = _proc(vllm_config)
     output: list[int] = []
@@ -293,7 +293,6 @@ def test_twenty_schemas_resume_at_every_token(vllm_config, tokenizer, schema, in
     """For each schema and a valid answer, the mask of a matcher resumed after k tokens
     equals the mask the one tier that emitted them holds, at every k; the whole answer is
     accepted and then only the stop token is allowed."""
-    jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(instance, schema)
     text = json.dumps(instance)
     ids = tokenizer.encode(text, add_special_tokens=False)
