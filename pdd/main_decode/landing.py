@@ -281,11 +281,11 @@ class DrcLanding:
                 return
             rec.inbound.finish(result)
             done = result.state is TransferState.DONE
-            pending = [(rec.written[i], done) for i in sorted(rec.written) if i not in rec.landed]
+            pending = [rec.written[i] for i in sorted(rec.written) if i not in rec.landed]
             rec.written.clear()
             rec.verified.clear()
-        for block_hash, commit in pending:  # DONE: the rest lands; else: none half-written
-            self._land(rec.kv_id, block_hash, commit=commit)
+        for block_hash in pending:  # DONE: the rest lands; else: none half-written
+            self._land(rec.kv_id, block_hash, commit=done)
         self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))
 
     def _land(self, kv_id: str, block_hash: BlockHash, *, commit: bool) -> None:
