@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ from pdd.errors import ConfigError, PddError
 from pdd.launch.credentials import host_private
 from pdd.launch.lab_sites import LabSites, planned_sites
 from pdd.launch.placement import LocalSites, Sites, place
+from pdd.launch.signals import stop_event
 from pdd.launch.topology import Topology
 
 log = logging.getLogger("pdd.launch")
@@ -94,9 +94,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"pdd serve: {exc.message}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_event()  # SIGTERM/SIGINT; never Event.set() inside a handler (see signals)
     try:
         with sites:
             return _serve(cfg, sites, args.ready_timeout, stop)

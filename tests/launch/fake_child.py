@@ -25,14 +25,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import yaml
 
+from pdd.launch.signals import stop_event
+
 
 def main() -> int:
     kind, args = sys.argv[1], sys.argv[2:]
     cfg = yaml.safe_load(open(args[args.index("--config") + 1]))
     name = args[args.index("--worker") + 1] if kind == "worker" else "router"
     behaviour = os.environ.get(f"FAKE_{name.upper()}", "ok")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = stop_event([signal.SIGTERM])  # Event.set() in a handler can deadlock the fake
     if behaviour == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if behaviour == "crash":

@@ -69,22 +69,37 @@ class Launcher:
             self.proc.wait()
 
 
-def wait_gone(pids: list[int]) -> list[int]:
-    """Poll until none of ``pids`` runs (deadline); returns the ones still there."""
+def wait_gone(pids: list[int]) -> list[str]:
+    """Poll until none of ``pids`` runs (deadline); returns the ones still there, each as
+    ``pid state ppid cmdline`` (what a failure has to show: which process outlived its
+    parent, and who holds it)."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
         alive = [p for p in pids if _alive(p)]
         if not alive or time.monotonic() > deadline:
-            return alive
+            return [_describe(p) for p in alive]
         time.sleep(0.05)
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        return _stat(pid)[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def _describe(pid: int) -> str:
+    try:
+        state, ppid = _stat(pid)[:2]
+        return f"{pid} {state} ppid={ppid} {' '.join(cmdline(pid))}"
+    except OSError:
+        return f"{pid} (gone)"
 
 
 def netns_of(pid: int) -> int:
