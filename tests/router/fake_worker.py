@@ -69,6 +69,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.health_delay_s = 0.0  # Health answers this late (a worker on a saturated host)
         self.slow_health_calls = 0
         self.prepare_delay_s = 0.0  # PrepareKv reserves, then answers this late (cut off)
+        self.prepare_fail_code: grpc.StatusCode | None = None  # PrepareKv refused (e.g. full)
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.running: set[str] = set()
         self.aborts: list[str] = []
@@ -82,6 +83,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.health_delay_s = 0.0
         self.slow_health_calls = 0
         self.prepare_delay_s = 0.0
+        self.prepare_fail_code = None
         self.stats_running = 0
         self.requests.clear()
         self.aborts.clear()
@@ -227,6 +229,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return self.kv
 
     async def PrepareKv(self, request, context):  # noqa: N802
+        if self.prepare_fail_code is not None:  # refused before reserving anything
+            await context.abort(self.prepare_fail_code, "no room for the KV (scripted)")
         response = self._node().prepare(request.kv_request_id, list(request.prompt_token_ids))
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)

@@ -209,3 +209,39 @@ def test_failed_wan_transfer_never_forces_the_switch_rld_finishes(pdd, handoff):
     rid = the_request_id(pdd)
     record = httpx.get(pdd.url.removesuffix("/v1") + f"/debug/requests/{rid}", timeout=5).json()
     assert record["pdd"]["kv_state"] == "failed"
+
+
+def test_md_with_no_room_for_the_kv_computes_the_prompt_itself(pdd):
+    """MD refuses PrepareKv (its DRC is full) after P's token is out: nothing crosses the WAN,
+    MD computes the prompt from prompt + t1, and the client gets the whole answer (no 429)."""
+    import grpc
+
+    ids = script(pdd, 6)
+    md = pdd.by_id("md0")
+    md.prepare_fail_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    body = complete(pdd, "p_md").json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert (body["pdd"]["pipeline"], body["pdd"]["wan_kv_bytes"]) == ("p_md", 0)
+    rid = the_request_id(pdd)
+    assert pdd.by_id("p0").kv.sends == []
+    wait_until(lambda: (rid, "nothing to send") in pdd.by_id("p0").kv.cancels, "P not freed")
+    (md_req,) = md.requests
+    assert list(md_req.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
+
+
+def test_rld_with_no_room_for_the_kv_turns_p_rld_md_into_p_md(pdd):
+    """RLD refuses PrepareKv (its landing slots are full): the request goes on as p_md, whole
+    and exact; RLD gets neither KV nor the request, and the record says p_md."""
+    import grpc
+
+    ids = script(pdd, 8)
+    rld = pdd.by_id("rld0")
+    rld.prepare_fail_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    body = complete(pdd, "p_rld_md", "one_shot").json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    pd = body["pdd"]
+    assert (pd["pipeline"], pd["rld"], pd["rld_tokens"], pd["md"]) == ("p_md", None, 0, "md0")
+    rid = the_request_id(pdd)
+    assert pdd.by_id("p0").kv.sends == [(rid, [("md0", 0)])]
+    assert rld.requests == []
+    assert list(pdd.by_id("md0").requests[-1].prompt_token_ids) == prompt_ids(pdd) + ids[:1]

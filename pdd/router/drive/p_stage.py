@@ -15,7 +15,10 @@ it is MD, whose DRC Generate uses its lease, released with CancelKv); when nobod
 anything P's staged blocks are released with CancelKv too. It returns the ids of the
 targets KV is on its way to, and records MD's cached tokens and the bytes queued for it.
 A lost destination (its PrepareKv failed, or timed out: unreachable) gets nothing and is in
-``lost``, so the caller does not send it the request either; a lost P (SendKv failed) sends
+``lost``, so the caller does not send it the request either. A destination that answers
+PrepareKv with no room (RESOURCE_EXHAUSTED: RLD's slots or MD's DRC are full) is live but gets
+no KV either: it is in ``full``; the caller runs the request without it (a full RLD: p_md) or
+lets it compute the prompt itself (a full MD), never failing the stream. A lost P (SendKv failed) sends
 nothing: every reservation is cancelled and the destinations recompute the prompt.
 """
 
@@ -25,7 +28,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from pdd.errors import PddError, WorkerError
+from pdd.errors import OverloadedError, PddError, WorkerError
 from pdd.proto import worker_pb2
 from pdd.router.decide.recovery import is_unreachable, is_worker_loss
 from pdd.router.drive.request_run import RequestRun
@@ -58,6 +61,7 @@ class PStage:
         self._block_size = block_size
         self.staged_blocks = 0
         self.lost: set[str] = set()  # destinations whose PrepareKv failed or timed out
+        self.full: set[str] = set()  # live destinations with no room for this KV (refused)
 
     async def prefill(self) -> TokenEvent:
         """P's first token, one merged event. Raises WorkerError if P fails the request."""
@@ -94,6 +98,11 @@ class PStage:
             assert t.prepared is not None, "send() before prefill()"
             try:
                 prep = await t.prepared
+            except OverloadedError as exc:  # no room for this KV now: it gets none (doc)
+                log.warning("request %s: %s", self._kv.kv_id, exc.message)
+                self.full.add(t.worker_id)
+                self._kv.release("no room for the KV", [t.worker_id])
+                continue
             except PddError as exc:  # the destination is lost: it gets no KV (module doc)
                 if not is_unreachable(exc):
                     raise

@@ -12,7 +12,9 @@ pd_wan / pd_local (the standard PD flow):
     -> AwaitKv(D) -> D.Generate(prompt, kv_in=TRANSFER): D samples every token itself
 
 A P lost before its token is replaced by another P (``prefill``, every pipeline); after it,
-P only sends KV, and a failed send makes the destinations recompute (``PStage.send``). A last
+P only sends KV, and a failed send makes the destinations recompute (``PStage.send``); a
+destination with no room for the KV (PrepareKv refused) is left out the same way: a full RLD
+turns p_rld_md into p_md, a full MD computes the prompt itself. A last
 tier lost mid-request is taken over by another worker (``RequestRun.finish_on``,
 ``pdd.router.decide.recovery``).
 
@@ -69,6 +71,9 @@ class PddPipeline:
             if run.finished:
                 return
             sent = await stage.send()
+            if rld in stage.full:  # RLD has no room for the KV: p_md (MD waits for its KV)
+                rld = trace.rld = None
+                trace.pipeline = Pipeline.P_MD
             if rld is None:
                 events = run.finish_on(
                     md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost
