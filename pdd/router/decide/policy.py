@@ -91,10 +91,14 @@ def wan_estimate(
 
 
 def _hit(cached: Mapping[str, int], worker_id: str, prompt_tokens: int) -> float:
-    return min(cached.get(worker_id, 0), prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+    if not prompt_tokens:
+        return 0.0
+    hit = cached.get(worker_id, 0)  # min() without the call: choose runs this per candidate
+    return (hit if hit < prompt_tokens else prompt_tokens) / prompt_tokens
 
 
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:
+    """The tie-break of both scores (nested in their keys: no tuple unpacking per call)."""
     return (w.load, w.kv_cache_usage, w.served, w.id)
 
 
@@ -119,12 +123,12 @@ def pick_md(
         return None
     if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
         pool = [w for w in mds if w.has_capacity] or mds
-        return min(pool, key=lambda w: (-cached.get(w.id, 0), *_tie(w)))
+        return min(pool, key=lambda w: (-cached.get(w.id, 0), _tie(w)))
 
-    def key(w: WorkerView) -> tuple[bool, float, int, float, int, str]:
+    def key(w: WorkerView) -> tuple[bool, float, tuple[int, float, int, str]]:
         # one pass: the full MDs last is choosing among those with a free slot when there
         # are any, among all otherwise
-        return (not w.has_capacity, -md_score(w, cached, prompt_tokens, weight), *_tie(w))
+        return (not w.has_capacity, -md_score(w, cached, prompt_tokens, weight), _tie(w))
 
     return min(mds, key=key)
 
@@ -135,7 +139,7 @@ def pick_p(
     """Highest P score (prefix affinity against queue length)."""
     if not ps:
         return None
-    return min(ps, key=lambda w: (-p_score(w, cached, prompt_tokens, weight), *_tie(w)))
+    return min(ps, key=lambda w: (-p_score(w, cached, prompt_tokens, weight), _tie(w)))
 
 
 def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:
