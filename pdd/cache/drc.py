@@ -32,6 +32,16 @@ a slot is never reused while a late writer may still copy into it.
 Export: ``snapshot()`` and ``events_since(seq)`` (pdd.cache.messages) feed the router's
 PrefixIndexView (pdd.cache.view). Thread-safe: every public method holds one lock, so
 transport threads and the engine may call it.
+
+Why an event feed of its own and not vLLM's KV events (``KVEventsConfig``,
+``vllm.distributed.kv_events``: BlockStored / BlockRemoved / AllBlocksCleared over ZMQ): those
+describe vLLM's own block pool, whose blocks the scheduler evicts whenever it needs room; the
+DRC is a different store (host-tier slots that outlive vLLM's blocks, filled by WAN landings
+that vLLM never sees, pinned by leases) keyed by pdd's model-salted hash chains. So its events
+are its own, in the same shape as vLLM's (a BlockStored names its parent hash and a chain in
+order; a BlockRemoved names hashes), and the router replicates them over gRPC (DrcEvents)
+with a sequence number and snapshots to resync, which vLLM's replay endpoint covers only for
+a bounded number of steps.
 """
 
 from __future__ import annotations

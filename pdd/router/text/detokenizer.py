@@ -15,6 +15,12 @@ complete. Two offsets into the token list bound the work per step:
 Decoding from ``prefix_offset`` rather than from ``read_offset`` keeps the context that some
 decoders need (leading-space handling, merges across the boundary). The window starts a few
 prompt tokens back for the same reason. One instance per request; not thread-safe.
+
+Why not ``tokenizers``' own ``DecodeStream`` (tokenizers 0.23, the version vLLM 0.32 pins):
+its ``step(tokenizer, id)`` takes one id at a time and starts from nothing, with no way to
+seed it with the prompt's tail (the context above; an event from a worker carries several
+ids), and it needs a ``tokenizers.Tokenizer`` where this class takes any decode function (the
+tests' toy codec included).
 """
 
 from __future__ import annotations
