@@ -16,7 +16,7 @@ Decoding from ``prefix_offset`` rather than from ``read_offset`` keeps the conte
 decoders need (leading-space handling, merges across the boundary). The window starts a few
 prompt tokens back for the same reason. One instance per request; not thread-safe.
 
-Why not ``tokenizers``' own ``DecodeStream`` (tokenizers 0.23, the version vLLM 0.32 pins):
+Why not ``tokenizers``' own ``DecodeStream`` (tokenizers 0.23, what vLLM 0.32 and its transformers allow):
 its ``step(tokenizer, id)`` takes one id at a time and starts from nothing, with no way to
 seed it with the prompt's tail (the context above; an event from a worker carries several
 ids), and it needs a ``tokenizers.Tokenizer`` where this class takes any decode function (the
