@@ -2,7 +2,7 @@
 
 Steps of one request, after ``routing.choose`` picked the pipeline, workers and handoff:
 
-    P prefill ──> t1 (TTFT) ──┬─ WAN: blocks MD lacks (FIFO link) ──> landed ──> MD
+    P prefill ──> t1 (TTFT) ──┬─ WAN: blocks MD lacks (shared link) ─> landed ──> MD
                               └─ p_rld_md: all blocks over the local link ──> RLD decodes
     p_md:      MD Generate(prompt + [t1]) after landing + one RTT: extend(tail + 1), decode.
     p_rld_md:  landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes

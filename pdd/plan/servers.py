@@ -1,4 +1,4 @@
-"""Simulated machinery: a decode batch, a FIFO link, a serial prefill queue (simpy).
+"""Simulated machinery: a decode batch, a fair-shared link, a serial prefill queue (simpy).
 
 ``DecodeServer`` advances its whole batch between events instead of per token: the step time
 ``decode_step(batch, context)`` is held constant from one event (a sequence joins, leaves or
@@ -8,8 +8,10 @@ counted at its end). One-off forwards (extend-decode on MD, a colocated prefill)
 whole batch through ``add_extra``. Sequences are admitted FIFO while the batch has a free slot
 and their whole final context fits the device KV.
 
-``Link`` is first-in-first-out like pdd's TCP sender: one transfer serializes at the link rate,
-then lands after half the RTT; ``cancel`` drops a queued transfer or cuts the running one.
+``Link`` shares its rate like pdd's TCP sender, which takes chunks from the open transfers in
+turn (round robin, ``pdd.transfer.tcp_send``): n open transfers each get 1/n of the link, so
+a small p_md transfer is never stuck behind a multi-GB cold one; a transfer lands half an RTT
+after its last byte left; ``cancel`` cuts one and gives its share to the rest.
 Everything runs on simpy event callbacks, no process per server.
 """
 
@@ -23,6 +25,8 @@ import simpy
 from simpy.events import NORMAL
 
 from pdd.plan.profile import ChipProfile
+
+_BYTE_EPS = 1e-6  # transfers within this many bytes of the first to finish finish with it
 
 
 @dataclass(eq=False, slots=True)
@@ -254,66 +258,75 @@ class Transfer:
 
 @dataclass(eq=False)
 class Link:
-    """A FIFO link: ``bandwidth_bps``, one-way delay ``rtt_s / 2`` (module docstring)."""
+    """A fair-shared link: ``bandwidth_bps`` split equally between the open transfers,
+    one-way delay ``rtt_s / 2`` (module docstring)."""
 
     env: simpy.Environment
     bandwidth_bps: float
     rtt_s: float
-    queue: deque[Transfer] = field(default_factory=deque)
+    open: list[Transfer] = field(default_factory=list)
     busy_s: float = 0.0
     bytes_sent: float = 0.0
-    _current: Transfer | None = None
-    _started: float = 0.0
+    _since: float = 0.0  # when ``sent`` of every open transfer was last brought up to date
     _gen: int = 0
 
     def send(self, nbytes: int) -> Transfer:
-        """Queue ``nbytes``; ``landed`` fires when the last byte arrived."""
+        """Open a transfer of ``nbytes``; ``landed`` fires when the last byte arrived."""
         t = Transfer(nbytes, Landing(self.env))
         if nbytes <= 0:
             t.landed.arm(self.rtt_s / 2)
             return t
-        self.queue.append(t)
-        if self._current is None:
-            self._next()
+        self._advance()
+        self.open.append(t)
+        self._schedule()
         return t
 
     def cancel(self, t: Transfer) -> None:
-        """Drop it from the queue, or cut it now (the bytes already sent stay counted). One
-        whose last byte already left lands anyway (no one waits for it any more)."""
+        """Cut it now (the bytes already sent stay counted); the others share its bandwidth
+        from now on. One whose last byte already left lands anyway (no one waits for it)."""
         if t.landed.triggered or t.cancelled:
             return
         t.cancelled = True
-        if t is self._current:
-            self._account()
-            self._current = None
-            self._next()
-        elif t in self.queue:
-            self.queue.remove(t)
+        if t in self.open:
+            self._advance()
+            self.open.remove(t)
+            self._schedule()
 
-    def _account(self) -> None:
-        dt = self.env.now - self._started
-        assert self._current is not None
-        self._current.sent = min(self._current.nbytes, dt * self.bandwidth_bps / 8)
-        self.busy_s += dt
-        self.bytes_sent += self._current.sent
-
-    def _next(self) -> None:
-        self._gen += 1
-        if not self.queue:
+    def _advance(self) -> None:
+        """Credit every open transfer its share of the bytes since ``_since``."""
+        now = self.env.now
+        dt, self._since = now - self._since, now
+        if not self.open or dt <= 0:
             return
-        self._current, self._started, gen = self.queue.popleft(), self.env.now, self._gen
-        ev = self.env.timeout(self._current.nbytes * 8 / self.bandwidth_bps)
+        self.busy_s += dt
+        share = dt * self.bandwidth_bps / 8 / len(self.open)
+        for t in self.open:
+            step = min(share, t.nbytes - t.sent)
+            t.sent += step
+            self.bytes_sent += step
+
+    def _schedule(self) -> None:
+        """One timer: when the open transfer with the fewest bytes left will finish."""
+        self._gen += 1
+        if not self.open:
+            return
+        left = min(t.nbytes - t.sent for t in self.open)
+        gen = self._gen
+        ev = self.env.timeout(max(left, 0.0) * 8 * len(self.open) / self.bandwidth_bps)
         ev.callbacks.append(lambda _e: self._done(gen))
 
     def _done(self, gen: int) -> None:
-        if gen != self._gen or self._current is None:
-            return
-        t = self._current
-        self._account()
-        self._current = None
-        t.landed.arm(self.rtt_s / 2)
-        self._next()
+        if gen != self._gen:
+            return  # the set of open transfers changed since this timer was set
+        self._advance()
+        least = min(t.nbytes - t.sent for t in self.open)
+        for t in [t for t in self.open if t.nbytes - t.sent <= least + _BYTE_EPS]:
+            self.bytes_sent += t.nbytes - t.sent
+            t.sent = t.nbytes
+            self.open.remove(t)
+            t.landed.arm(self.rtt_s / 2)
+        self._schedule()
 
     def utilisation(self, duration_s: float) -> float:
-        busy = self.busy_s + (self.env.now - self._started if self._current else 0.0)
+        busy = self.busy_s + (self.env.now - self._since if self.open else 0.0)
         return busy / duration_s if duration_s > 0 else 0.0

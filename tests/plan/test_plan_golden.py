@@ -1,9 +1,11 @@
 """The optimised simulator gives the figures the simulator gave before it (seeded runs).
 
-``data/sim_golden.json`` holds what commit 78cb16e's simulator computed for the cases of
+``data/sim_golden.json`` holds what the simulator computed for the cases of
 ``tests/plan/sim_cases.py`` (every pipeline, handoff and baseline, the exact RadixIndex cache,
-a trace). Counts must match exactly; times and byte sums to 1e-9 (the batch arithmetic now
-sums per server, not per sequence).
+a trace) when its WAN link became fair-shared like pdd's TCP sender (it was first-in-first-out
+until then; every other figure had been pinned since commit 78cb16e). Counts must match
+exactly; times and byte sums to 1e-9. Regenerate with ``python -m tests.plan.sim_cases`` only
+for a change of the model, never of speed.
 """
 
 from __future__ import annotations

@@ -106,3 +106,58 @@ def test_long_answers_shape_a_workload_with_fewer_turns_instead_of_crashing():
                          hit_rate=0.95, seed=3)  # fmt: skip
     conversations = agentic(wl).conversations
     assert all(len(c.turns) == 32 for c in conversations[:-1])
+
+
+def test_the_wan_link_shares_its_rate_so_a_small_transfer_never_waits_behind_a_big_one():
+    """Like pdd's TCP sender (round robin over open transfers): a 2-block transfer sent while
+    a 1 GB one runs finishes within twice its own bytes' time plus half an RTT; the big one
+    still lands (later by the small one's bytes), and every byte is counted once."""
+    import simpy
+
+    from pdd.plan.servers import Link
+
+    env = simpy.Environment()
+    link = Link(env, bandwidth_bps=8e9, rtt_s=0.04)  # 1 GB/s
+    big = link.send(1_000_000_000)
+    landed: dict[str, float] = {}
+
+    def small_later():
+        yield env.timeout(0.2)
+        small = link.send(2_000_000)  # 2 ms alone on the link
+        yield small.landed
+        landed["small"] = env.now
+
+    def wait_big():
+        yield big.landed
+        landed["big"] = env.now
+
+    env.process(small_later())
+    env.process(wait_big())
+    env.run()
+    assert landed["small"] - 0.2 == pytest.approx(2 * 0.002 + 0.02)
+    assert landed["big"] == pytest.approx(1.0 + 0.002 + 0.02)
+    assert link.bytes_sent == pytest.approx(1_002_000_000)
+    assert link.utilisation(1.002) == pytest.approx(1.0)
+
+
+def test_a_cancelled_transfer_gives_its_share_back():
+    import simpy
+
+    from pdd.plan.servers import Link
+
+    env = simpy.Environment()
+    link = Link(env, bandwidth_bps=8e9, rtt_s=0.0)
+    a, b = link.send(1_000_000_000), link.send(1_000_000_000)
+    done: list[float] = []
+
+    def cut_a():
+        yield env.timeout(0.5)  # each has 250 MB across
+        link.cancel(a)
+        yield b.landed
+        done.append(env.now)
+
+    env.process(cut_a())
+    env.run()
+    assert a.sent == pytest.approx(250_000_000) and not a.landed.triggered
+    assert done == [pytest.approx(0.5 + 0.75)]  # b's remaining 750 MB alone at 1 GB/s
+    assert link.bytes_sent == pytest.approx(1_250_000_000)
