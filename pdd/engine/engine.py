@@ -44,6 +44,9 @@ from pdd.engine import heap  # noqa: E402
 from pdd.engine.constraint import EXTRA_KEY, FQCN, check_spec, to_extra  # noqa: E402
 from pdd.engine.lifeline import spawning  # noqa: E402
 from pdd.engine.model import prepare_model  # noqa: E402
+from pdd.engine.penalties import EXTRA_KEY as PRIOR_KEY  # noqa: E402
+from pdd.engine.penalties import FQCN as PENALTIES_FQCN  # noqa: E402
+from pdd.engine.penalties import prior_extra  # noqa: E402
 from pdd.engine.types import (  # noqa: E402
     EngineDelta,
     EngineStats,
@@ -190,8 +193,9 @@ class Engine:
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our _StatSink still receives every step's stats
             enable_log_requests=False,
-            # structured outputs that resume across tiers (pdd.engine.constraint)
-            logits_processors=[FQCN],
+            # structured outputs and penalties that resume across tiers (pdd.engine.constraint,
+            # pdd.engine.penalties)
+            logits_processors=[FQCN, PENALTIES_FQCN],
         )
 
     @contextlib.contextmanager
@@ -366,6 +370,9 @@ class Engine:
             extra["kv_transfer_params"] = kv_transfer_params
         if s.constraint is not None:
             extra[EXTRA_KEY] = to_extra(s.constraint)
+        prior = prior_extra(s.prior_output_tokens, s.presence_penalty, s.frequency_penalty)
+        if prior is not None:  # penalties count what earlier tiers emitted (engine.penalties)
+            extra[PRIOR_KEY] = prior
         try:
             return SamplingParams(
                 temperature=s.temperature,

@@ -58,6 +58,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     min_tokens: int = 0
     constraint: ConstraintSpec | None = None
+    prior_output_tokens: int = 0  # the prompt's last N tokens are earlier tiers' output
 
     MAX_LOGPROBS = 20
 
@@ -68,6 +69,7 @@ class SamplingSpec:
             (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.prior_output_tokens >= 0, "prior_output_tokens", "must be >= 0"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 "min_tokens",

@@ -31,6 +31,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    prior_output_tokens: int = 0  # the prompt's last N tokens were emitted by earlier tiers
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ def sampling_from_proto(
         ignore_eos=p.ignore_eos,
         min_tokens=p.min_tokens,
         constraint=None if constraint is None else constraint_from_proto(constraint),
+        prior_output_tokens=p.prior_output_tokens,
     )
 
 

@@ -559,16 +559,24 @@ SCHEMAS = [  # (question, schema): required fields, nested objects, enums, array
 ]  # fmt: skip
 
 
+PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 1.0}
+PENALTY_QUESTIONS = ["List five fruits, then list the same five again.",
+                     "Say the word river ten times."]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def schema_oracle(codec):
-    """vLLM's own structured outputs (xgrammar), one engine, greedy: the texts to match."""
-    runs = [{"prompt_token_ids": codec.encode_chat([{"role": "user", "content": q}]),
-             "json_schema": schema} for q, schema in SCHEMAS]  # fmt: skip
-    return run_oracle(runs, DTYPE, SCHEMA_MAX_TOKENS)
+def special_oracle(codec):
+    """One engine, greedy, in one oracle run: vLLM's own structured outputs (xgrammar) of
+    SCHEMAS, then PENALTY_QUESTIONS under PENALTIES: the texts to match."""
+    chat = lambda q: codec.encode_chat([{"role": "user", "content": q}])  # noqa: E731
+    runs = [{"prompt_token_ids": chat(q), "json_schema": schema} for q, schema in SCHEMAS]
+    runs += [{"prompt_token_ids": chat(q), "sampling": PENALTIES} for q in PENALTY_QUESTIONS]
+    out = run_oracle(runs, DTYPE, SCHEMA_MAX_TOKENS)
+    return {"schema": out[: len(SCHEMAS)], "penalty": out[len(SCHEMAS) :]}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_json_schema_outputs_validate_and_equal_vllms_own(served, schema_oracle, variant):
+def test_json_schema_outputs_validate_and_equal_vllms_own(served, special_oracle, variant):
     """response_format json_schema on p_md and p_rld_md (One-Shot, Catch-Up): every answer
     parses and validates, and equals vLLM's own structured output of one engine (float32,
     greedy), so the constraint resumed exactly on each tier. P's token is the JSON's first,
@@ -576,10 +584,7 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, schema_oracle,
     import jsonschema
 
     handed_inside = 0
-    cases = list(zip(SCHEMAS, schema_oracle, strict=True))
-    if variant != "p_md":  # one each: short p_rld_md requests hit the open RLD fence bug
-        cases = cases[1:2]  # (docs/notes/engine.md), which leaves RLD not ready for the module
-    for (question, schema), want in cases:
+    for (question, schema), want in zip(SCHEMAS, special_oracle["schema"], strict=True):
         rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
               "strict": True}}  # fmt: skip
         body = {"model": load_config(CONFIG).model.name, "temperature": 0,
@@ -602,6 +607,35 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, schema_oracle,
         assert handed_inside >= 1, "no handoff fell inside a JSON answer"
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_penalties_count_every_emitted_token_on_every_pipeline(served, special_oracle, variant):
+    """Greedy with presence and frequency penalties: each pipeline's answer equals one vLLM
+    engine's, so every tier after P's token counted the tokens earlier tiers emitted
+    (``prior_output_tokens``, pdd.engine.penalties) instead of restarting the penalties."""
+    for question, want in zip(PENALTY_QUESTIONS, special_oracle["penalty"], strict=True):
+        body = {"model": load_config(CONFIG).model.name, "temperature": 0, **PENALTIES,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": SCHEMA_MAX_TOKENS, "pdd": VARIANTS[variant]}  # fmt: skip
+        r = httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want["text"], r.json()["pdd"]
+
+
+def test_a_seeded_request_is_reproducible_on_p_md(served):
+    """The documented limit of seeded sampling (README, "Sampling across tiers"): each tier
+    change restarts vLLM's seeded generator, so a seeded answer is reproducible where the tier
+    changes at the same token every time: p_md (always after P's first token)."""
+    body = {"model": load_config(CONFIG).model.name, "temperature": 0.9, "seed": 7,
+            "messages": [{"role": "user", "content": "Tell me a short story."}],
+            "max_tokens": 24, "pdd": {"pipeline": "p_md"}}  # fmt: skip
+    texts = []
+    for _ in range(2):
+        r = httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_a_schema_the_backend_refuses_is_a_400_naming_the_parameter(served):
     """The worker's grammar backend refuses it (P is the first to see it): 400, with the
     parameter named, never a 500."""
@@ -617,13 +651,13 @@ def test_a_schema_the_backend_refuses_is_a_400_naming_the_parameter(served):
         assert r.json()["error"]["param"] == param
 
 
-def test_choice_and_regex_hold_from_p_to_md(served):
-    """guided_choice and guided_regex on p_md (P's token, then MD resumes), completions API.
-    p_md, not p_rld_md: see the open RLD fence bug in docs/notes/engine.md."""
+@pytest.mark.parametrize("variant", ["p_md", "p_rld_md_one_shot"])
+def test_choice_and_regex_hold_from_p_to_md(served, variant):
+    """guided_choice and guided_regex, completions API: P's token, then RLD and MD resume."""
     import re
 
     name = load_config(CONFIG).model.name
-    base = {"model": name, "temperature": 0, "max_tokens": 24, "pdd": {"pipeline": "p_md"}}
+    base = {"model": name, "temperature": 0, "max_tokens": 24, "pdd": VARIANTS[variant]}
     r = httpx.post(f"{served.url}/completions", timeout=300, json={
         **base, "prompt": "The best season is", "guided_choice": ["summer", "winter"]})  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("summer", "winter"), r.text

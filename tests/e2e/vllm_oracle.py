@@ -2,7 +2,9 @@
 
 Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS < prompts.json > results.json
 prompts.json is a list of prompts (strings, or lists of token ids, or {"prompt_token_ids": [...],
-"json_schema": {...}} for a greedy run under vLLM's own structured outputs, xgrammar backend);
+"json_schema": {...}} for a greedy run under vLLM's own structured outputs, xgrammar backend,
+or {"prompt_token_ids": [...], "sampling": {"frequency_penalty": ...}} for a greedy run with
+more vLLM SamplingParams);
 the last stdout line is ORACLE_JSON: followed by
 [{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
 """
@@ -36,6 +38,9 @@ def main() -> None:
         if isinstance(p, dict) and "json_schema" in p:
             so = StructuredOutputsParams(json=p["json_schema"])
             sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+            runs.append(({"prompt_token_ids": p["prompt_token_ids"]}, sp))
+        elif isinstance(p, dict) and "sampling" in p:
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **p["sampling"])
             runs.append(({"prompt_token_ids": p["prompt_token_ids"]}, sp))
         else:
             runs.append(({"prompt_token_ids": p} if isinstance(p, list) else p, params))

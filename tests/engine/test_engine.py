@@ -280,6 +280,26 @@ def test_a_constraint_is_enforced_and_resumes_from_emitted_tokens(h: Harness) ->
     assert free == [PARIS, PERIOD]  # the unconstrained row is untouched
 
 
+def test_penalties_continue_across_a_tier_change(h: Harness) -> None:
+    """Greedy with presence and frequency penalties: a second request that continues from
+    the first k emitted tokens (now prompt tokens, ``prior_output_tokens`` = k) decodes what
+    one request of the whole answer does; without the count the penalties restart and the
+    text changes (pdd.engine.penalties)."""
+    pen = dict(temperature=0, presence_penalty=0.8, frequency_penalty=1.2)
+    prompt = PARIS_PROMPT + [30, 504, 3575, 282]  # ". The capital of": the answer repeats
+    whole = tokens(h.run(h.collect("pen-whole", prompt, SamplingSpec(max_tokens=24, **pen))))
+    assert len(whole) == 24
+    k = 6
+    head = tokens(h.run(h.collect("pen-head", prompt, SamplingSpec(max_tokens=k, **pen))))
+    assert head == whole[:k]
+    resumed = SamplingSpec(max_tokens=24 - k, prior_output_tokens=k, **pen)
+    tail = tokens(h.run(h.collect("pen-tail", prompt + head, resumed)))
+    assert tail == whole[k:]
+    forgot = tokens(h.run(h.collect("pen-forgot", prompt + head,
+                                    SamplingSpec(max_tokens=24 - k, **pen))))  # fmt: skip
+    assert forgot != whole[k:]  # what vLLM alone does at a tier change
+
+
 def test_a_bad_constraint_is_refused_naming_the_parameter(h: Harness) -> None:
     from pdd.engine.types import ConstraintSpec
 

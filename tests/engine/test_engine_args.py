@@ -85,11 +85,22 @@ def test_a_workers_engine_dtype_overrides_the_models(engine_cls, tmp_path) -> No
     assert block_bytes_of(model, 32, "bfloat16") * 2 == block_bytes_of(model, 32) == 1_474_560
 
 
-def test_every_engine_registers_the_constraint_processor(engine_cls, tmp_path) -> None:
+def test_every_engine_registers_the_constraint_and_penalty_processors(engine_cls, tmp_path):
     from pdd.engine.constraint import FQCN
+    from pdd.engine.penalties import FQCN as PENALTIES
 
     args = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
-    assert args.logits_processors == [FQCN]
+    assert args.logits_processors == [FQCN, PENALTIES]
+
+
+def test_prior_output_rides_in_extra_args_only_with_a_penalty(engine_cls) -> None:
+    from pdd.engine.penalties import EXTRA_KEY
+
+    engine = engine_cls(ModelConfig(), EngineConfig())
+    pen = engine._sampling_params(SamplingSpec(frequency_penalty=0.5, prior_output_tokens=3), None)
+    assert pen.extra_args == {EXTRA_KEY: 3}
+    plain = engine._sampling_params(SamplingSpec(prior_output_tokens=3), None)
+    assert not (plain.extra_args or {}).get(EXTRA_KEY)
 
 
 def test_a_constraint_rides_in_extra_args_and_is_checked_first(engine_cls) -> None:

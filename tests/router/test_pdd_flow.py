@@ -78,6 +78,7 @@ def test_p_md_exact_stream_and_record(pdd):
     (md_req,) = gen_requests(pdd, "md0")
     assert list(md_req.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
     assert md_req.sampling.max_tokens == pdd.cfg.engine.max_model_len - n_prompt - 1
+    assert (p_req.sampling.prior_output_tokens, md_req.sampling.prior_output_tokens) == (0, 1)
     assert (md_req.kv_in.source, md_req.kv_in.kv_request_id) == (2, p_req.request_id)
     assert pdd.by_id("p0").kv.sends == [(p_req.request_id, [("md0", 0)])]
     assert gen_requests(pdd, "rld0") == [] and pdd.by_id("rld0").kv.prepares == []
@@ -123,6 +124,7 @@ def assert_handoff_stream(h, ids, body, rounds_at_least=1):
     k = pd["rld_tokens"]
     md_final = gen_requests(h, "md0")[-1]
     assert list(md_final.prompt_token_ids) == prompt_ids(h) + ids[: 1 + k]
+    assert md_final.sampling.prior_output_tokens == 1 + k  # penalties count what was emitted
     assert md_final.request_id == gen_requests(h, "p0")[0].request_id
     assert pd["handoff_rounds"] >= rounds_at_least
     rld_req = gen_requests(h, "rld0")[0]

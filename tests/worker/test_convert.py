@@ -41,6 +41,7 @@ def test_proto_values_carry_over() -> None:
         repetition_penalty=1.25,
         ignore_eos=True,
         min_tokens=3,
+        prior_output_tokens=4,
     )
     assert sampling_from_proto(p) == SamplingSpec(
         temperature=0.5,
@@ -55,6 +56,7 @@ def test_proto_values_carry_over() -> None:
         repetition_penalty=1.25,
         ignore_eos=True,
         min_tokens=3,
+        prior_output_tokens=4,
     )
 
 

@@ -39,7 +39,7 @@ class EmittedStream:
 
     def continuation(self, request_id: str, *, max_tokens: int | None = None) -> GenerationRequest:
         """The request a tier runs: ``prompt + emitted``, the budget left (or ``max_tokens``),
-        and its constraint resumed from ``emitted``."""
+        its constraint resumed from ``emitted``, and its penalties counting ``emitted``."""
         s = self.req.sampling
         budget = self.remaining if max_tokens is None else max_tokens
         min_left = min(budget, max(0, s.min_tokens - len(self.emitted)))
@@ -48,7 +48,10 @@ class EmittedStream:
             self.req,
             request_id=request_id,
             prompt_token_ids=self.req.prompt_token_ids + tuple(self.emitted),
-            sampling=replace(s, max_tokens=budget, min_tokens=min_left),
+            # penalties count the emitted tokens as output (pdd.engine.penalties)
+            sampling=replace(
+                s, max_tokens=budget, min_tokens=min_left, prior_output_tokens=len(self.emitted)
+            ),
             # the grammar resumes where the client's text is (pdd.engine.constraint)
             constraint=None if c is None else replace(c, resume=tuple(self.emitted)),
         )

@@ -289,6 +289,7 @@ def request_to_proto(
         repetition_penalty=s.repetition_penalty,
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
+        prior_output_tokens=s.prior_output_tokens,
     )
     if s.seed is not None:
         sampling.seed = s.seed
