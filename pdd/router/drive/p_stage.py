@@ -18,8 +18,9 @@ A lost destination (its PrepareKv failed, or timed out: unreachable) gets nothin
 ``lost``, so the caller does not send it the request either. A destination that answers
 PrepareKv with no room (RESOURCE_EXHAUSTED: RLD's slots or MD's DRC are full) is live but gets
 no KV either: it is in ``full``; the caller runs the request without it (a full RLD: p_md) or
-lets it compute the prompt itself (a full MD), never failing the stream. A lost P (SendKv failed) sends
-nothing: every reservation is cancelled and the destinations recompute the prompt.
+lets it compute the prompt itself (a full MD), never failing the stream. A lost P (SendKv
+failed) sends nothing: every reservation is cancelled and the destinations recompute the
+prompt.
 """
 
 from __future__ import annotations
