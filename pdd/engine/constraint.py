@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xgrammar as xgr
 from vllm import SamplingParams
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
 from vllm.v1.structured_output.utils import grammar_is_likely_lark
 
+from pdd.engine.batch_rows import update_rows
 from pdd.engine.types import CONSTRAINT_KINDS, ConstraintSpec
 from pdd.errors import InvalidRequestError
 
@@ -210,22 +211,13 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         return False  # a mask changes the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._rows.pop(index, None)
-        for index, params, _prompt, output in batch_update.added:
-            spec = spec_from_extra(params) if params is not None else None
-            if spec is None:
-                self._rows.pop(index, None)
-            else:
-                self._rows[index] = self._new_row(spec, params, output)
-        for a, b, direction in batch_update.moved:
-            ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
-            if ra is not None:
-                self._rows[b] = ra
-            if rb is not None and direction is MoveDirectionality.SWAP:
-                self._rows[a] = rb
+        update_rows(self._rows, batch_update, self._row_for)
+
+    def _row_for(
+        self, params: SamplingParams, _prompt: list[int] | None, output: list[int]
+    ) -> _Row | None:
+        spec = spec_from_extra(params)
+        return None if spec is None else self._new_row(spec, params, output)
 
     def _new_row(self, spec: ConstraintSpec, params: SamplingParams, output: list[int]) -> _Row:
         """A matcher in the state after ``spec.resume``. Never raises: this runs inside the

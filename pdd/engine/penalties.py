@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from vllm import SamplingParams
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from pdd.engine.batch_rows import update_rows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,22 +77,7 @@ class PriorOutputPenalties(LogitsProcessor):
         return False  # a penalty changes the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._rows.pop(index, None)
-        for index, params, prompt, output in batch_update.added:
-            row = self._new_row(params, prompt, output) if params is not None else None
-            if row is None:
-                self._rows.pop(index, None)
-            else:
-                self._rows[index] = row
-        for a, b, direction in batch_update.moved:
-            ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
-            if ra is not None:
-                self._rows[b] = ra
-            if rb is not None and direction is MoveDirectionality.SWAP:
-                self._rows[a] = rb
+        update_rows(self._rows, batch_update, self._new_row)
 
     def _new_row(
         self, params: SamplingParams, prompt: list[int] | None, output: list[int]
