@@ -534,6 +534,53 @@ def test_tool_conversation_call_result_call_answer(served, codec, variant, strea
         messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
 
 
+def test_a_langchain_agent_runs_the_tool_conversation_across_the_handoff(served, codec):
+    """The same call -> result -> call -> answer through an agent framework's OpenAI client
+    (LangChain's ChatOpenAI, bind_tools), on p_rld_md with Catch-Up forced (the handoff falls
+    inside the forced calls' arguments): the calls come back as LangChain tool calls equal to
+    the parse of the greedy text, their arguments validate, and the tool history LangChain
+    sends (as it serializes it) reaches the rendered prompt."""
+    import jsonschema
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    sent: list[dict] = []
+    http = httpx.Client(timeout=300, event_hooks={"request": [
+        lambda r: sent.append(json.loads(r.content))]})  # fmt: skip
+    llm = ChatOpenAI(base_url=served.url, api_key="unused", model=load_config(CONFIG).model.name,
+                     temperature=0, max_tokens=48, max_retries=0, http_client=http,
+                     extra_body={"pdd": VARIANTS["p_rld_md_catch_up"]})  # fmt: skip
+    schemas = {t["function"]["name"]: t["function"].get("parameters") for t in (WEATHER, TIME)}
+    history: list = []
+    for turn, (user, choice, result) in enumerate(TOOL_TURNS):
+        if user is not None:
+            history.append(HumanMessage(user))
+        ai = llm.bind_tools([WEATHER, TIME], tool_choice=choice).invoke(history)
+        messages = sent[-1]["messages"]  # what LangChain put on the wire
+        text, _, raw, found = _tool_turn_expected(served, codec, messages, choice)
+        for m in messages:
+            for c in m.get("tool_calls") or []:
+                fn = c["function"]
+                call = {"name": fn["name"], "arguments": json.loads(fn["arguments"])}
+                assert json.dumps(call) in text
+            if m["role"] == "tool":
+                assert f"<tool_response>\n{m['content']}\n</tool_response>" in text
+        if found is None:  # tool_choice none: the answer is text
+            assert ai.content == raw and ai.tool_calls == []
+            break
+        calls = [(c["name"], c["args"]) for c in ai.tool_calls]
+        assert calls == [(c.name, json.loads(c.arguments)) for c in found.calls], raw
+        for name, args in calls:
+            jsonschema.validate(args, schemas[name] or {"type": "object"})
+        if turn == 0:
+            assert calls == [("get_weather", {"city": "Paris"})]
+        history.append(ai)
+        if ai.tool_calls:
+            history.append(ToolMessage(result, tool_call_id=ai.tool_calls[0]["id"]))
+    assert len(sent) == len(TOOL_TURNS)
+    http.close()
+
+
 # --- structured outputs: json_schema on every pipeline, across the handoff ------------------
 
 SCHEMA_MAX_TOKENS = 96
