@@ -285,7 +285,7 @@ def test_penalties_continue_across_a_tier_change(h: Harness) -> None:
     the first k emitted tokens (now prompt tokens, ``prior_output_tokens`` = k) decodes what
     one request of the whole answer does; without the count the penalties restart and the
     text changes (pdd.engine.penalties)."""
-    pen = dict(temperature=0, presence_penalty=0.8, frequency_penalty=1.2)
+    pen = dict(temperature=0, presence_penalty=0.8, frequency_penalty=1.2, ignore_eos=True)
     prompt = PARIS_PROMPT + [30, 504, 3575, 282]  # ". The capital of": the answer repeats
     whole = tokens(h.run(h.collect("pen-whole", prompt, SamplingSpec(max_tokens=24, **pen))))
     assert len(whole) == 24
