@@ -19,8 +19,8 @@ run of the same prompt.
    datacenters): what is left is a leak.
 
 Writes OUT/chaos_soak.json (counts, restarts, faults, leaks, memory slope per worker since its
-last restart) and OUT/chaos_soak.png. Exit status 1 on a wrong answer, a non-retryable failure
-or a leak.
+last restart and over its longest stretch without a kill) and OUT/chaos_soak.png. Exit status
+1 on a wrong answer, a non-retryable failure or a leak.
 """
 
 from __future__ import annotations
@@ -34,11 +34,19 @@ import sys
 import threading
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
 
-from pdd.bench.soak import Topology, _worker_pid, plot, rss_mib, slope_mib_per_min
+from pdd.bench.soak import (
+    Topology,
+    _worker_pid,
+    least_squares_slope,
+    plot,
+    rss_mib,
+    slope_mib_per_min,
+)
 from pdd.config import load_config
 
 VARIANTS = ({"pipeline": "p_md"}, {"pipeline": "p_rld_md", "handoff": "one_shot"},
@@ -241,6 +249,24 @@ def run(args: argparse.Namespace) -> dict:
     return report(args, soak, final, serve_exit)
 
 
+def steady_slopes(
+    samples: list[dict], events: list[dict], workers: list[str], warmup_s: float = 60.0
+) -> dict[str, dict[str, float]]:
+    """Per worker, the least-squares slope of its private memory (MiB/min) over its longest
+    stretch without a kill, its first ``warmup_s`` left out (a restarted engine grows while it
+    starts), with the stretch's bounds: what "flat" means for a worker that is killed."""
+    end = samples[-1]["t_s"] if samples else 0.0
+    out = {}
+    for w in workers:
+        kills = sorted(e["t_s"] for e in events if e["fault"] == "kill" and e["worker"] == w)
+        bounds = [0.0, *kills, end]
+        start, stop = max(pairwise(bounds), key=lambda ab: ab[1] - ab[0])
+        rows = [r for r in samples if start + warmup_s <= r["t_s"] < stop and w in r]
+        xs, ys = [r["t_s"] / 60 for r in rows], [r[w] for r in rows]
+        out[w] = {"slope": round(least_squares_slope(xs, ys), 2), "from_s": start, "to_s": stop}
+    return out
+
+
 def report(args, soak: Run, final: dict, serve_exit: int) -> dict:
     leaks = {w: m for w, m in final.items() if m}
     o = soak.outcomes
@@ -259,6 +285,8 @@ def report(args, soak: Run, final: dict, serve_exit: int) -> dict:
         "leaks": leaks, "leaked": any(leaks.values()),
         "slope_mib_per_min_since_last_restart": {
             w: round(slope_mib_per_min(rows, w), 2) for w, rows in since.items()},
+        "slope_mib_per_min_longest_stretch": steady_slopes(
+            soak.samples, soak.events, soak.topo.worker_ids),
         "rss_samples": soak.samples, "serve_exit_code": serve_exit,
     }  # fmt: skip
 

@@ -256,10 +256,13 @@ def sample_loop(topo: Topology, period: float, samples: list, stop: threading.Ev
 def slope_mib_per_min(samples: list[dict], worker: str) -> float:
     """Least-squares slope of private RSS over time, after the first quarter (warm-up)."""
     rows = samples[len(samples) // 4 :]
-    if len(rows) < 3:
+    return least_squares_slope([r["t_s"] / 60 for r in rows], [r[worker] for r in rows])
+
+
+def least_squares_slope(xs: list[float], ys: list[float]) -> float:
+    """dy/dx of the least-squares line (0 with fewer than 3 points)."""
+    if len(xs) < 3:
         return 0.0
-    xs = [r["t_s"] / 60 for r in rows]
-    ys = [r[worker] for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
