@@ -30,7 +30,10 @@ def test_a_burst_of_sigterms_sets_the_stop_event_and_the_process_exits():
         for _ in range(3):
             proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=10)
-        assert (proc.returncode, out) == (0, "stopped\n")
+        assert out == "stopped\n"  # the event was set and the loop ended
+        # a SIGTERM of the burst that lands after Python's finalization restored the default
+        # action ends the (already exiting) process by that signal: as expected
+        assert proc.returncode in (0, -signal.SIGTERM)
 
 
 def test_sigint_stops_it_too():
