@@ -237,8 +237,10 @@ def test_rld_with_no_room_for_the_kv_turns_p_rld_md_into_p_md(pdd):
     ids = script(pdd, 8)
     rld = pdd.by_id("rld0")
     rld.prepare_fail_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    body = complete(pdd, "p_rld_md", "one_shot").json()
+    r = complete(pdd, "p_rld_md", "one_shot")
+    body = r.json()
     assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert r.headers["x-pdd-pipeline"] == "p_md"  # non-streamed: the header is the final one
     pd = body["pdd"]
     assert (pd["pipeline"], pd["rld"], pd["rld_tokens"], pd["md"]) == ("p_md", None, 0, "md0")
     rid = the_request_id(pdd)
