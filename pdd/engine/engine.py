@@ -40,13 +40,10 @@ from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from pdd.config import EngineConfig, ModelConfig  # noqa: E402
-from pdd.engine import heap  # noqa: E402
+from pdd.engine import heap, penalties  # noqa: E402
 from pdd.engine.constraint import EXTRA_KEY, FQCN, check_spec, to_extra  # noqa: E402
 from pdd.engine.lifeline import spawning  # noqa: E402
 from pdd.engine.model import prepare_model  # noqa: E402
-from pdd.engine.penalties import EXTRA_KEY as PRIOR_KEY  # noqa: E402
-from pdd.engine.penalties import FQCN as PENALTIES_FQCN  # noqa: E402
-from pdd.engine.penalties import prior_extra  # noqa: E402
 from pdd.engine.types import (  # noqa: E402
     EngineDelta,
     EngineStats,
@@ -195,7 +192,7 @@ class Engine:
             enable_log_requests=False,
             # structured outputs and penalties that resume across tiers (pdd.engine.constraint,
             # pdd.engine.penalties)
-            logits_processors=[FQCN, PENALTIES_FQCN],
+            logits_processors=[FQCN, penalties.FQCN],
         )
 
     @contextlib.contextmanager
@@ -370,9 +367,11 @@ class Engine:
             extra["kv_transfer_params"] = kv_transfer_params
         if s.constraint is not None:
             extra[EXTRA_KEY] = to_extra(s.constraint)
-        prior = prior_extra(s.prior_output_tokens, s.presence_penalty, s.frequency_penalty)
+        prior = penalties.prior_extra(
+            s.prior_output_tokens, s.presence_penalty, s.frequency_penalty
+        )
         if prior is not None:  # penalties count what earlier tiers emitted (engine.penalties)
-            extra[PRIOR_KEY] = prior
+            extra[penalties.EXTRA_KEY] = prior
         try:
             return SamplingParams(
                 temperature=s.temperature,

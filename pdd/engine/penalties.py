@@ -25,7 +25,7 @@ terms added in another order). Engine-core process, like ``pdd.engine.constraint
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,13 +51,12 @@ def prior_extra(prior_output_tokens: int, presence: float, frequency: float) -> 
 @dataclass
 class _Row:
     tokens: torch.Tensor  # the distinct prior output tokens (long)
-    counts: torch.Tensor  # how often each occurs in them (float32)
+    extra: torch.Tensor  # what to subtract from each (float32): frequency x count + presence
+    where: dict[int, int]  # prior token -> its index, while its presence is still ours to add
     presence: float
-    frequency: float
     repetition: float
     output: list[int]  # vLLM's live output list of the request
     seen: int = 0
-    produced: set[int] = field(default_factory=set)  # tokens this tier emitted so far
 
 
 class PriorOutputPenalties(LogitsProcessor):
@@ -86,11 +85,12 @@ class PriorOutputPenalties(LogitsProcessor):
         if not n or not prompt:
             return None
         counts = Counter(prompt[-n:])
+        extra = [params.frequency_penalty * c + params.presence_penalty for c in counts.values()]
         return _Row(
             tokens=torch.tensor(list(counts), dtype=torch.long, device=self._device),
-            counts=torch.tensor(list(counts.values()), dtype=torch.float32, device=self._device),
+            extra=torch.tensor(extra, dtype=torch.float32, device=self._device),
+            where={t: k for k, t in enumerate(counts)},
             presence=params.presence_penalty,
-            frequency=params.frequency_penalty,
             repetition=params.repetition_penalty,
             output=output,
         )
@@ -103,16 +103,14 @@ class PriorOutputPenalties(LogitsProcessor):
 
 
 def _penalize(logits: torch.Tensor, i: int, row: _Row) -> None:
-    for t in row.output[row.seen :]:
+    for t in row.output[row.seen :]:  # this tier's new tokens (usually one per step)
         if t < 0:  # an async-scheduling placeholder: read it again next step
             break
-        row.produced.add(t)
         row.seen += 1
-    fresh = torch.tensor(
-        [t not in row.produced for t in row.tokens.tolist()], dtype=torch.float32,
-        device=logits.device,
-    )  # fmt: skip
-    extra = row.frequency * row.counts + row.presence * fresh
+        k = row.where.pop(t, None)
+        if k is not None:  # vLLM's own presence penalty covers it from now on
+            row.extra[k] -= row.presence
+    extra = row.extra
     x = logits[i, row.tokens]
     r = row.repetition
     if r == 1.0:
