@@ -4,12 +4,14 @@ router's LRU view of each P's prefix cache."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdd.config import ModelConfig
 from pdd.config.router import PddPolicyConfig
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
-from pdd.router.decide.policy import md_score, p_score
+from pdd.router.decide.policy import md_score, p_score, pick_md, pick_p
 from pdd.router.decide.routing import choose
 from pdd.router.decide.view import Decision, FleetView, RouteRequest, WorkerView
 from pdd.router.fleet.routed_prefixes import RoutedPrefixes
@@ -39,6 +41,32 @@ def test_md_score_is_hit_fraction_minus_weighted_load_fraction():
     m = w("m0", MD, running=4)  # load fraction 4/8
     assert md_score(m, {"m0": 80}, 100, 0.5) == pytest.approx(0.8 - 0.25)
     assert p_score(w("p0", P, running=2), {"p0": 50}, 100, 0.25) == pytest.approx(0.5 - 0.5)
+
+
+def _tie(v):
+    return (v.load, v.kv_cache_usage, v.served, v.id)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_p_and_md_picks_are_the_best_documented_score(seed):
+    """pick_p / pick_md (their keys inline the scores for speed) choose what the documented
+    scores choose: the highest score, full MDs last, ties by load, KV usage, served, id."""
+    rng = random.Random(seed)
+    prompt = rng.choice([1, 64, 100, 4096])
+    cap = rng.choice([0, 4, 8])  # 0: capacity unknown
+    ps = [w(f"p{i}", P, running=rng.randint(0, 5), waiting=rng.randint(0, 2),
+            in_flight=rng.randint(0, 6), served=rng.randint(0, 3),
+            kv_cache_usage=rng.choice([0.0, 0.5])) for i in range(rng.randint(1, 12))]  # fmt: skip
+    mds = [w(f"m{i}", MD, running=rng.randint(0, 9), max_num_seqs=cap, served=rng.randint(0, 3),
+             kv_cache_usage=rng.choice([0.0, 0.5])) for i in range(rng.randint(1, 6))]  # fmt: skip
+    cached = {v.id: rng.choice([0, prompt // 2, prompt, 2 * prompt]) for v in ps + mds
+              if rng.random() < 0.5}  # fmt: skip
+    weight = rng.choice([0.0, 0.25, 0.5, 1.0])
+    best_p = min(ps, key=lambda v: (-p_score(v, cached, prompt, weight), _tie(v)))
+    assert pick_p(ps, cached, prompt, weight) is best_p
+    best_md = min(mds, key=lambda v: (not v.has_capacity, -md_score(v, cached, prompt, weight),
+                                      _tie(v)))  # fmt: skip
+    assert pick_md(mds, cached, prompt, weight) is best_md
 
 
 @pytest.mark.parametrize(

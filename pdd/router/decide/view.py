@@ -116,7 +116,10 @@ class Decision:
         raise KeyError(f"decision for {self.pipeline.value} has no {role.value} worker")
 
     def maybe_worker(self, role: Role) -> str | None:
-        return next((wid for r, wid in self.assignments if r is role), None)
+        for r, worker_id in self.assignments:
+            if r is role:
+                return worker_id
+        return None
 
     @property
     def decoder(self) -> str:
