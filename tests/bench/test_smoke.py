@@ -65,6 +65,8 @@ def test_every_mode_completes_with_zero_errors(run):
             assert s["ok"] == s["requests"] == data["workloads"][wl_name]["measured"], where
             assert s["ttft_p50_s"] > 0 and s["goodput_rps"] > 0, where
             assert set(s["pipelines"]) <= PIPELINES[mode_name], where
+            rows = wl["requests"]  # every measured request, for pooled comparisons
+            assert len(rows) == s["requests"] and all(r["ok"] and r["ttft_s"] > 0 for r in rows)
 
 
 def test_report_compares_pdd_with_pd_wan(run):
