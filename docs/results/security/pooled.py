@@ -1,6 +1,6 @@
 """Pooled TTFT of the security overhead run: every credential off vs on (docs/benchmarks.md).
 
-    python docs/results/security/pooled.py docs/results/security/results.json
+    python docs/results/security/pooled.py docs/results/security/requests.jsonl.gz
 
 Per run P50/P90; pooled over the two runs of each setting (off_1 + off_2 against on_1 + on_2);
 the ratio on/off with a bootstrap 90% interval (requests resampled within each setting); the
@@ -8,6 +8,7 @@ two off runs against each other (what the host's drift alone gives); and per req
 by index (the same prompt in every run), the median of on/off.
 """
 
+import gzip
 import json
 import random
 import statistics
@@ -22,11 +23,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    data = json.load(open(sys.argv[1]))
-    runs = {}
-    for name, mode in data["modes"].items():
-        rows = mode["workloads"]["agentic"]["requests"]
-        runs[name] = {r["index"]: r["ttft_s"] for r in rows if r["ok"]}
+    # pdd bench serve's request log: one line per request, warm-ups included
+    opener = gzip.open if sys.argv[1].endswith(".gz") else open
+    runs: dict[str, dict[int, float]] = {}
+    with opener(sys.argv[1], "rt") as f:
+        for r in map(json.loads, f):
+            if r["workload"] == "agentic" and not r["warmup"] and r["error"] is None:
+                runs.setdefault(r["mode"], {})[r["index"]] = r["ttft_s"]
     for name, t in runs.items():
         v = list(t.values())
         print(f"{name}: n={len(v)} P50 {pct(v, 0.5) * 1e3:.0f} ms  P90 {pct(v, 0.9) * 1e3:.0f} ms")

@@ -94,26 +94,7 @@ class ModeResult:
                         g: dict(s.to_json(), hit=w.hits.get(g)) for g, s in w.groups.items()
                     },
                     "warmup_errors": sum(1 for r in w.records(warmup=True) if not r.ok),
-                    "requests": [_request_json(r) for r in w.records()],
                 }
                 for name, w in self.workloads.items()
             },
         }
-
-
-def _request_json(r: RequestRecord) -> dict[str, Any]:
-    """One measured request, compact: what pooled or paired comparisons across runs need."""
-    return {
-        "index": r.index,
-        "group": r.group,
-        "conversation": r.conversation,
-        "ok": r.ok,
-        "ttft_s": r.ttft_s,
-        "e2e_s": r.e2e_s,
-        "prompt_tokens": r.prompt_tokens,
-        "cached_tokens": r.cached_tokens,
-        "output_tokens": r.output_tokens,
-        "pipeline": r.pdd.pipeline,
-        "handoff": r.pdd.handoff,
-        "wan_kv_bytes": r.pdd.wan_kv_bytes,
-    }

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from pdd.errors import UnavailableError
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
@@ -90,26 +91,41 @@ def wan_estimate(
     return WanEstimate(cached, blocks - cached, wan_bytes, eta, raw_bytes)
 
 
-def _hit(cached: Mapping[str, int], worker_id: str, prompt_tokens: int) -> float:
-    if not prompt_tokens:
-        return 0.0
-    hit = cached.get(worker_id, 0)  # min() without the call: choose runs this per candidate
-    return (hit if hit < prompt_tokens else prompt_tokens) / prompt_tokens
-
-
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:
-    """The tie-break of both scores (nested in their keys: no tuple unpacking per call)."""
+    """The tie-break of both scores (flattened into their keys)."""
     return (w.load, w.kv_cache_usage, w.served, w.id)
+
+
+def _md_key(
+    cached: Mapping[str, int], prompt_tokens: int, weight: float, w: WorkerView
+) -> tuple[bool, float, int, float, int, str]:
+    """MD's order: full MDs last, then -md_score, then the tie-break. The one place the score is
+    computed; choose runs it for every MD of every request, so it calls nothing but `load`."""
+    load, cap = w.load, w.max_num_seqs
+    hit = cached.get(w.id, 0)
+    frac = (hit if hit < prompt_tokens else prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+    return (cap > 0 and load >= cap, weight * (load / cap if cap > 0 else 0.0) - frac,
+            load, w.kv_cache_usage, w.served, w.id)  # fmt: skip
+
+
+def _p_key(
+    cached: Mapping[str, int], prompt_tokens: int, weight: float, w: WorkerView
+) -> tuple[float, int, float, int, str]:
+    """P's order: -p_score, then the tie-break (the one place the score is computed)."""
+    load = w.load
+    hit = cached.get(w.id, 0)
+    frac = (hit if hit < prompt_tokens else prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+    return (weight * load - frac, load, w.kv_cache_usage, w.served, w.id)
 
 
 def md_score(md: WorkerView, cached: Mapping[str, int], prompt_tokens: int, weight: float) -> float:
     """hit fraction in MD's DRC - weight * MD's load fraction (see the module docstring)."""
-    return _hit(cached, md.id, prompt_tokens) - weight * md.load_fraction
+    return -_md_key(cached, prompt_tokens, weight, md)[1]
 
 
 def p_score(p: WorkerView, cached: Mapping[str, int], prompt_tokens: int, weight: float) -> float:
     """hit fraction in the view of P's prefix cache - weight * P's requests in flight."""
-    return _hit(cached, p.id, prompt_tokens) - weight * p.load
+    return -_p_key(cached, prompt_tokens, weight, p)[0]
 
 
 def pick_md(
@@ -124,20 +140,8 @@ def pick_md(
     if prompt_tokens <= 0:  # no prompt size: the longest cached prefix, then load
         pool = [w for w in mds if w.has_capacity] or mds
         return min(pool, key=lambda w: (-cached.get(w.id, 0), _tie(w)))
-
-    n = prompt_tokens
-
-    def key(w: WorkerView) -> tuple[bool, float, int, float, int, str]:
-        # (not has_capacity, -md_score, *_tie) with the score inlined: choose runs this for
-        # every MD of every request. The full MDs last is choosing among those with a free
-        # slot when there are any, among all otherwise.
-        load, cap = w.load, w.max_num_seqs
-        hit = cached.get(w.id, 0)
-        frac = (hit if hit < n else n) / n
-        return (cap > 0 and load >= cap, weight * (load / cap if cap > 0 else 0.0) - frac,
-                load, w.kv_cache_usage, w.served, w.id)  # fmt: skip
-
-    return min(mds, key=key)
+    # the candidate last: a positional partial is the cheapest key call
+    return min(mds, key=partial(_md_key, cached, prompt_tokens, weight))
 
 
 def pick_p(
@@ -146,17 +150,7 @@ def pick_p(
     """Highest P score (prefix affinity against queue length)."""
     if not ps:
         return None
-    n = prompt_tokens
-
-    def key(w: WorkerView) -> tuple[float, int, float, int, str]:
-        # (-p_score, *_tie) with the score inlined: choose runs this for every P of every
-        # request (a call chain per candidate was a quarter of the planner's routing time)
-        load = w.load
-        hit = cached.get(w.id, 0) if n else 0
-        frac = (hit if hit < n else n) / n if n else 0.0
-        return (weight * load - frac, load, w.kv_cache_usage, w.served, w.id)
-
-    return min(ps, key=key)
+    return min(ps, key=partial(_p_key, cached, prompt_tokens, weight))
 
 
 def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:

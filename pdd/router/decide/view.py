@@ -110,10 +110,10 @@ class Decision:
     relay_only: bool = False  # TEST ONLY (p_rld_only): the pd driver's D is an RLD doing MD's job
 
     def worker(self, role: Role) -> str:
-        for r, worker_id in self.assignments:
-            if r is role:
-                return worker_id
-        raise KeyError(f"decision for {self.pipeline.value} has no {role.value} worker")
+        worker_id = self.maybe_worker(role)
+        if worker_id is None:
+            raise KeyError(f"decision for {self.pipeline.value} has no {role.value} worker")
+        return worker_id
 
     def maybe_worker(self, role: Role) -> str | None:
         for r, worker_id in self.assignments:
