@@ -10,6 +10,7 @@ hooks are ``DrcLanding`` over a real ``DecodeRadixCache``.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -60,11 +61,24 @@ def run_cut(block_bytes: int, cut_chunk: int, streams: int = 1):
         deadline_s=10, chunk_bytes=CHUNK, min_chunk_bytes=CHUNK, wan_streams=streams
     )
     rules = [KvChunkFault(action="truncate", chunks=[cut_chunk])]
-    faults = ChunkFaults("tcp", rules, deadline_s=10)
+    # The cut comes once MD verified every chunk sent before it: a reset connection discards
+    # what the receiver had not read yet, so without the wait "half" would be "half or less".
+    verified = threading.Semaphore(0)
+
+    def on_verified(header: ChunkHeader) -> None:
+        land.verified(header)
+        verified.release()
+
+    def before_cut(header: ChunkHeader) -> None:
+        if header.chunk_index == cut_chunk and streams == 1:
+            for _ in range(cut_chunk):
+                assert verified.acquire(timeout=10), "chunks before the cut never verified"
+
+    faults = ChunkFaults("tcp", rules, deadline_s=10, on_chunk=before_cut)
 
     async def run():
         land.waiters.bind(asyncio.get_running_loop())
-        hooks = ReceiverHooks(land.allocate, on_received=land.received, on_verified=land.verified)
+        hooks = ReceiverHooks(land.allocate, on_received=land.received, on_verified=on_verified)
         receiver = create_transport("tcp", net, hooks=hooks)
         sender = create_transport("tcp", net, faults=faults.hooks())
         receiver.start()
