@@ -22,6 +22,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 from pdd.cache.radix import RadixIndex
+from pdd.errors import CacheError
 
 
 class PrefixCache(Protocol):
@@ -38,6 +39,12 @@ class PrefixCache(Protocol):
         """Protect the cached prefix of the first ``tokens``; returns the handle to unpin."""
 
     def unpin(self, handle: object) -> None: ...
+
+    def diverge(self, conv: int, tokens: int) -> None:
+        """The stream's text changed after its first ``tokens``: its blocks past them are no
+        longer its, dropped at once (a real radix cache keeps the old branch until LRU
+        eviction, which only matters for a full cache). The simulator calls it between turns,
+        when no request of the conversation holds a pin (a pinned block would stay)."""
 
 
 def _key(conv: int, block: int) -> bytes:
@@ -81,6 +88,15 @@ class RadixPrefixCache:
     def unpin(self, handle: object) -> None:
         if handle is not None:
             self.index.unpin(handle)  # type: ignore[arg-type]
+
+    def diverge(self, conv: int, tokens: int) -> None:
+        block = tokens // self.block_size
+        while (h := _key(conv, block)) in self.index:
+            try:
+                self.index.remove(h)  # and the rest of the chain after it
+                return
+            except CacheError:  # pinned further on by a request in flight: kept up to there
+                block += 1
 
     @property
     def used_blocks(self) -> int:
@@ -147,12 +163,15 @@ class ConversationLruCache:
             if blocks == take:
                 gone.append(conv)
         for conv in gone:
-            del self._blocks[conv]
-            if self.holders is not None:
-                held = self.holders[conv]
-                del held[self.owner]
-                if not held:
-                    del self.holders[conv]
+            self._forget(conv)
+
+    def _forget(self, conv: int) -> None:
+        del self._blocks[conv]
+        if self.holders is not None:
+            held = self.holders[conv]
+            del held[self.owner]
+            if not held:
+                del self.holders[conv]
 
     def pin(self, conv: int, tokens: int) -> object:
         n = self.cached_tokens(conv, tokens) // self.block_size
@@ -169,6 +188,17 @@ class ConversationLruCache:
         pins.remove(n)
         if not pins:
             del self._pins[conv]
+
+    def diverge(self, conv: int, tokens: int) -> None:
+        blocks = self._blocks.get(conv, 0)
+        keep = max(tokens // self.block_size, max(self._pins.get(conv, [0])))
+        if blocks <= keep:
+            return
+        self.used_blocks -= blocks - keep
+        if keep:
+            self._blocks[conv] = keep
+        else:
+            self._forget(conv)
 
 
 def make_cache(exact: bool, capacity_tokens: int, block_size: int, owner: str = "",

@@ -241,6 +241,10 @@ class Simulation:
                 yield self.env.timeout(turn.at_s - self.env.now)
             elif turn.think_s:
                 yield self.env.timeout(turn.think_s)
+            if turn.prefix_tokens is not None:
+                for w in self.workers.values():
+                    if w.cache is not None:
+                        w.cache.diverge(conv.id, turn.prefix_tokens)
             rec = self._admit(conv.id, turn)
             if rec is None:
                 continue
@@ -260,7 +264,8 @@ class Simulation:
         try:
             decision = self.route(conv, turn)
         except UnavailableError:
-            self.log.add(arrival, None, None, turn.output_tokens, "unavailable")
+            self.log.add(arrival, None, None, turn.output_tokens, "unavailable",
+                         measured=turn.measured)  # fmt: skip
             return None
         rec = Record(arrival, decision, [self.workers[wid] for _, wid in decision.assignments])
         for w in rec.workers:
@@ -273,7 +278,8 @@ class Simulation:
             if w.in_flight and rec.released.get(w.id) is None:
                 self._bump(w, -1)
         self.log.add(rec.arrival, rec.first_at, self.env.now, turn.output_tokens,
-                     rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait)  # fmt: skip
+                     rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait,
+                     turn.measured)  # fmt: skip
 
     def release(self, rec: Record, w: Worker) -> None:
         if rec.released.get(w.id) is None:

@@ -5,7 +5,9 @@ TPOT = (E2E - TTFT) / (output tokens - 1) (a one-token answer meets any TPOT); a
 good when TTFT <= sla.ttft_s and TPOT <= sla.tpot_s; SLA goodput = good requests per second of
 the measured window; BCR = goodput / cost per hour. The measured window is the steady state
 (``measure_window``): requests that arrived after conversations had time to overlap and
-before the last conversation started (caches filled, queues settled, load not yet draining). A
+before the last conversation started (caches filled, queues settled, load not yet draining).
+A trace that marks warm-up requests (``measured: false``) is measured as ``pdd bench serve``
+measures it: its measured requests, from the first one's arrival to the last one's end. A
 fleet *meets* the SLA when at least ``sla.attainment`` of the measured requests are good.
 Cost per hour = the chips' prices + the WAN's price per GB x the GB it carried per hour.
 """
@@ -65,10 +67,13 @@ class RequestLog:
         self.arrival, self.ttft, self.e2e = array("d"), array("d"), array("d")
         self.out, self.rld, self.pipe, self.handoff = (array("l") for _ in range(4))
         self.wan, self.p_wait = array("d"), array("d")
+        self.warmup: list[int] = []  # indices of warm-up requests (traces that mark them)
 
     def add(self, arrival: float, first: float | None, end: float | None, out: int,
             pipeline: str, rld: int = 0, wan: int = 0, handoff: str = "none",
-            p_wait: float = 0.0) -> None:  # fmt: skip
+            p_wait: float = 0.0, measured: bool = True) -> None:  # fmt: skip
+        if not measured:
+            self.warmup.append(len(self.arrival))
         self.arrival.append(arrival)
         self.ttft.append(-1.0 if first is None else first - arrival)
         self.e2e.append(-1.0 if end is None else end - arrival)
@@ -142,11 +147,24 @@ def measure_window(sim: Simulation) -> tuple[float, float]:
     return min(max(ramp, last_start * sim.settings.warmup_fraction), last_start / 2), last_start
 
 
+def measured_requests(sim: Simulation) -> tuple[list[int], float]:
+    """The measured requests (indices into the log) and the window's length in seconds."""
+    log = sim.log
+    if log.warmup:
+        warm = set(log.warmup)
+        idx = [i for i in range(len(log.arrival)) if i not in warm]
+        if not idx:
+            return [], 1e-9
+        ends = [log.arrival[i] + log.e2e[i] for i in idx if log.e2e[i] >= 0]
+        start = min(log.arrival[i] for i in idx)
+        return idx, max(max(ends, default=start) - start, 1e-9)
+    start, last = measure_window(sim)
+    return [i for i, a in enumerate(log.arrival) if start <= a <= last], max(last - start, 1e-9)
+
+
 def summarize(sim: Simulation, wall_s: float, cpu_s: float = 0.0) -> SimResult:
     log, sla, env = sim.log, sim.sla, sim.env
-    start, last = measure_window(sim)
-    idx = [i for i, a in enumerate(log.arrival) if start <= a <= last]
-    window = max(last - start, 1e-9)
+    idx, window = measured_requests(sim)
     ttft, tpot, good, out_tokens, bad_ttft, bad_tpot = [], [], 0, 0, 0, 0
     for i in idx:
         t, e, n = log.ttft[i], log.e2e[i], log.out[i]

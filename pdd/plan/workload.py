@@ -21,7 +21,15 @@ Trace (JSONL, one request a line; blank lines skipped, unknown fields ignored)::
     {"timestamp": 12.5, "conversation_id": "c7", "prompt_tokens": 65536, "output_tokens": 1024}
 
 A turn is sent at its timestamp's offset from the first line, or when its conversation's
-previous turn ends if that is later. Bad lines are reported with their line numbers.
+previous turn ends if that is later. Bad lines are reported with their line numbers. Two
+optional fields:
+
+    prefix_tokens  the leading tokens this prompt shares with its conversation so far (the
+                   previous prompt and answer); what follows is new text, so every cache drops
+                   the conversation's blocks past it (an agent that re-sends the history but
+                   not its own answer: the previous prompt's length). Default: all of it.
+    measured       false: a warm-up request (it fills caches; the summary leaves it out and
+                   measures from the first measured arrival to the last measured end).
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class Turn:
     output_tokens: int
     at_s: float | None = None  # trace: offset from the first line; None: after think_s
     think_s: float = 0.0  # synthetic: wait after the previous turn ended
+    prefix_tokens: int | None = None  # trace: tokens shared with the stream so far (None: all)
+    measured: bool = True  # trace: False for a warm-up request
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +164,8 @@ class _TraceLine(BaseModel):
     conversation_id: str | int | None = None
     prompt_tokens: int = Field(..., gt=0, strict=True)
     output_tokens: int = Field(..., gt=0, strict=True)
+    prefix_tokens: int | None = Field(None, ge=0, strict=True)
+    measured: bool = Field(True, strict=True)
 
 
 def load_trace(path: Path) -> Workload:
@@ -188,6 +200,10 @@ def load_trace(path: Path) -> Workload:
     convs = []
     for lines_of in groups.values():
         lines_of.sort(key=lambda p: p.timestamp)
-        turns = tuple(Turn(p.prompt_tokens, p.output_tokens, p.timestamp - t0) for p in lines_of)
+        turns = tuple(
+            Turn(p.prompt_tokens, p.output_tokens, p.timestamp - t0,
+                 prefix_tokens=p.prefix_tokens, measured=p.measured)
+            for p in lines_of
+        )  # fmt: skip
         convs.append(Conversation(len(convs), turns[0].at_s or 0.0, turns))
     return Workload(f"trace({Path(path).name})", tuple(convs))

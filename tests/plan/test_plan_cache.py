@@ -1,4 +1,5 @@
-"""The O(1) conversation LRU makes the same choices as pdd's RadixIndex on chain workloads."""
+"""The O(1) conversation LRU makes the same choices as pdd's RadixIndex on chain workloads
+(and on chains whose tail is rewritten: ``diverge``)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ def test_fast_cache_matches_radix_index(seed: int) -> None:
     for _ in range(400):
         conv = rng.randrange(8)
         op = rng.random()
-        if op < 0.6:  # a turn: the conversation grows, the cache stores it
+        if op < 0.5:  # a turn: the conversation grows, the cache stores it
             length[conv] += rng.randrange(1, 30)
             exact.store(conv, length[conv])
             fast.store(conv, length[conv])
+        elif op < 0.6 and all(f[0] != conv for _, f in pins if f):
+            # a turn that rewrites the tail (between turns: nothing of it pinned): the blocks
+            # past its prefix go
+            length[conv] = rng.randrange(0, length[conv] + 1)
+            exact.diverge(conv, length[conv])
+            fast.diverge(conv, length[conv])
         elif op < 0.8 and len(pins) < 3:
             pins.append((exact.pin(conv, length[conv]), fast.pin(conv, length[conv])))
         elif pins:

@@ -144,6 +144,33 @@ def test_trace_workload(tmp_path: Path, profiles) -> None:
     assert res.requests == 9 and res.ttft_p50_s > 0
 
 
+def test_a_trace_that_rewrites_history_and_marks_its_warm_up(tmp_path: Path, profiles) -> None:
+    """``prefix_tokens``: a turn that shares only its previous prompt (not the answer) lands
+    the answer's blocks again; ``measured: false`` lines warm the caches and are not counted."""
+
+    def run(**second) -> object:
+        trace = tmp_path / "t.jsonl"
+        lines = [
+            {"timestamp": 0, "conversation_id": "w", "prompt_tokens": 2000, "output_tokens": 8,
+             "measured": False},
+            {"timestamp": 0, "conversation_id": "c", "prompt_tokens": 8000, "output_tokens": 512,
+             "measured": False},
+            {"timestamp": 30, "conversation_id": "c", "prompt_tokens": 8600, "output_tokens": 8,
+             **second},
+        ]  # fmt: skip
+        trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        s = Searcher(profiles, Wan(10e9, 0.04), load_trace(trace), Sla(5, 0.05), SimSettings())
+        return s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
+
+    whole, rewritten = run(), run(prefix_tokens=8000)
+    assert whole.requests == rewritten.requests == 3
+    assert whole.measured == rewritten.measured == 1
+    # the answer's 512 tokens (whole blocks of them) cross the WAN again
+    block = profiles["B"].block_size
+    gap = profiles["A"].kv_bytes_per_token * (8512 // block - 8000 // block) * block
+    assert rewritten.wan_gb * 1e9 - whole.wan_gb * 1e9 == pytest.approx(gap, rel=0.01)
+
+
 def test_bad_trace_lines_are_listed(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 1, "prompt_tokens": 10, "output_tokens": 2}\nnot json\n'
