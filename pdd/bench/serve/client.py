@@ -45,8 +45,11 @@ class RequestRecord:
     max_tokens: int
     target_hit: float | None = None
     expected_prompt_tokens: int | None = None
+    shared_tokens: int | None = None  # leading tokens shared with request ``after``'s prompt
+    after: int | None = None  # the request whose prompt this one extends or branches from
     anomaly: bool = False
-    sent_s: float = 0.0  # send time, from the phase start
+    scheduled_s: float | None = None  # arrival the load pattern scheduled (None: closed loop)
+    sent_s: float = 0.0  # send time, from the phase start (later when ``after`` ran late)
     ttft_s: float | None = None
     e2e_s: float | None = None
     chunk_s: list[float] = field(default_factory=list)  # content chunk arrivals, from send
@@ -77,6 +80,8 @@ def new_record(req: BenchRequest) -> RequestRecord:
         max_tokens=req.max_tokens,
         target_hit=req.target_hit,
         expected_prompt_tokens=req.prompt_tokens,
+        shared_tokens=req.shared_tokens,
+        after=req.after,
         anomaly=req.anomaly,
     )
 

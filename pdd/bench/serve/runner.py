@@ -170,6 +170,10 @@ class PhaseRunner:
         finally:
             await self.progress.end()
         records.sort(key=lambda r: r.index)
+        if offsets is not None:
+            scheduled = {r.index: t for r, t in zip(reqs, offsets, strict=True)}
+            for rec in records:
+                rec.scheduled_s = scheduled[rec.index]
         link = None
         if meter is not None and link_before is not None:
             link = await asyncio.to_thread(meter.read) - link_before
