@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "benchmarks: transfer | serve | overhead | handoff-gap | soak | chaos-soak | dashboard | gpu-kv-copy",
     ),
     "plan": ("pdd.plan.cli", "main", "size a fleet: simulate pdd's routing over chip profiles"),
+    "plan-validate": ("pdd.plan.validate", "main", "replay a bench run in the planner"),
     "profile": ("pdd.profiler", "main", "time one worker's engine and write its chip profile"),
     "status": ("pdd.router.status", "main", "the fleet as the router sees it"),
     "certs": ("pdd.certs", "main", "make a fleet's CA, certificates, worker token and API key"),

@@ -201,6 +201,19 @@ class ConversationLruCache:
             self._forget(conv)
 
 
+def rebase(cache: PrefixCache, conv: int, tokens: int, source: int | None = None) -> None:
+    """A turn of ``conv`` whose first ``tokens`` are the first ``tokens`` of ``source``'s
+    stream (None: its own), the rest new text: the cache drops ``conv``'s blocks past them and,
+    for another source, holds a copy of what it holds of the source's."""
+    if source is None or source == conv:
+        cache.diverge(conv, tokens)
+        return
+    cache.diverge(conv, 0)
+    have = cache.cached_tokens(source, tokens)
+    if have:
+        cache.store(conv, have)
+
+
 def make_cache(exact: bool, capacity_tokens: int, block_size: int, owner: str = "",
                holders: Holders | None = None) -> PrefixCache:  # fmt: skip
     """The exact RadixIndex cache, or the O(1) one (entered in ``holders`` when given)."""

@@ -30,7 +30,7 @@ import simpy
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import UnavailableError
-from pdd.plan.cache import Holders, PrefixCache, make_cache
+from pdd.plan.cache import Holders, PrefixCache, make_cache, rebase
 from pdd.plan.fleet import Fleet
 from pdd.plan.pipeline import run_pdd
 from pdd.plan.profile import ChipProfile
@@ -244,7 +244,7 @@ class Simulation:
             if turn.prefix_tokens is not None:
                 for w in self.workers.values():
                     if w.cache is not None:
-                        w.cache.diverge(conv.id, turn.prefix_tokens)
+                        rebase(w.cache, conv.id, turn.prefix_tokens, turn.prefix_of)
             rec = self._admit(conv.id, turn)
             if rec is None:
                 continue

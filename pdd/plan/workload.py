@@ -28,6 +28,11 @@ optional fields:
                    previous prompt and answer); what follows is new text, so every cache drops
                    the conversation's blocks past it (an agent that re-sends the history but
                    not its own answer: the previous prompt's length). Default: all of it.
+    prefix_of      with prefix_tokens: the conversation (an id of the trace) whose stream those
+                   leading tokens come from, as it stands when this turn is sent (an agent
+                   that spawns a sub-task from another conversation's history). Each cache
+                   then holds this conversation's copy of what it held of them (their blocks
+                   are counted twice against its capacity: a radix cache would share them).
     measured       false: a warm-up request (it fills caches; the summary leaves it out and
                    measures from the first measured arrival to the last measured end).
 """
@@ -55,6 +60,7 @@ class Turn:
     at_s: float | None = None  # trace: offset from the first line; None: after think_s
     think_s: float = 0.0  # synthetic: wait after the previous turn ended
     prefix_tokens: int | None = None  # trace: tokens shared with the stream so far (None: all)
+    prefix_of: int | None = None  # trace: the conversation they come from (None: this one)
     measured: bool = True  # trace: False for a warm-up request
 
 
@@ -165,6 +171,7 @@ class _TraceLine(BaseModel):
     prompt_tokens: int = Field(..., gt=0, strict=True)
     output_tokens: int = Field(..., gt=0, strict=True)
     prefix_tokens: int | None = Field(None, ge=0, strict=True)
+    prefix_of: str | int | None = None
     measured: bool = Field(True, strict=True)
 
 
@@ -197,12 +204,19 @@ def load_trace(path: Path) -> Workload:
         groups.setdefault(
             p.conversation_id if p.conversation_id is not None else ("#", i), []
         ).append(p)
+    number = {cid: n for n, cid in enumerate(groups)}
+    unknown = sorted({str(p.prefix_of) for p in parsed
+                      if p.prefix_of is not None and p.prefix_of not in number})  # fmt: skip
+    if unknown:
+        raise ConfigError(f"trace {path}: prefix_of names no conversation of the trace: "
+                          + ", ".join(unknown[:MAX_REPORTED]))  # fmt: skip
     convs = []
     for lines_of in groups.values():
         lines_of.sort(key=lambda p: p.timestamp)
         turns = tuple(
             Turn(p.prompt_tokens, p.output_tokens, p.timestamp - t0,
-                 prefix_tokens=p.prefix_tokens, measured=p.measured)
+                 prefix_tokens=p.prefix_tokens, measured=p.measured,
+                 prefix_of=None if p.prefix_of is None else number[p.prefix_of])
             for p in lines_of
         )  # fmt: skip
         convs.append(Conversation(len(convs), turns[0].at_s or 0.0, turns))

@@ -171,6 +171,36 @@ def test_a_trace_that_rewrites_history_and_marks_its_warm_up(tmp_path: Path, pro
     assert rewritten.wan_gb * 1e9 - whole.wan_gb * 1e9 == pytest.approx(gap, rel=0.01)
 
 
+def test_a_trace_branch_starts_from_what_the_caches_hold_of_its_source(
+    tmp_path: Path, profiles
+) -> None:
+    """``prefix_of``: a new conversation that starts from another one's history hits what P
+    and MD hold of it; without it the same prompt is cold."""
+
+    def run(**branch) -> object:
+        trace = tmp_path / "t.jsonl"
+        lines = [
+            {"timestamp": 0, "conversation_id": "c", "prompt_tokens": 8000, "output_tokens": 8,
+             "measured": False},
+            {"timestamp": 30, "conversation_id": "d", "prompt_tokens": 8600, "output_tokens": 8,
+             **branch},
+        ]  # fmt: skip
+        trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        s = Searcher(profiles, Wan(10e9, 0.04), load_trace(trace), Sla(5, 0.05), SimSettings())
+        return s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
+
+    cold, branched = run(), run(prefix_tokens=6000, prefix_of="c")
+    block = profiles["B"].block_size
+    saved = profiles["A"].kv_bytes_per_token * (6000 // block) * block
+    assert cold.wan_gb * 1e9 - branched.wan_gb * 1e9 == pytest.approx(saved, rel=0.01)
+    assert branched.ttft_p50_s < cold.ttft_p50_s  # P prefills 2,600 tokens, not 8,600
+    with pytest.raises(ConfigError, match="prefix_of names no conversation of the trace: x"):
+        (tmp_path / "bad.jsonl").write_text(json.dumps(
+            {"timestamp": 0, "prompt_tokens": 10, "output_tokens": 2, "prefix_tokens": 5,
+             "prefix_of": "x"}) + "\n")  # fmt: skip
+        load_trace(tmp_path / "bad.jsonl")
+
+
 def test_bad_trace_lines_are_listed(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 1, "prompt_tokens": 10, "output_tokens": 2}\nnot json\n'
