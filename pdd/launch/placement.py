@@ -23,11 +23,13 @@ child in a site and finds a free port there.
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from ipaddress import ip_address
+from pathlib import Path
 from typing import Protocol
 
 from pdd.config import PddConfig
@@ -65,12 +67,51 @@ class Placed:
     url: str
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICKED_SPAN = 12_000  # ports below the ephemeral range that free_port picks from
+_handed_out: set[int] = set()  # this process's picks (a child may not have bound one yet)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port that was free on ``host`` a moment ago (the child binds it right away)."""
+    """A port that was free on ``host`` a moment ago, for a child that binds it soon.
+
+    Picked below the kernel's ephemeral range, so that no outgoing connection of any process
+    takes it as its local port in the meantime (with bind(0) the kernel hands out a port of
+    that range, and a gRPC channel opened while a worker's engine loads can hold it for good:
+    the child then cannot listen). Never the same port twice in one process. Falls back to
+    the kernel's choice when there is no room below the range.
+    """
+    low = _ephemeral_low()
+    first = max(1024, low - PICKED_SPAN)
+    rng = random.Random()
+    for _ in range(256 if low - first >= 256 else 0):
+        port = rng.randrange(first, low)
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
+            return port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 class Sites(Protocol):

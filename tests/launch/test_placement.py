@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import socket
 
 import pytest
 
 from pdd.config import LabConfig, load_config
 from pdd.errors import ConfigError
+from pdd.launch import placement
 from pdd.launch.lab_sites import planned_sites
 from pdd.launch.placement import LocalSites, place, resolve_ports, router_datacenter
 
@@ -119,3 +121,15 @@ def test_resolve_ports_on_this_host_gives_distinct_bindable_ports():
     ports = [cfg.router.port] + [p for w in cfg.workers for p in (w.port, w.metrics_port)]
     assert all(p > 0 for p in ports)
     assert len(set(ports)) == len(ports)
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_never_repeat():
+    """A picked port cannot be taken as the local port of an outgoing connection while the
+    child that is to listen on it starts (CI: a router found its port held that way)."""
+    low = placement._ephemeral_low()
+    ports = [placement.free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if low - 1024 >= 256:  # room below the range (Linux's default: 32768)
+        assert all(max(1024, low - placement.PICKED_SPAN) <= p < low for p in ports)
+    with socket.socket() as s:  # and each is free to bind
+        s.bind((placement.LOOPBACK, ports[-1]))
