@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from pdd.config import load_config
+from pdd.config.router import PddPolicyConfig
 from pdd.errors import ConfigError
-from pdd.plan.cli import parse_bandwidth, parse_wan
+from pdd.plan.cli import ROLE_OF, parse_bandwidth, parse_wan
 from pdd.plan.fleet import ROLES, Fleet, Group
 from pdd.plan.profile import ChipProfile, load_profiles
 from pdd.plan.sim import SimSettings, Simulation, Wan
@@ -55,8 +56,6 @@ from pdd.protocol import Role, RouterMode
 TARGET = 0.25  # the issue's bound on |simulated / measured - 1| for the targeted figures
 TARGETED = ("ttft_p50_s", "goodput_rps", "link_bytes")
 NO_WAN = (RouterMode.COLOCATED, RouterMode.PD_LOCAL)  # no KV crosses the WAN
-ROLE_SHORT = {"C": Role.COLOCATED, "P": Role.PREFILL, "RLD": Role.RELAY_DECODE,
-              "MD": Role.MAIN_DECODE}  # fmt: skip
 
 
 def asked(records: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int]]:
@@ -103,7 +102,7 @@ def mode_trace(records: list[dict[str, Any]], group: str,
     return lines
 
 
-def mode_fleet(entry: dict[str, Any], chips: dict[Role, str]) -> tuple[Fleet, Any]:
+def mode_fleet(entry: dict[str, Any], chips: dict[Role, str]) -> tuple[Fleet, PddPolicyConfig]:
     """The fleet a bench mode ran and its router policy (from its topology config)."""
     cfg = load_config(entry["config"], list(entry.get("overrides") or []))
     mode = RouterMode(cfg.router.mode)
@@ -117,7 +116,7 @@ def mode_fleet(entry: dict[str, Any], chips: dict[Role, str]) -> tuple[Fleet, An
     return Fleet(mode, groups), cfg.router.pdd
 
 
-def simulate(fleet: Fleet, policy: Any, profiles: dict[str, ChipProfile], wan: Wan,
+def simulate(fleet: Fleet, policy: PddPolicyConfig, profiles: dict[str, ChipProfile], wan: Wan,
              trace: Path, sla: Sla, local_bps: float) -> dict[str, Any]:  # fmt: skip
     settings = SimSettings(policy=policy, local_bandwidth_bps=local_bps, baseline_affinity=False)
     sim = Simulation(fleet, profiles, wan, load_trace(trace), sla, settings)
@@ -254,9 +253,9 @@ def parse_chips(text: str) -> dict[Role, str]:
     out = {}
     for part in filter(None, text.split(",")):
         key, _, chip = part.partition("=")
-        if key.strip() not in ROLE_SHORT or not chip.strip():
-            raise ConfigError(f"--chips: {part!r} is not ROLE=CHIP (roles {sorted(ROLE_SHORT)})")
-        out[ROLE_SHORT[key.strip()]] = chip.strip()
+        if key.strip() not in ROLE_OF or not chip.strip():
+            raise ConfigError(f"--chips: {part!r} is not ROLE=CHIP (roles {sorted(ROLE_OF)})")
+        out[ROLE_OF[key.strip()]] = chip.strip()
     return out
 
 
