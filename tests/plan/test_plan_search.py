@@ -144,23 +144,26 @@ def test_trace_workload(tmp_path: Path, profiles) -> None:
     assert res.requests == 9 and res.ttft_p50_s > 0
 
 
+def _simulate_trace(path: Path, profiles, lines: list[dict]) -> object:
+    """One pdd fleet (1 P, 1 RLD, 1 MD) over the trace ``lines``, written to ``path``."""
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = Searcher(profiles, Wan(10e9, 0.04), load_trace(path), Sla(5, 0.05), SimSettings())
+    return s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
+
+
 def test_a_trace_that_rewrites_history_and_marks_its_warm_up(tmp_path: Path, profiles) -> None:
     """``prefix_tokens``: a turn that shares only its previous prompt (not the answer) lands
     the answer's blocks again; ``measured: false`` lines warm the caches and are not counted."""
 
     def run(**second) -> object:
-        trace = tmp_path / "t.jsonl"
-        lines = [
+        return _simulate_trace(tmp_path / "t.jsonl", profiles, [
             {"timestamp": 0, "conversation_id": "w", "prompt_tokens": 2000, "output_tokens": 8,
              "measured": False},
             {"timestamp": 0, "conversation_id": "c", "prompt_tokens": 8000, "output_tokens": 512,
              "measured": False},
             {"timestamp": 30, "conversation_id": "c", "prompt_tokens": 8600, "output_tokens": 8,
              **second},
-        ]  # fmt: skip
-        trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
-        s = Searcher(profiles, Wan(10e9, 0.04), load_trace(trace), Sla(5, 0.05), SimSettings())
-        return s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
+        ])  # fmt: skip
 
     whole, rewritten = run(), run(prefix_tokens=8000)
     assert whole.requests == rewritten.requests == 3
@@ -178,16 +181,12 @@ def test_a_trace_branch_starts_from_what_the_caches_hold_of_its_source(
     and MD hold of it; without it the same prompt is cold."""
 
     def run(**branch) -> object:
-        trace = tmp_path / "t.jsonl"
-        lines = [
+        return _simulate_trace(tmp_path / "t.jsonl", profiles, [
             {"timestamp": 0, "conversation_id": "c", "prompt_tokens": 8000, "output_tokens": 8,
              "measured": False},
             {"timestamp": 30, "conversation_id": "d", "prompt_tokens": 8600, "output_tokens": 8,
              **branch},
-        ]  # fmt: skip
-        trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
-        s = Searcher(profiles, Wan(10e9, 0.04), load_trace(trace), Sla(5, 0.05), SimSettings())
-        return s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
+        ])  # fmt: skip
 
     cold, branched = run(), run(prefix_tokens=6000, prefix_of="c")
     block = profiles["B"].block_size
