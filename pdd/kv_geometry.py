@@ -11,9 +11,11 @@ Fields split in two (``IDENTITY`` / ``LANDING``):
               can never be converted (another model): the router never pairs them and does
               not admit a worker whose identity differs from the fleet's model.
     landing   kv_dtype, block_size, layout, kv_head_start/kv_head_end: KV can in principle be
-              converted; a pair is routed only when every differing landing field is in
-              ``CONVERTIBLE`` (the conversions the receivers implement; none yet: such KV
-              would be refused chunk by chunk and recomputed).
+              converted; a pair is routed only when the receiver converts every landing field
+              that differs, between those two values (``converts``: MainDecode converts the
+              dtype and the layout, ``CONVERSIONS``; RelayDecode converts nothing, its UCX
+              receiver lands bytes where they are used). Anything else would be refused chunk
+              by chunk and recomputed.
 
 The model fingerprint comes from the model folder, not its name (``model_fingerprint``): the
 config (without its dtype), every tensor's name and shape from the safetensors headers, and a
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdd.errors import ModelError
+from pdd.protocol import Role
 
 if TYPE_CHECKING:
     from pdd.proto import worker_pb2
@@ -49,8 +52,16 @@ LAYOUT_GPU_PAGED = "gpu_paged"
 
 IDENTITY = ("fingerprint", "num_layers", "total_kv_heads", "head_dim")
 LANDING = ("kv_dtype", "block_size", "layout", "kv_head_start", "kv_head_end")
-# Landing fields a receiver converts on landing. Empty: every landing field must match today.
-CONVERTIBLE: frozenset[str] = frozenset()
+# Landing fields a receiver can convert, and between which values (pdd.worker.kv_convert).
+CONVERSIONS: dict[str, frozenset[str]] = {
+    "kv_dtype": frozenset({"float32", "bfloat16"}),
+    "layout": frozenset({LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT}),
+}
+# What each receiving role converts on landing (the rest of LANDING must match).
+RECEIVER_CONVERTS: dict[Role, frozenset[str]] = {
+    Role.MAIN_DECODE: frozenset(CONVERSIONS),
+    Role.RELAY_DECODE: frozenset(),
+}
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAMPLE = 8  # values of each tensor that enter the fingerprint (at its start and middle)
@@ -124,14 +135,17 @@ def identity_conflict(a: KvGeometry, b: KvGeometry) -> str | None:
     return _differs(a, b, IDENTITY)
 
 
-def pair_conflict(sender: KvGeometry, receiver: KvGeometry) -> str | None:
+def pair_conflict(sender: KvGeometry, receiver: KvGeometry,
+                  converts: frozenset[str] = frozenset()) -> str | None:  # fmt: skip
     """The first field that keeps ``sender``'s KV from landing on ``receiver``: an identity
-    field, or a landing field that differs and no receiver converts. None: they can pair."""
+    field, or a landing field that differs and the receiver does not convert (not in
+    ``converts``, or not between these two values). None: they can pair."""
     field = identity_conflict(sender, receiver)
     if field is not None:
         return field
     for name in LANDING:
-        if name not in CONVERTIBLE and getattr(sender, name) != getattr(receiver, name):
+        a, b = getattr(sender, name), getattr(receiver, name)
+        if a != b and not (name in converts and {a, b} <= CONVERSIONS.get(name, frozenset())):
             return name
     return None
 

@@ -12,7 +12,10 @@ state. Lifecycle of one reservation::
     chunk of block i     allocate: its request id must be ``kv_id#landing_key`` (anything
                          else is refused, so a forged sender cannot poison the DRC under this
                          prompt's hashes) -> drc.landing_buffer(kv_id, chain[i]); a block the
-                         DRC already holds lands in a throw-away buffer
+                         DRC already holds lands in a throw-away buffer. A block P sent in
+                         another dtype or layout (``KvWireCheck`` names it) lands in a scratch
+                         buffer of P's block size instead, converted into the DRC slot once
+                         the whole block is verified (``pdd.worker.kv_convert``)
     chunk verified       (the transport's on_verified: bytes complete, checksum passed) once
                          every byte of block i is verified, drc.land(kv_id, chain[i]) at once:
                          the DRC commits landed blocks in chain order (visible to match(),
@@ -41,9 +44,10 @@ from dataclasses import dataclass, field
 
 from pdd.cache.drc import DecodeRadixCache
 from pdd.cache.hashing import BlockHash
-from pdd.errors import CacheError, InvalidRequestError, TransferError
-from pdd.kv_geometry import KvGeometry
+from pdd.errors import CacheError, ConfigError, InvalidRequestError, TransferError
+from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
 from pdd.proto import worker_pb2 as pb
+from pdd.protocol import Role
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
 from pdd.worker.inbound import (
     InboundState,
@@ -54,11 +58,21 @@ from pdd.worker.inbound import (
     new_landing_key,
     split_wire_id,
 )
+from pdd.worker.kv_convert import convert_block
 from pdd.worker.kv_wire import KvWireCheck
 
 log = logging.getLogger(__name__)
 
 LEASE_SLACK_S = 5.0  # the DRC's own backstop expires a little after ours
+
+
+@dataclass(frozen=True)
+class _Scratch:
+    """One block as P sent it (``src``), waiting to be converted into its DRC slot."""
+
+    buf: bytearray
+    src: KvGeometry
+    slot: memoryview
 
 
 @dataclass
@@ -71,6 +85,7 @@ class Reservation:
     written: dict[int, BlockHash] = field(default_factory=dict)  # given a landing buffer
     verified: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> offset: bytes
     landed: set[int] = field(default_factory=set)  # wholly verified and handed to drc.land
+    converting: dict[int, _Scratch] = field(default_factory=dict)  # blocks sent in another KV
     consumed: bool = False
     leased: bool = True
     landing_key: str = ""  # "": any sender (a fleet without a worker token)
@@ -88,7 +103,9 @@ class DrcLanding:
     ) -> None:
         self._drc = drc
         self._slot_bytes = slot_bytes
-        self.wire_check = KvWireCheck(slot_bytes, geometry)  # MD's own geometry (engine's)
+        self._geometry = geometry  # MD's own (the engine's)
+        converts = RECEIVER_CONVERTS[Role.MAIN_DECODE]
+        self.wire_check = KvWireCheck(slot_bytes, geometry, converts)
         self._default_lease_s = default_lease_s
         self._recs: dict[str, Reservation] = {}
         self._recent = Recent()
@@ -240,7 +257,7 @@ class DrcLanding:
     def allocate(self, header: ChunkHeader) -> memoryview:
         """Where one chunk lands; raises to refuse it (and so its transfer)."""
         (kv_id, key), i = split_wire_id(header.request_id), header.block_start
-        self.wire_check(header)  # refused unless in MD's geometry, one whole slot
+        src = self.wire_check(header)  # refused unless it lands here; src: converted
         with self._lock:
             rec = self._recs.get(kv_id)
             if rec is None or not rec.leased or rec.inbound.cancelled is not None:
@@ -257,6 +274,11 @@ class DrcLanding:
             return memoryview(bytearray(header.nbytes))
         with self._lock:
             rec.written[i] = block_hash
+            if src is not None:
+                scratch = rec.converting.get(i)
+                if scratch is None:
+                    scratch = rec.converting[i] = _Scratch(bytearray(src.block_bytes), src, buf)
+                buf = memoryview(scratch.buf)
         return buf[header.offset : header.offset + header.nbytes]
 
     def verified(self, header: ChunkHeader) -> None:
@@ -268,11 +290,14 @@ class DrcLanding:
                 return  # a throw-away buffer (already cached), or a duplicate
             parts = rec.verified.setdefault(i, {})
             parts[header.offset] = header.nbytes
-            if not rec.leased or not _covers(parts, self._slot_bytes):
+            scratch = rec.converting.get(i)
+            size = scratch.src.block_bytes if scratch is not None else self._slot_bytes
+            if not rec.leased or not _covers(parts, size):
                 return  # more chunks of the block to come (or the lease ended: discarded)
             rec.landed.add(i)
+            rec.converting.pop(i, None)
             block_hash = rec.written[i]
-        self._land(rec.kv_id, block_hash, commit=True)
+        self._land(rec.kv_id, block_hash, commit=self._convert(scratch))
 
     def received(self, result: InboundResult) -> None:
         with self._lock:
@@ -281,12 +306,29 @@ class DrcLanding:
                 return
             rec.inbound.finish(result)
             done = result.state is TransferState.DONE
-            pending = [rec.written[i] for i in sorted(rec.written) if i not in rec.landed]
+            pending = [(rec.written[i], rec.converting.get(i)) for i in sorted(rec.written)
+                       if i not in rec.landed]  # fmt: skip
             rec.written.clear()
             rec.verified.clear()
-        for block_hash in pending:  # DONE: the rest lands; else: none half-written
-            self._land(rec.kv_id, block_hash, commit=done)
+            rec.converting.clear()
+        for block_hash, scratch in pending:  # DONE: the rest lands; else: none half-written
+            self._land(rec.kv_id, block_hash, commit=done and self._convert(scratch))
         self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))
+
+    def _convert(self, scratch: _Scratch | None) -> bool:
+        """Convert a block P sent in another geometry into its DRC slot (nothing to do for a
+        block that landed in place); False: it cannot be, the block is discarded."""
+        if scratch is None:
+            return True
+        own = self._geometry()
+        try:
+            if own is None:
+                raise ConfigError("this worker's KV geometry is not known")
+            convert_block(scratch.buf, scratch.src, scratch.slot, own)
+        except ConfigError as exc:
+            log.warning("KV block not converted (%s): discarded", exc.message)
+            return False
+        return True
 
     def _land(self, kv_id: str, block_hash: BlockHash, *, commit: bool) -> None:
         try:

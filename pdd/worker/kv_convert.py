@@ -1,8 +1,8 @@
 """Conversion of one KV block between two geometries of the same model (dtype and layout).
 
-The kernel the receivers' landing is to use when P and MD differ (issue 15, Build item 2);
-NOT yet wired into landing: today a chunk of another geometry is refused (``kv_wire``) and
-the router never pairs such workers. Pure numpy over byte buffers, no torch.
+MainDecode's landing runs it on every block P sent in another dtype or layout
+(``pdd.main_decode.landing``: the chunks land in a scratch buffer, the whole verified block is
+converted into its DRC slot). Pure numpy over byte buffers, no torch.
 
 One block = every layer's K and V of ``block_size`` tokens, layer after layer. Per layer:
 
@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from pdd.errors import ConfigError
-from pdd.kv_geometry import LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT, KvGeometry, identity_conflict
+from pdd.kv_geometry import CONVERSIONS, LAYOUT_CPU_PACKED, KvGeometry, identity_conflict
 
-DTYPES = ("float32", "bfloat16")
-LAYOUTS = (LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT)
+DTYPES = tuple(sorted(CONVERSIONS["kv_dtype"]))
+LAYOUTS = tuple(sorted(CONVERSIONS["layout"]))
 
 
 def convert_block(src: Any, src_geom: KvGeometry, dst: Any, dst_geom: KvGeometry) -> None:

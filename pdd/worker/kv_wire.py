@@ -6,16 +6,18 @@ block of every layer per segment): dtype, shape (layers, KV heads held, tokens p
 it carries. Receiver (RLD, MD): ``KvWireCheck`` runs on every inbound chunk before it is
 given a place in the arena (``allocate``): a chunk whose description differs from the
 receiver's own geometry is refused (TransferError: the transfer fails, the request recomputes
-its prompt, the landing slots go back), counted in ``refused`` and logged once per request.
-No conversion yet: the first differing field refuses the chunk.
+its prompt, the landing slots go back), counted in ``refused`` and logged once per request,
+unless it differs only in fields the receiver converts (``converts``, from
+``pdd.kv_geometry.RECEIVER_CONVERTS``: MainDecode converts dtype and layout): then the check
+returns the chunk's geometry and the receiver lands it converted (``pdd.worker.kv_convert``).
 
     header field      must equal (receiver's geometry)
-    dtype             kv_dtype
+    dtype             kv_dtype (or one it converts from)
+    layout            layout (or one it converts from)
     shape             block_shape = (num_layers, heads held, block_size, 2 x head_dim)
     layer range       [0, num_layers)
     KV-head range     [kv_head_start, kv_head_end)
-    layout            layout
-    segment bytes     one slot (``inbound.whole_slot``)
+    segment bytes     one block in the chunk's geometry (``inbound.whole_slot``)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd.errors import TransferError
-from pdd.kv_geometry import KvGeometry
+from pdd.kv_geometry import CONVERSIONS, KvGeometry
 from pdd.transfer.wire import ChunkHeader
 from pdd.worker.inbound import whole_slot
 
@@ -51,14 +53,16 @@ def describe(geometry: KvGeometry | None) -> dict[str, Any]:
     }
 
 
-def mismatch(header: ChunkHeader, own: KvGeometry) -> str | None:
-    """The first field of ``header`` that does not describe KV in ``own``'s geometry, as
-    "field: chunk X, here Y"; None when the chunk is in this geometry."""
+def mismatch(header: ChunkHeader, own: KvGeometry,
+             converts: frozenset[str] = frozenset()) -> str | None:  # fmt: skip
+    """The first field of ``header`` that does not describe KV in ``own``'s geometry, nor KV
+    converted into it (``converts``: geometry fields converted on landing), as "field: chunk
+    X, here Y"; None when the chunk lands here."""
     layers, heads, block, width = own.block_shape
     shape = tuple(header.shape)
     checks = (
-        ("dtype", header.dtype, own.kv_dtype),
-        ("layout", header.layout, own.layout),
+        ("dtype", header.dtype, _landing(header.dtype, own.kv_dtype, "kv_dtype", converts)),
+        ("layout", header.layout, _landing(header.layout, own.layout, "layout", converts)),
         ("num_layers", shape[0] if len(shape) == 4 else None, layers),
         ("kv_heads", shape[1] if len(shape) == 4 else None, heads),
         ("block_size", shape[2] if len(shape) == 4 else None, block),
@@ -73,28 +77,50 @@ def mismatch(header: ChunkHeader, own: KvGeometry) -> str | None:
     return None
 
 
-class KvWireCheck:
-    """Every inbound chunk against this receiver's geometry, then its slot size.
+def _landing(got: str, own: str, field: str, converts: frozenset[str]) -> str:
+    """What ``own`` accepts in ``field``: ``got`` when it converts it (into ``own``)."""
+    if field in converts and {got, own} <= CONVERSIONS.get(field, frozenset()):
+        return got
+    return own
 
-    ``geometry`` is read per chunk (the engine's, known once it started; None: size only).
+
+def chunk_geometry(header: ChunkHeader, own: KvGeometry) -> KvGeometry:
+    """The geometry a chunk that passed ``mismatch`` is in: ``own``'s, with its dtype/layout."""
+    if (header.dtype, header.layout) == (own.kv_dtype, own.layout):
+        return own
+    return own.model_copy(update={"kv_dtype": header.dtype, "layout": header.layout})
+
+
+class KvWireCheck:
+    """Every inbound chunk against this receiver's geometry, then its segment size.
+
+    ``geometry`` is read per chunk (the engine's, known once it started; None: size only);
+    ``converts``: the geometry fields this receiver converts on landing.
     Called on transport threads: the counter and the log memory are under a lock.
     """
 
-    def __init__(self, slot_bytes: int, geometry: Callable[[], KvGeometry | None]) -> None:
+    def __init__(self, slot_bytes: int, geometry: Callable[[], KvGeometry | None],
+                 converts: frozenset[str] = frozenset()) -> None:  # fmt: skip
         self._slot_bytes = slot_bytes
         self._geometry = geometry
+        self._converts = converts
         self._lock = threading.Lock()
         self._logged: OrderedDict[str, None] = OrderedDict()
         self.refused = 0  # chunks refused because they describe other KV than ours
 
-    def __call__(self, header: ChunkHeader) -> None:
-        """Raises TransferError (the chunk and its transfer are refused)."""
+    def __call__(self, header: ChunkHeader) -> KvGeometry | None:
+        """The chunk's geometry when it lands converted, None when it is in this worker's
+        own. Raises TransferError (the chunk and its transfer are refused)."""
         own = self._geometry()
-        if own is not None:
-            why = mismatch(header, own)
-            if why is not None:
-                self._refuse(header.request_id, why)
-        whole_slot(header, self._slot_bytes)
+        if own is None:
+            whole_slot(header, self._slot_bytes)
+            return None
+        why = mismatch(header, own, self._converts)
+        if why is not None:
+            self._refuse(header.request_id, why)
+        src = chunk_geometry(header, own)
+        whole_slot(header, src.block_bytes if src is not own else self._slot_bytes)
+        return src if src is not own else None
 
     def _refuse(self, wire_id: str, why: str) -> None:
         kv_id = wire_id.split("#", 1)[0]  # never log a landing key

@@ -358,10 +358,12 @@ def test_workers_of_another_model_than_the_routers_are_not_admitted(served, tmp_
         stop(router)
 
 
-def test_an_md_of_another_kv_dtype_is_never_paired_with_p(served, tmp_path):
+def test_an_md_of_another_kv_dtype_lands_ps_kv_converted(served, tmp_path):
     """A fourth engine: MD with workers[].engine.dtype bfloat16 (same model: admitted, the
-    fingerprint ignores the dtype) behind a router with this P and RLD. Nothing converts
-    float32 KV to bfloat16 yet, so every request is refused naming P, MD and the field."""
+    fingerprint ignores the dtype) behind a router with this float32 P and RLD. MD converts
+    P's float32 KV into bfloat16 as it lands: a two-turn conversation (p_rld_md, then p_md)
+    is served with MD loading P's KV, no chunk refused, and turn 2 finds turn 1's prompt in
+    MD's DRC, so only the new blocks (in P's float32 bytes) cross."""
     import subprocess
     import sys
 
@@ -391,13 +393,35 @@ def test_an_md_of_another_kv_dtype_is_never_paired_with_p(served, tmp_path):
         rows = wait_until(all_healthy, 60, "p, rld and the bfloat16 md healthy")
         assert rows["md"]["geometry"]["kv_dtype"] == "bfloat16" and rows["md"]["admitted"]
         assert rows["md"]["geometry"]["fingerprint"] == rows["p"]["geometry"]["fingerprint"]
-        body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
-        r = httpx.post(router.url + "/completions", json=body, timeout=30)
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["message"] == (
-            "no main_decode worker can take KV from p: workers p and md cannot exchange KV: "
-            "kv_dtype differs (p: float32, md: bfloat16)"
+
+        def md_stats() -> worker_pb2.StatsResponse:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+        block, p_block_bytes = (
+            load_config(CONFIG).engine.block_size,
+            stats(served, "p").kv_block_bytes,
         )
+        turn1 = [{"role": "user", "content": _long_text(30, 2) + " Summarize this."}]
+        body1 = complete_chat(router.url, turn1, {"pipeline": "p_rld_md"})
+        pd1, p1 = body1["pdd"], body1["usage"]["prompt_tokens"]
+        assert (pd1["pipeline"], pd1["md"], pd1["rld"]) == ("p_rld_md", "md", "rld"), pd1
+        assert pd1["wan_kv_bytes"] == (p1 // block) * p_block_bytes  # P's float32 blocks
+        assert body1["choices"][0]["message"]["content"]
+        turn2 = turn1 + [
+            {"role": "assistant", "content": body1["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Now say it in five words."},
+        ]
+        body2 = complete_chat(router.url, turn2, {"pipeline": "p_md"})
+        pd2 = body2["pdd"]
+        assert pd2["md_cached_tokens"] >= (p1 // block) * block, pd2
+        new_blocks = pd2["prompt_tokens"] // block - pd2["md_cached_tokens"] // block
+        assert pd2["wan_kv_bytes"] == new_blocks * p_block_bytes
+        assert body2["choices"][0]["message"]["content"]
+        s = md_stats()
+        assert s.kv_refused_chunks == 0 and s.kv_bytes_received > 0
+        wait_until(lambda: (m := md_stats()).pinned_slots == 0 and m.open_transfers == 0,
+                   30, "the bfloat16 md: zero pinned slots and open transfers")  # fmt: skip
     finally:
         if router is not None:
             stop(router)

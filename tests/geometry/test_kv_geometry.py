@@ -12,6 +12,7 @@ import pytest
 
 from pdd.errors import ModelError
 from pdd.kv_geometry import (
+    RECEIVER_CONVERTS,
     KvGeometry,
     describe_conflict,
     folder_geometry,
@@ -19,6 +20,7 @@ from pdd.kv_geometry import (
     model_fingerprint,
     pair_conflict,
 )
+from pdd.protocol import Role
 
 CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
           "num_hidden_layers": 2, "model_type": "llama"}  # fmt: skip
@@ -93,10 +95,16 @@ def test_identity_fields_never_pair_landing_fields_pair_only_when_converted():
                          ("total_kv_heads", 6)):  # fmt: skip
         assert identity_conflict(a, geometry(**{field: value})) == field
         assert pair_conflict(a, geometry(**{field: value})) == field
+    md, rld = RECEIVER_CONVERTS[Role.MAIN_DECODE], RECEIVER_CONVERTS[Role.RELAY_DECODE]
     for field, value in (("kv_dtype", "bfloat16"), ("block_size", 128), ("layout", "kv_split")):
         other = geometry(**{field: value})
         assert identity_conflict(a, other) is None
-        assert pair_conflict(a, other) == field  # no receiver converts yet (CONVERTIBLE)
+        assert pair_conflict(a, other, rld) == field  # RelayDecode converts nothing
+        assert pair_conflict(a, other, md) == (None if field != "block_size" else field)
+        assert pair_conflict(other, a, md) == (None if field != "block_size" else field)
+    # MainDecode converts between the dtypes and layouts its kernel has, no others
+    assert pair_conflict(a, geometry(kv_dtype="float16"), md) == "kv_dtype"
+    assert pair_conflict(a, geometry(layout="gpu_paged"), md) == "layout"
     msg = describe_conflict("kv_dtype", "p0", a, "md0", geometry(kv_dtype="bfloat16"))
     assert msg == ("workers p0 and md0 cannot exchange KV: kv_dtype differs "
                    "(p0: float32, md0: bfloat16)")  # fmt: skip

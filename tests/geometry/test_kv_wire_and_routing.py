@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.errors import UnavailableError
-from pdd.kv_geometry import KvGeometry
+from pdd.errors import TransferError, UnavailableError
+from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
 from pdd.protocol import Pipeline, Role, RouterMode
 from pdd.router.decide.routing import FleetView, RouteRequest, choose
 from pdd.router.fleet.geometry import GeometryGate
 from pdd.transfer import KVSegment, SendRequest
 from pdd.transfer.wire import PREFIX, VERSION, ChunkHeader, plan_chunks
-from pdd.worker.kv_wire import describe, mismatch
+from pdd.worker.kv_wire import KvWireCheck, describe, mismatch
 from tests.router.test_policy import POLICY, md, p, rld
 
 G = KvGeometry(fingerprint="a" * 32, num_layers=30, total_kv_heads=3, kv_head_end=3,
@@ -50,6 +50,27 @@ def test_a_chunk_of_another_geometry_is_named_by_its_first_differing_field(field
     assert mismatch(header, G) == why
 
 
+def test_main_decode_takes_chunks_in_the_dtype_and_layout_it_converts_from():
+    """MD's check passes a bfloat16 / K-V-split chunk and hands back the chunk's geometry (its
+    segment is one block in P's dtype); RLD's refuses it; any other field still refuses."""
+    md = KvWireCheck(G.block_bytes, lambda: G, RECEIVER_CONVERTS[Role.MAIN_DECODE])
+    rld = KvWireCheck(G.block_bytes, lambda: G, RECEIVER_CONVERTS[Role.RELAY_DECODE])
+    for change in ({"kv_dtype": "bfloat16"}, {"layout": "kv_split"}):
+        src = G.model_copy(update=change)
+        seg = KVSegment(bytes(src.block_bytes), block_start=0, block_end=1, **describe(src))
+        header = plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header
+        assert md(header) == src
+        with pytest.raises(TransferError, match="not in this worker's KV geometry"):
+            rld(header)
+    own = KVSegment(bytes(G.block_bytes), block_start=0, block_end=1, **describe(G))
+    assert md(plan_chunks(1, SendRequest("kv", [own]), 1 << 30, algo=0)[0].header) is None
+    half = G.model_copy(update={"kv_dtype": "bfloat16", "block_size": 16})
+    seg = KVSegment(bytes(half.block_bytes), block_start=0, block_end=1, **describe(half))
+    with pytest.raises(TransferError, match="block_size: chunk 16, here 32"):
+        md(plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header)
+    assert (md.refused, rld.refused) == (1, 2)
+
+
 def test_an_undescribed_chunk_is_not_in_any_geometry():
     header = plan_chunks(1, SendRequest("kv", [KVSegment(b"x", 0, 1)]), 1 << 20, algo=0)[0].header
     assert mismatch(header, G) == "dtype: chunk uint8, here float32"
@@ -60,11 +81,21 @@ def _fleet(*workers):
 
 
 def test_routing_never_pairs_p_with_an_md_that_cannot_take_its_kv():
-    other = G.model_copy(update={"kv_dtype": "bfloat16"})
+    other = G.model_copy(update={"block_size": 128})
     view = _fleet(p(geometry=G), md("md0", geometry=other), md("md1", geometry=G))
     cached = {"md0": 40}  # md0 holds the whole prompt: it would win on its hit
     d = choose(view, RouteRequest(40, 16, md_cached_tokens=cached, pipeline=Pipeline.P_MD))
     assert d.worker(Role.MAIN_DECODE) == "md1"
+
+
+def test_an_md_of_another_dtype_pairs_an_rld_of_another_dtype_does_not():
+    """MD converts P's dtype on landing, RLD does not: a bfloat16 MD wins on its hit, a
+    bfloat16 RLD is no RLD (the request runs p_md)."""
+    bf16 = G.model_copy(update={"kv_dtype": "bfloat16"})
+    view = _fleet(p(geometry=G), md("md0", geometry=bf16), md("md1", geometry=G),
+                  rld("rld0", geometry=bf16))  # fmt: skip
+    d = choose(view, RouteRequest(4000, 16, md_cached_tokens={"md0": 4000}))
+    assert d.worker(Role.MAIN_DECODE) == "md0" and d.pipeline is Pipeline.P_MD
 
 
 def test_no_compatible_md_refuses_the_request_naming_both_workers_and_the_field():
@@ -113,9 +144,9 @@ def test_the_gate_admits_the_fleets_model_only():
 def test_a_replacement_p_can_send_to_the_requests_receivers():
     from pdd.router.decide.recovery import replacement
 
-    bf16 = G.model_copy(update={"kv_dtype": "bfloat16"})
-    view = _fleet(p("p0", geometry=G), p("p1", geometry=bf16), p("p2", geometry=G, in_flight=3),
+    b128 = G.model_copy(update={"block_size": 128})
+    view = _fleet(p("p0", geometry=G), p("p1", geometry=b128), p("p2", geometry=G, in_flight=3),
                   md("md0", geometry=G))  # fmt: skip
-    assert replacement(view, Role.PREFILL, ["p0"], ["md0"]).id == "p2"  # p1 is idler, but bf16
+    assert replacement(view, Role.PREFILL, ["p0"], ["md0"]).id == "p2"  # p1 is idler: block 128
     assert replacement(view, Role.PREFILL, ["p0"]).id == "p1"  # no receivers: any P
     assert replacement(view, Role.PREFILL, ["p0", "p2"], ["md0"]) is None

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdd.config.router import PddPolicyConfig
-from pdd.kv_geometry import KvGeometry, describe_conflict, pair_conflict
+from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry, describe_conflict, pair_conflict
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
 
 
@@ -132,10 +132,12 @@ class Decision:
 
 def kv_conflict(sender: WorkerView, receiver: WorkerView) -> str | None:
     """Why ``sender``'s KV cannot land on ``receiver`` (one sentence naming both workers and
-    the field), or None. Workers that report no geometry count as compatible."""
+    the field), or None. Workers that report no geometry count as compatible; the receiver
+    converts what its role converts on landing (``RECEIVER_CONVERTS``)."""
     if sender.geometry is None or receiver.geometry is None:
         return None
-    field = pair_conflict(sender.geometry, receiver.geometry)
+    converts = RECEIVER_CONVERTS.get(receiver.role, frozenset())
+    field = pair_conflict(sender.geometry, receiver.geometry, converts)
     if field is None:
         return None
     return describe_conflict(field, sender.id, sender.geometry, receiver.id, receiver.geometry)
