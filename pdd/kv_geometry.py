@@ -12,10 +12,11 @@ Fields split in two (``IDENTITY`` / ``LANDING``):
               not admit a worker whose identity differs from the fleet's model.
     landing   kv_dtype, block_size, layout, kv_head_start/kv_head_end: KV can in principle be
               converted; a pair is routed only when the receiver converts every landing field
-              that differs, between those two values (``converts``: MainDecode converts the
-              dtype and the layout, ``CONVERSIONS``; RelayDecode converts nothing, its UCX
-              receiver lands bytes where they are used). Anything else would be refused chunk
-              by chunk and recomputed.
+              that differs, between those two values (``converts``, ``convertible``:
+              MainDecode converts the dtype and the layout between the values in
+              ``CONVERSIONS``, and any pair of block sizes; RelayDecode converts nothing, its
+              UCX receiver lands bytes where they are used). Anything else would be refused
+              chunk by chunk and recomputed.
 
 The model fingerprint comes from the model folder, not its name (``model_fingerprint``): the
 config (without its dtype), every tensor's name and shape from the safetensors headers, and a
@@ -52,14 +53,15 @@ LAYOUT_GPU_PAGED = "gpu_paged"
 
 IDENTITY = ("fingerprint", "num_layers", "total_kv_heads", "head_dim")
 LANDING = ("kv_dtype", "block_size", "layout", "kv_head_start", "kv_head_end")
-# Landing fields a receiver can convert, and between which values (pdd.worker.kv_convert).
+# The values between which a receiver converts the dtype and the layout (pdd.worker.kv_convert);
+# block sizes convert between any two (``convertible``).
 CONVERSIONS: dict[str, frozenset[str]] = {
     "kv_dtype": frozenset({"float32", "bfloat16"}),
     "layout": frozenset({LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT}),
 }
 # What each receiving role converts on landing (the rest of LANDING must match).
 RECEIVER_CONVERTS: dict[Role, frozenset[str]] = {
-    Role.MAIN_DECODE: frozenset(CONVERSIONS),
+    Role.MAIN_DECODE: frozenset({"kv_dtype", "layout", "block_size"}),
     Role.RELAY_DECODE: frozenset(),
 }
 
@@ -145,9 +147,16 @@ def pair_conflict(sender: KvGeometry, receiver: KvGeometry,
         return field
     for name in LANDING:
         a, b = getattr(sender, name), getattr(receiver, name)
-        if a != b and not (name in converts and {a, b} <= CONVERSIONS.get(name, frozenset())):
+        if a != b and not (name in converts and convertible(name, a, b)):
             return name
     return None
+
+
+def convertible(field: str, a: object, b: object) -> bool:
+    """Whether a receiver that converts ``field`` lands KV whose ``field`` is ``a`` as ``b``."""
+    if field == "block_size":
+        return isinstance(a, int) and isinstance(b, int) and a > 0 and b > 0
+    return {a, b} <= CONVERSIONS.get(field, frozenset())
 
 
 def describe_conflict(field: str, a_id: str, a: KvGeometry, b_id: str, b: KvGeometry) -> str:

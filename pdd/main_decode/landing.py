@@ -12,14 +12,19 @@ state. Lifecycle of one reservation::
     chunk of block i     allocate: its request id must be ``kv_id#landing_key`` (anything
                          else is refused, so a forged sender cannot poison the DRC under this
                          prompt's hashes) -> drc.landing_buffer(kv_id, chain[i]); a block the
-                         DRC already holds lands in a throw-away buffer. A block P sent in
-                         another dtype or layout (``KvWireCheck`` names it) lands in a scratch
-                         buffer of P's block size instead, converted into the DRC slot once
-                         the whole block is verified (``pdd.worker.kv_convert``)
+                         DRC already holds lands in a throw-away buffer. KV P sends in
+                         another dtype, layout or block size (``KvWireCheck`` names it): P's
+                         block i lands in a scratch buffer, and takes landing slots for the
+                         DRC blocks its tokens fall in
     chunk verified       (the transport's on_verified: bytes complete, checksum passed) once
                          every byte of block i is verified, drc.land(kv_id, chain[i]) at once:
                          the DRC commits landed blocks in chain order (visible to match(),
-                         exported as BlockStored), so what is committed is always a prefix
+                         exported as BlockStored), so what is committed is always a prefix.
+                         Converted: once P's block is verified its tokens are copied into the
+                         DRC blocks it overlaps (``kv_convert.Regroup``); a DRC block every
+                         token of which came is converted into its slot and landed. One that
+                         P's whole blocks do not cover (the prompt's tail with P's larger
+                         blocks) never lands: MD computes those tokens
     transfer DONE        drc.land any written block not landed yet; FAILED/CANCELLED (a cut,
                          a cancel, a deadline): drc.discard the blocks not wholly verified.
                          The verified prefix stays committed (the next turn's cached blocks);
@@ -58,7 +63,7 @@ from pdd.worker.inbound import (
     new_landing_key,
     split_wire_id,
 )
-from pdd.worker.kv_convert import convert_block
+from pdd.worker.kv_convert import Regroup, convert_block
 from pdd.worker.kv_wire import KvWireCheck
 
 log = logging.getLogger(__name__)
@@ -66,13 +71,16 @@ log = logging.getLogger(__name__)
 LEASE_SLACK_S = 5.0  # the DRC's own backstop expires a little after ours
 
 
-@dataclass(frozen=True)
-class _Scratch:
-    """One block as P sent it (``src``), waiting to be converted into its DRC slot."""
+@dataclass
+class _Converting:
+    """A reservation's KV that P sends in another dtype, layout or block size: P's blocks in
+    scratch until verified, then regrouped into MD's blocks (``kv_convert.Regroup``)."""
 
-    buf: bytearray
-    src: KvGeometry
-    slot: memoryview
+    regroup: Regroup
+    own: KvGeometry  # MD's
+    bufs: dict[int, bytearray] = field(default_factory=dict)  # P's block -> its bytes
+    parts: dict[int, dict[int, int]] = field(default_factory=dict)  # P's block -> verified
+    slots: dict[int, memoryview] = field(default_factory=dict)  # MD's block -> its DRC slot
 
 
 @dataclass
@@ -85,7 +93,7 @@ class Reservation:
     written: dict[int, BlockHash] = field(default_factory=dict)  # given a landing buffer
     verified: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> offset: bytes
     landed: set[int] = field(default_factory=set)  # wholly verified and handed to drc.land
-    converting: dict[int, _Scratch] = field(default_factory=dict)  # blocks sent in another KV
+    converting: _Converting | None = None  # P sends KV in another geometry
     consumed: bool = False
     leased: bool = True
     landing_key: str = ""  # "": any sender (a fleet without a worker token)
@@ -265,20 +273,18 @@ class DrcLanding:
             if not key_matches(rec.landing_key, key):
                 self.refused_chunks += 1
                 raise TransferError(f"KV of {kv_id!r}: not from the P its reservation is for")
-            if i >= len(rec.chain):
+            if src is not None:
+                conv = self._converting(rec, src)
+            elif i >= len(rec.chain):
                 raise TransferError(f"KV of {kv_id!r}: block {i} is past the prompt's blocks")
-            block_hash = rec.chain[i]
             rec.inbound.seen(header.transfer_id)
-        buf = self._drc.landing_buffer(kv_id, block_hash)  # CacheError: the lease ended
+        if src is not None:
+            return self._allocate_converted(rec, conv, header)
+        buf = self._drc.landing_buffer(kv_id, rec.chain[i])  # CacheError: the lease ended
         if buf is None:  # the DRC already holds it: read the bytes and drop them
             return memoryview(bytearray(header.nbytes))
         with self._lock:
-            rec.written[i] = block_hash
-            if src is not None:
-                scratch = rec.converting.get(i)
-                if scratch is None:
-                    scratch = rec.converting[i] = _Scratch(bytearray(src.block_bytes), src, buf)
-                buf = memoryview(scratch.buf)
+            rec.written[i] = rec.chain[i]
         return buf[header.offset : header.offset + header.nbytes]
 
     def verified(self, header: ChunkHeader) -> None:
@@ -286,18 +292,25 @@ class DrcLanding:
         i = header.block_start
         with self._lock:
             rec = self._recs.get(split_wire_id(header.request_id)[0])
-            if rec is None or i not in rec.written or i in rec.landed:
-                return  # a throw-away buffer (already cached), or a duplicate
-            parts = rec.verified.setdefault(i, {})
-            parts[header.offset] = header.nbytes
-            scratch = rec.converting.get(i)
-            size = scratch.src.block_bytes if scratch is not None else self._slot_bytes
-            if not rec.leased or not _covers(parts, size):
-                return  # more chunks of the block to come (or the lease ended: discarded)
-            rec.landed.add(i)
-            rec.converting.pop(i, None)
-            block_hash = rec.written[i]
-        self._land(rec.kv_id, block_hash, commit=self._convert(scratch))
+            if rec is None:
+                return
+            conv = rec.converting
+            if conv is not None:
+                ready = self._verified_converted(rec, conv, header)
+            else:
+                if i not in rec.written or i in rec.landed:
+                    return  # a throw-away buffer (already cached), or a duplicate
+                parts = rec.verified.setdefault(i, {})
+                parts[header.offset] = header.nbytes
+                if not rec.leased or not _covers(parts, self._slot_bytes):
+                    return  # more chunks of the block to come (or the lease ended: discarded)
+                rec.landed.add(i)
+                block_hash = rec.written[i]
+        if conv is None:
+            self._land(rec.kv_id, block_hash, commit=True)
+            return
+        for block_hash, data, slot in ready:
+            self._land(rec.kv_id, block_hash, commit=_convert(conv, data, slot))
 
     def received(self, result: InboundResult) -> None:
         with self._lock:
@@ -306,29 +319,81 @@ class DrcLanding:
                 return
             rec.inbound.finish(result)
             done = result.state is TransferState.DONE
-            pending = [(rec.written[i], rec.converting.get(i)) for i in sorted(rec.written)
-                       if i not in rec.landed]  # fmt: skip
+            conv, ready = rec.converting, []
+            if conv is not None:
+                if done:  # every byte arrived: the blocks not distributed yet are whole
+                    for i in sorted(conv.bufs):
+                        ready += self._distribute(rec, conv, i)
+                conv.bufs.clear()
+                conv.parts.clear()
+                conv.slots.clear()
+            pending = [rec.written[i] for i in sorted(rec.written) if i not in rec.landed]
             rec.written.clear()
             rec.verified.clear()
-            rec.converting.clear()
-        for block_hash, scratch in pending:  # DONE: the rest lands; else: none half-written
-            self._land(rec.kv_id, block_hash, commit=done and self._convert(scratch))
+        for block_hash, data, slot in ready:
+            self._land(rec.kv_id, block_hash, commit=_convert(conv, data, slot))
+        # DONE: the rest lands (a converted block still missing tokens never does); else:
+        # none half-written
+        for block_hash in pending:
+            self._land(rec.kv_id, block_hash, commit=done and conv is None)
         self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))
 
-    def _convert(self, scratch: _Scratch | None) -> bool:
-        """Convert a block P sent in another geometry into its DRC slot (nothing to do for a
-        block that landed in place); False: it cannot be, the block is discarded."""
-        if scratch is None:
-            return True
-        own = self._geometry()
-        try:
-            if own is None:
-                raise ConfigError("this worker's KV geometry is not known")
-            convert_block(scratch.buf, scratch.src, scratch.slot, own)
-        except ConfigError as exc:
-            log.warning("KV block not converted (%s): discarded", exc.message)
-            return False
-        return True
+    # --- KV in another geometry (under _lock unless said) ---------------------------------
+
+    def _converting(self, rec: Reservation, src: KvGeometry) -> _Converting:
+        """The reservation's conversion from ``src``; TransferError for a second geometry."""
+        conv = rec.converting
+        if conv is None:
+            own = self._geometry()
+            assert own is not None, "a converted chunk passed the check of a known geometry"
+            try:
+                conv = rec.converting = _Converting(Regroup(src, own), own)
+            except ConfigError as exc:
+                raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
+        elif conv.regroup.src != src:
+            raise TransferError(f"KV of {rec.kv_id!r}: chunks in two KV geometries")
+        return conv
+
+    def _allocate_converted(self, rec: Reservation, conv: _Converting, header: ChunkHeader):
+        """(Not under the lock.) The scratch of P's block; DRC slots for the blocks it fills."""
+        i = header.block_start
+        with self._lock:
+            want = [j for j in conv.regroup.targets(i) if j < len(rec.chain)]
+            new = [j for j in want if j not in rec.written and j not in rec.landed]
+        if not want:  # tokens past the prompt's last whole block here: read and drop
+            return memoryview(bytearray(header.nbytes))
+        for j in new:
+            slot = self._drc.landing_buffer(rec.kv_id, rec.chain[j])  # None: already held
+            if slot is not None:
+                with self._lock:
+                    rec.written[j] = rec.chain[j]
+                    conv.slots[j] = slot
+        with self._lock:
+            buf = conv.bufs.setdefault(i, bytearray(conv.regroup.src.block_bytes))
+        return memoryview(buf)[header.offset : header.offset + header.nbytes]
+
+    def _verified_converted(self, rec: Reservation, conv: _Converting, header: ChunkHeader):
+        i = header.block_start
+        if i not in conv.bufs:
+            return []  # a throw-away buffer, or a duplicate
+        parts = conv.parts.setdefault(i, {})
+        parts[header.offset] = header.nbytes
+        if not rec.leased or not _covers(parts, conv.regroup.src.block_bytes):
+            return []
+        return self._distribute(rec, conv, i)
+
+    def _distribute(self, rec: Reservation, conv: _Converting, i: int):
+        """P's block ``i`` is whole: its tokens go into the DRC blocks it overlaps; the
+        blocks that became whole, as (hash, bytes in P's dtype/layout, DRC slot)."""
+        data, out = conv.bufs.pop(i), []
+        conv.parts.pop(i, None)
+        for j in conv.regroup.targets(i):
+            if j in rec.written and j not in rec.landed:
+                block = conv.regroup.put(i, data, j)
+                if block is not None:
+                    rec.landed.add(j)
+                    out.append((rec.written[j], block, conv.slots.pop(j)))
+        return out
 
     def _land(self, kv_id: str, block_hash: BlockHash, *, commit: bool) -> None:
         try:
@@ -338,6 +403,21 @@ class DrcLanding:
                 self._drc.discard(kv_id, block_hash)
         except CacheError as exc:
             log.debug("KV of %s: block not taken by the DRC: %s", kv_id, exc.message)
+
+
+def _convert(conv: _Converting | None, data: bytes, slot: memoryview) -> bool:
+    """Write a whole block, gathered in P's dtype and layout, into its DRC slot in MD's;
+    False: it cannot be (the block is discarded)."""
+    assert conv is not None
+    try:
+        if conv.regroup.mid == conv.own:
+            slot[:] = data
+        else:
+            convert_block(data, conv.regroup.mid, slot, conv.own)
+    except (ConfigError, ValueError) as exc:
+        log.warning("KV block not converted (%s): discarded", exc)
+        return False
+    return True
 
 
 def _covers(parts: dict[int, int], size: int) -> bool:

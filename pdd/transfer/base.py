@@ -98,6 +98,7 @@ class BaseTransport(Transport):
     def send(self, peer: PeerAddress, request: SendRequest) -> TransferHandle:
         if not self._started or self._closed:
             raise TransferError(f"{self.kind} transport is not running")
+        self._retire_moved(peer)
         codec = self._codec_for(peer, request)
         tid = next(self._ids)
         chunks = plan_chunks(tid, request, self._chunk_bytes(peer), self.checksum_algo, codec)
@@ -215,6 +216,10 @@ class BaseTransport(Transport):
 
     @abstractmethod
     def _send_cancel(self, peer_key: str, transfer_id: int, reason: CancelReason) -> None: ...
+
+    def _retire_moved(self, peer: PeerAddress) -> None:
+        """Before a send: a cached connection to ``peer.key()`` that reaches another address
+        (the worker of that name restarted elsewhere) must not carry it. Default: none cached."""
 
     @abstractmethod
     def _start_io(self) -> None: ...

@@ -82,6 +82,18 @@ class TcpTransport(BaseTransport):
         link.start()
         return link
 
+    def _retire_moved(self, peer: PeerAddress) -> None:
+        """A live link under ``peer.key()`` to another host:port (a worker id now served from
+        another address) is failed now, before this send opens: its transfers were headed to
+        the old address, and nothing new may go there."""
+        with self._links_lock:
+            old = self._links.get(peer.key())
+            if old is None or (old.peer.host, old.peer.port) == (peer.host, peer.port):
+                return
+            del self._links[peer.key()]
+            self._dead.append(old)
+        old.fail(f"receiver {peer.key()} moved to {peer.host}:{peer.port}")
+
     def _chunk_bytes(self, peer: PeerAddress) -> int:
         with self._links_lock:
             link = self._links.get(peer.key())

@@ -1,8 +1,10 @@
-"""Conversion of one KV block between two geometries of the same model (dtype and layout).
+"""Conversion of KV blocks between two geometries of the same model: dtype, layout, block size.
 
-MainDecode's landing runs it on every block P sent in another dtype or layout
-(``pdd.main_decode.landing``: the chunks land in a scratch buffer, the whole verified block is
-converted into its DRC slot). Pure numpy over byte buffers, no torch.
+MainDecode's landing runs it on every block P sent in another dtype, layout or block size
+(``pdd.main_decode.landing``: a sender block's chunks land in a scratch buffer; once it is
+verified, ``Regroup`` copies its tokens into the receiver blocks it overlaps; a receiver block
+every token of which arrived is converted into its DRC slot by ``convert_block``). Pure numpy
+over byte buffers, no torch.
 
 One block = every layer's K and V of ``block_size`` tokens, layer after layer. Per layer:
 
@@ -11,8 +13,10 @@ One block = every layer's K and V of ``block_size`` tokens, layer after layer. P
 
 dtypes: float32 and bfloat16. bfloat16 -> float32 is exact (the 16 bits go on top);
 float32 -> bfloat16 rounds to nearest even like torch (NaN keeps its top bits), so every
-widening conversion round-trips bit-exactly, in any layout pair. Identity fields, block size
-and KV heads must match (ConfigError otherwise): block-size and head regrouping are not here.
+widening conversion round-trips bit-exactly, in any layout pair. ``convert_block`` needs one
+block size on both sides; ``Regroup`` moves tokens between block sizes in the sender's dtype and
+layout (a copy: exact). Identity fields and the KV heads held must match (ConfigError
+otherwise): KV-head regrouping (tensor parallelism) is not here.
 """
 
 from __future__ import annotations
@@ -92,3 +96,60 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
     top = (bits >> 16).astype(np.uint16)
     top |= np.where((top & 0x7F) == 0, 0x40, 0).astype(np.uint16)  # a NaN stays a NaN
     return np.where(nan, top, rounded)
+
+
+class Regroup:
+    """Receiver blocks (``dst``) assembled from sender blocks (``src``) of another block size.
+
+    Sender block i holds tokens [i * Bs, (i + 1) * Bs), receiver block j tokens [j * Bd,
+    (j + 1) * Bd). ``put(i, data, j)`` copies the tokens of i that fall in j (in the sender's
+    dtype and layout, geometry ``mid``: ``src`` at the receiver's block size); once every
+    token of j came it returns j's bytes, to be converted into the receiver's slot with
+    ``convert_block(out, mid, slot, dst)``, and forgets it. A receiver block the sender's whole
+    blocks do not cover never completes: its tokens are recomputed by the receiver. Not
+    thread-safe: the receiver's lock guards it.
+    """
+
+    def __init__(self, src: KvGeometry, dst: KvGeometry) -> None:
+        self.src = src
+        self.mid = src.model_copy(update={"block_size": dst.block_size})
+        _check(self.mid, dst)
+        self._parts: dict[int, np.ndarray] = {}  # receiver block -> its tokens so far
+        self._have: dict[int, set[int]] = {}  # receiver block -> sender blocks copied in
+
+    def targets(self, i: int) -> range:
+        """The receiver blocks sender block ``i`` overlaps."""
+        bs, bd = self.src.block_size, self.mid.block_size
+        return range(i * bs // bd, ((i + 1) * bs - 1) // bd + 1)
+
+    def put(self, i: int, data: Any, j: int) -> bytes | None:
+        """Copy sender block ``i``'s tokens in receiver block ``j``; j's bytes once complete."""
+        bs, bd = self.src.block_size, self.mid.block_size
+        lo, hi = max(i * bs, j * bd), min((i + 1) * bs, (j + 1) * bd)
+        if lo >= hi:
+            return None
+        part = self._parts.get(j)
+        if part is None:
+            part = self._parts[j] = np.empty(_shape(self.mid), _items(self.mid))
+            self._have[j] = set()
+        part[:, :, lo - j * bd : hi - j * bd] = _tokens(data, self.src)[
+            :, :, lo - i * bs : hi - i * bs
+        ]
+        self._have[j].add(i)
+        first, last = j * bd // bs, ((j + 1) * bd - 1) // bs
+        if len(self._have[j]) < last - first + 1:
+            return None
+        del self._have[j]
+        return self._parts.pop(j).tobytes()
+
+
+def _items(g: KvGeometry) -> type:
+    return np.uint32 if g.dtype_bytes == 4 else np.uint16
+
+
+def _tokens(buf: Any, g: KvGeometry) -> np.ndarray:
+    """One block's raw items shaped per its layout (tokens on axis 2 in both)."""
+    raw = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    if raw.nbytes != g.block_bytes:
+        raise ConfigError(f"source of {raw.nbytes} bytes, block is {g.block_bytes}")
+    return raw.view(_items(g)).reshape(_shape(g))

@@ -8,13 +8,15 @@ given a place in the arena (``allocate``): a chunk whose description differs fro
 receiver's own geometry is refused (TransferError: the transfer fails, the request recomputes
 its prompt, the landing slots go back), counted in ``refused`` and logged once per request,
 unless it differs only in fields the receiver converts (``converts``, from
-``pdd.kv_geometry.RECEIVER_CONVERTS``: MainDecode converts dtype and layout): then the check
-returns the chunk's geometry and the receiver lands it converted (``pdd.worker.kv_convert``).
+``pdd.kv_geometry.RECEIVER_CONVERTS``: MainDecode converts dtype, layout and block size): then
+the check returns the chunk's geometry and the receiver lands it converted
+(``pdd.worker.kv_convert``).
 
     header field      must equal (receiver's geometry)
     dtype             kv_dtype (or one it converts from)
     layout            layout (or one it converts from)
-    shape             block_shape = (num_layers, heads held, block_size, 2 x head_dim)
+    shape             block_shape = (num_layers, heads held, block_size (or one it converts
+                      from), 2 x head_dim)
     layer range       [0, num_layers)
     KV-head range     [kv_head_start, kv_head_end)
     segment bytes     one block in the chunk's geometry (``inbound.whole_slot``)
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd.errors import TransferError
-from pdd.kv_geometry import CONVERSIONS, KvGeometry
+from pdd.kv_geometry import KvGeometry, convertible
 from pdd.transfer.wire import ChunkHeader
 from pdd.worker.inbound import whole_slot
 
@@ -65,7 +67,8 @@ def mismatch(header: ChunkHeader, own: KvGeometry,
         ("layout", header.layout, _landing(header.layout, own.layout, "layout", converts)),
         ("num_layers", shape[0] if len(shape) == 4 else None, layers),
         ("kv_heads", shape[1] if len(shape) == 4 else None, heads),
-        ("block_size", shape[2] if len(shape) == 4 else None, block),
+        ("block_size", shape[2] if len(shape) == 4 else None,
+         _landing(shape[2] if len(shape) == 4 else None, block, "block_size", converts)),
         ("head_dim", shape[3] // 2 if len(shape) == 4 else None, width // 2),
         ("layer_range", (header.layer_start, header.layer_end), (0, own.num_layers)),
         ("kv_head_range", (header.kv_head_start, header.kv_head_end),
@@ -77,18 +80,20 @@ def mismatch(header: ChunkHeader, own: KvGeometry,
     return None
 
 
-def _landing(got: str, own: str, field: str, converts: frozenset[str]) -> str:
+def _landing(got: object, own: object, field: str, converts: frozenset[str]) -> object:
     """What ``own`` accepts in ``field``: ``got`` when it converts it (into ``own``)."""
-    if field in converts and {got, own} <= CONVERSIONS.get(field, frozenset()):
+    if field in converts and convertible(field, got, own):
         return got
     return own
 
 
 def chunk_geometry(header: ChunkHeader, own: KvGeometry) -> KvGeometry:
-    """The geometry a chunk that passed ``mismatch`` is in: ``own``'s, with its dtype/layout."""
-    if (header.dtype, header.layout) == (own.kv_dtype, own.layout):
+    """The geometry a chunk that passed ``mismatch`` is in: ``own``'s, with its dtype, layout
+    and block size."""
+    sent = {"kv_dtype": header.dtype, "layout": header.layout, "block_size": header.shape[2]}
+    if all(getattr(own, k) == v for k, v in sent.items()):
         return own
-    return own.model_copy(update={"kv_dtype": header.dtype, "layout": header.layout})
+    return own.model_copy(update=sent)
 
 
 class KvWireCheck:

@@ -8,6 +8,7 @@ transfers on every worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import grpc
@@ -358,75 +359,148 @@ def test_workers_of_another_model_than_the_routers_are_not_admitted(served, tmp_
         stop(router)
 
 
+@contextlib.contextmanager
+def _extra_worker(worker: str, engine: list[str], log_path):
+    """One more engine process for ``worker``'s entry of CONFIG, on free ports, with its
+    ``engine`` settings (KEY=VALUE) changed; yields its gRPC port."""
+    import subprocess
+    import sys
+
+    from pdd.launch import free_port
+
+    i, port = WORKERS.index(worker), free_port()
+    sets = [f"workers.{i}.port={port}", f"workers.{i}.metrics_port={free_port()}",
+            f"workers.{i}.kv_port={free_port()}", f"workers.{i}.engine.kv_cache_space_gib=0.25",
+            *[f"workers.{i}.engine.{e}" for e in engine], *COMMON]  # fmt: skip
+    args = [sys.executable, "-m", "pdd.launch.worker", "--config", CONFIG, "--worker", worker,
+            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    with log_path.open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline()  # "pdd worker ready: ..." (or EOF if it died)
+        assert line.startswith("pdd worker ready"), log_path.read_text()[-3000:]
+        yield port
+        wait_until(lambda: (m := _stats_at(port)).pinned_slots == 0 and m.open_transfers == 0,
+                   30, f"the extra {worker}: zero pinned slots and open transfers")  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(90)
+
+
+@contextlib.contextmanager
+def _router_over(served, replaced: dict[str, int]):
+    """A pdd router over the suite's workers, some of them replaced (worker -> gRPC port);
+    yields it once every worker is healthy, with the rows of /debug/workers."""
+    ports = [f"workers.{WORKERS.index(w)}.port={port}" for w, port in replaced.items()]
+    router = start_router(CONFIG, [*_router_overrides(served, "pdd"), *ports])
+    root = router.url.removesuffix("/v1")
+
+    def all_healthy():
+        rows = httpx.get(root + "/debug/workers", timeout=5).json()["workers"]
+        return all(r["healthy"] for r in rows) and {r["id"]: r for r in rows}
+
+    try:
+        yield router, wait_until(all_healthy, 60, "every worker healthy")
+    finally:
+        stop(router)
+
+
+def _stats_at(port: int) -> worker_pb2.StatsResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+
 def test_an_md_of_another_kv_dtype_lands_ps_kv_converted(served, tmp_path):
     """A fourth engine: MD with workers[].engine.dtype bfloat16 (same model: admitted, the
     fingerprint ignores the dtype) behind a router with this float32 P and RLD. MD converts
     P's float32 KV into bfloat16 as it lands: a two-turn conversation (p_rld_md, then p_md)
     is served with MD loading P's KV, no chunk refused, and turn 2 finds turn 1's prompt in
     MD's DRC, so only the new blocks (in P's float32 bytes) cross."""
-    import subprocess
-    import sys
-
-    from pdd.launch import free_port
-
-    i, port = WORKERS.index("md"), free_port()
-    sets = [f"workers.{i}.port={port}", f"workers.{i}.metrics_port={free_port()}",
-            f"workers.{i}.kv_port={free_port()}", f"workers.{i}.engine.dtype=bfloat16",
-            f"workers.{i}.engine.kv_cache_space_gib=0.25", *COMMON]  # fmt: skip
-    args = [sys.executable, "-m", "pdd.launch.worker", "--config", CONFIG, "--worker", "md",
-            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
-    log = tmp_path / "md-bf16.log"
-    with log.open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
-    router = None
-    try:
-        line = proc.stdout.readline()  # "pdd worker ready: ..." (or EOF if it died)
-        assert line.startswith("pdd worker ready"), log.read_text()[-3000:]
-        overrides = [*_router_overrides(served, "pdd"), f"workers.{i}.port={port}"]
-        router = start_router(CONFIG, overrides)
-        root = router.url.removesuffix("/v1")
-
-        def all_healthy():
-            rows = httpx.get(root + "/debug/workers", timeout=5).json()["workers"]
-            return all(r["healthy"] for r in rows) and {r["id"]: r for r in rows}
-
-        rows = wait_until(all_healthy, 60, "p, rld and the bfloat16 md healthy")
+    with (_extra_worker("md", ["dtype=bfloat16"], tmp_path / "md-bf16.log") as port,
+          _router_over(served, {"md": port}) as (router, rows)):  # fmt: skip
         assert rows["md"]["geometry"]["kv_dtype"] == "bfloat16" and rows["md"]["admitted"]
         assert rows["md"]["geometry"]["fingerprint"] == rows["p"]["geometry"]["fingerprint"]
+        _two_turns(served, router, port, "Notes on bfloat16. " + _long_text(30, 2))
 
-        def md_stats() -> worker_pb2.StatsResponse:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
 
-        block, p_block_bytes = (
-            load_config(CONFIG).engine.block_size,
-            stats(served, "p").kv_block_bytes,
+def _two_turns(served, router, md_port: int, text: str) -> None:
+    """Turn 1 (p_rld_md) carries P's whole blocks to MD; turn 2 (p_md) finds them in MD's
+    DRC (at least turn 1's prompt in MD's blocks) and only P's blocks past them cross."""
+    p_block = load_config(CONFIG).engine.block_size  # the suite's P
+    md_block, p_block_bytes = _stats_at(md_port).block_size, stats(served, "p").kv_block_bytes
+    turn1 = [{"role": "user", "content": text + " Summarize this."}]  # new to MD: all of it
+    body1 = complete_chat(router.url, turn1, {"pipeline": "p_rld_md"})
+    pd1, p1 = body1["pdd"], body1["usage"]["prompt_tokens"]
+    assert (pd1["pipeline"], pd1["md"], pd1["rld"]) == ("p_rld_md", "md", "rld"), pd1
+    assert pd1["wan_kv_bytes"] == (p1 // p_block) * p_block_bytes  # P's blocks, P's bytes
+    assert body1["choices"][0]["message"]["content"]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": body1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Now say it in five words."},
+    ]
+    body2 = complete_chat(router.url, turn2, {"pipeline": "p_md"})
+    pd2 = body2["pdd"]
+    assert pd2["md_cached_tokens"] >= (p1 // md_block) * md_block, pd2
+    new_blocks = pd2["prompt_tokens"] // p_block - pd2["md_cached_tokens"] // p_block
+    assert pd2["wan_kv_bytes"] == new_blocks * p_block_bytes
+    assert body2["choices"][0]["message"]["content"]
+    s = _stats_at(md_port)
+    assert s.kv_refused_chunks == 0 and s.kv_bytes_received > 0
+
+
+@pytest.fixture(scope="module")
+def md_block_128(served, tmp_path_factory):
+    """The suite's P and RLD (block 32) with an MD of block 128 (float32): MD regroups P's
+    blocks into its own as they land."""
+    log = tmp_path_factory.mktemp("md128") / "md.log"
+    with (_extra_worker("md", ["block_size=128"], log) as port,
+          _router_over(served, {"md": port}) as (router, rows)):  # fmt: skip
+        assert (
+            rows["md"]["geometry"]["block_size"] == 128
+            and rows["p"]["geometry"]["block_size"] == 32
         )
-        turn1 = [{"role": "user", "content": _long_text(30, 2) + " Summarize this."}]
-        body1 = complete_chat(router.url, turn1, {"pipeline": "p_rld_md"})
-        pd1, p1 = body1["pdd"], body1["usage"]["prompt_tokens"]
-        assert (pd1["pipeline"], pd1["md"], pd1["rld"]) == ("p_rld_md", "md", "rld"), pd1
-        assert pd1["wan_kv_bytes"] == (p1 // block) * p_block_bytes  # P's float32 blocks
-        assert body1["choices"][0]["message"]["content"]
-        turn2 = turn1 + [
-            {"role": "assistant", "content": body1["choices"][0]["message"]["content"]},
-            {"role": "user", "content": "Now say it in five words."},
-        ]
-        body2 = complete_chat(router.url, turn2, {"pipeline": "p_md"})
-        pd2 = body2["pdd"]
-        assert pd2["md_cached_tokens"] >= (p1 // block) * block, pd2
-        new_blocks = pd2["prompt_tokens"] // block - pd2["md_cached_tokens"] // block
-        assert pd2["wan_kv_bytes"] == new_blocks * p_block_bytes
-        assert body2["choices"][0]["message"]["content"]
-        s = md_stats()
-        assert s.kv_refused_chunks == 0 and s.kv_bytes_received > 0
-        wait_until(lambda: (m := md_stats()).pinned_slots == 0 and m.open_transfers == 0,
-                   30, "the bfloat16 md: zero pinned slots and open transfers")  # fmt: skip
-    finally:
-        if router is not None:
-            stop(router)
-        proc.terminate()
-        proc.wait(90)
+        yield router, port
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_an_md_of_another_block_size_equals_single_engine(md_block_128, codec, prompts, oracle,
+                                                          variant):  # fmt: skip
+    """P block 32 -> MD block 128, float32: every pipeline's greedy text equals one engine's."""
+    router, port = md_block_128
+    for prompt, expected in zip(prompts, oracle, strict=True):
+        body = complete(router.url, prompt, VARIANTS[variant])
+        assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
+            variant, len(prompt), body["pdd"])  # fmt: skip
+        assert body["pdd"]["pipeline"] == VARIANTS[variant]["pipeline"]
+    assert _stats_at(port).kv_refused_chunks == 0
+
+
+def test_an_md_of_another_block_size_keeps_the_conversation(served, md_block_128):
+    router, port = md_block_128
+    _two_turns(served, router, port, "Notes on blocks. " + _long_text(34, 3))
+
+
+def test_a_p_of_another_block_size_equals_single_engine(served, codec, prompts, oracle, tmp_path):
+    """P block 128 -> MD block 32, float32: p_md's greedy text equals one engine's on every
+    prompt. The suite's RLD (block 32) cannot take P's blocks (RLD converts nothing), so a
+    p_rld_md request is refused naming both workers and the field."""
+    refused = stats(served, "md").kv_refused_chunks
+    with (_extra_worker("p", ["block_size=128"], tmp_path / "p128.log") as port,
+          _router_over(served, {"p": port}) as (router, rows)):  # fmt: skip
+        assert rows["p"]["geometry"]["block_size"] == 128
+        for prompt, expected in zip(prompts, oracle, strict=True):
+            body = complete(router.url, prompt, VARIANTS["p_md"])
+            assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
+                len(prompt), body["pdd"])  # fmt: skip
+        body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2,
+                "pdd": {"pipeline": "p_rld_md"}}  # fmt: skip
+        r = httpx.post(router.url + "/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == (
+            "no relay_decode worker can take KV from p: workers p and rld cannot exchange KV: "
+            "block_size differs (p: 128, rld: 32)"
+        )
+    assert stats(served, "md").kv_refused_chunks == refused
 
 
 # --- agentic clients: a tool conversation through the official openai client ---------------

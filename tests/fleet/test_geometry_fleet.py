@@ -1,7 +1,7 @@
 """KV geometry through the real router (fake gRPC workers that report a geometry in Health):
 a configured MD of another model is not admitted (NOT ADMITTED in /debug/workers and `pdd
-status`, never routed to); an admitted MD whose KV P cannot land (another block size: MD
-converts dtype and layout on landing, not block sizes) is never paired with P: the request is refused (503) naming P, MD and the
+status`, never routed to); an admitted MD whose KV P cannot land (other KV heads, a tensor-
+parallel shard: MD converts dtype, layout and block size on landing, not heads) is never paired with P: the request is refused (503) naming P, MD and the
 field, and no worker saw a Generate."""
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def test_an_md_of_another_model_is_not_admitted(harness):
 
 
 def test_an_md_whose_kv_p_cannot_land_is_never_paired(harness):
-    start(harness, {"block_size": 128})
+    start(harness, {"kv_head_end": 2})
     wait_until(lambda: all(w["healthy"] for w in rows(harness)[0].values()), 10, "all healthy")
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
     r = httpx.post(harness.url + "/completions", json=body, timeout=10)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["message"] == (
         "no main_decode worker can take KV from p0: workers p0 and md0 cannot exchange KV: "
-        "block_size differs (p0: 32, md0: 128)"
+        "kv_head_end differs (p0: 3, md0: 2)"
     )
     assert all(not f.requests for f in harness.fakes)

@@ -1,7 +1,8 @@
-"""MainDecode lands KV that P sent in another dtype or layout, converted into its own
-(``pdd.main_decode.landing.DrcLanding`` over a real DRC, chunks cut by the real planner):
-every block the DRC commits holds exactly ``kv_convert``'s answer, widening is bit-exact,
-a block whose chunks did not all arrive never commits, and nothing stays pinned."""
+"""MainDecode lands KV that P sent in another dtype, layout or block size, converted into its
+own (``pdd.main_decode.landing.DrcLanding`` over a real DRC, chunks cut by the real planner):
+every block the DRC commits holds exactly ``kv_convert``'s answer (the same tokens' KV in
+MD's blocks), widening is bit-exact, a block whose chunks or tokens did not all arrive never
+commits, a cached prefix is skipped, and nothing stays pinned."""
 
 from __future__ import annotations
 
@@ -43,27 +44,29 @@ def blocks_of(g: KvGeometry, n: int, seed: int = 0) -> list[bytes]:
 
 def receiver(own: KvGeometry, slots: int = 8):
     drc = DecodeRadixCache(CacheConfig(host_capacity_gib=slots * own.block_bytes / GIB),
-                           own.block_bytes, BS)  # fmt: skip
+                           own.block_bytes, own.block_size)  # fmt: skip
     land = DrcLanding(drc, own.block_bytes, default_lease_s=60, geometry=lambda: own)
     return land, drc
 
 
-def send(land: DrcLanding, src: KvGeometry, blocks: list[bytes], *, stop_at: int | None = None):
+def send(land: DrcLanding, src: KvGeometry, blocks: list[bytes], *, stop_at: int | None = None,
+         first: int = 0, kv_id: str = "kv"):  # fmt: skip
     """Every chunk (a block cut in three) through allocate -> write -> verified, as the TCP
     receiver does; ``stop_at``: the transfer fails before that chunk. Returns its result."""
     segments = [KVSegment(b, block_start=i, block_end=i + 1, **describe(src))
-                for i, b in enumerate(blocks)]  # fmt: skip
-    plan = plan_chunks(7, SendRequest("kv", segments), src.block_bytes // 3 + 1, algo=0)
+                for i, b in enumerate(blocks) if i >= first]  # fmt: skip
+    plan = plan_chunks(7, SendRequest(kv_id, segments), src.block_bytes // 3 + 1, algo=0)
     for n, chunk in enumerate(plan):
         if n == stop_at:
-            return InboundResult(7, "kv", TransferState.FAILED, "sender connection lost")
+            return InboundResult(7, kv_id, TransferState.FAILED, "sender connection lost")
         land.allocate(chunk.header)[:] = chunk.view
         land.verified(chunk.header)
-    return InboundResult(7, "kv", TransferState.DONE, "")
+    return InboundResult(7, kv_id, TransferState.DONE, "")
 
 
-def chain(n: int):
-    return block_hashes(list(range(n * BS)), BS, model_salt("m", "float32", BS))
+def chain(n: int, block_size: int = BS, tokens: int | None = None):
+    ids = list(range(tokens if tokens is not None else n * block_size))
+    return block_hashes(ids, block_size, model_salt("m", "float32", block_size))
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))
@@ -110,3 +113,90 @@ def test_a_cut_transfer_commits_only_the_blocks_that_arrived_whole():
     cached, stats, records = asyncio.run(run())
     assert cached == 1  # block 0 whole (chunks 0-2), block 1 had one chunk of three
     assert (stats.pinned_blocks, stats.landing_blocks, records) == (0, 0, 0)
+
+
+# --- block sizes --------------------------------------------------------------------------
+
+
+def token_kv(n_tokens: int, seed: int = 1) -> np.ndarray:
+    """Every token's KV, float32 in the packed layout [L, H, tokens, 2D] (tokens on axis 2)."""
+    shape = (F32.num_layers, F32.heads_held, n_tokens, 2 * F32.head_dim)
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def blocks_in(kv: np.ndarray, g: KvGeometry) -> list[bytes]:
+    """The whole blocks of ``kv``'s tokens in geometry ``g``."""
+    out, b = [], g.block_size
+    for i in range(kv.shape[2] // b):
+        packed = F32.model_copy(update={"block_size": b})
+        raw, dst = (
+            np.ascontiguousarray(kv[:, :, i * b : (i + 1) * b]).tobytes(),
+            bytearray(g.block_bytes),
+        )
+        convert_block(raw, packed, dst, g)
+        out.append(bytes(dst))
+    return out
+
+
+def as_sent(kv: np.ndarray, src: KvGeometry) -> np.ndarray:
+    """``kv`` as P's dtype holds it (bfloat16: rounded), back in float32."""
+    if src.kv_dtype == "float32":
+        return kv
+    whole = F32.model_copy(update={"block_size": kv.shape[2]})
+    narrow, back = (
+        bytearray(whole.model_copy(update={"kv_dtype": "bfloat16"}).block_bytes),
+        bytearray(kv.nbytes),
+    )
+    convert_block(kv.tobytes(), whole, narrow, whole.model_copy(update={"kv_dtype": "bfloat16"}))
+    convert_block(narrow, whole.model_copy(update={"kv_dtype": "bfloat16"}), back, whole)
+    return np.frombuffer(bytes(back), np.float32).reshape(kv.shape)
+
+
+REGROUPS = {  # name: (P's geometry, MD's geometry, prompt tokens)
+    "P 4 -> MD 8, f32": (F32, F32.model_copy(update={"block_size": 8}), 36),
+    "P 8 -> MD 4, f32, tail": (F32.model_copy(update={"block_size": 8}), F32, 22),
+    "P 8 bf16 split -> MD 12 f32": (BF16_SPLIT.model_copy(update={"block_size": 8}),
+                                    F32.model_copy(update={"block_size": 12}), 44),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REGROUPS))
+def test_md_regroups_ps_blocks_into_its_own_block_size(case: str):
+    """MD's DRC holds, block for block, the KV of the same tokens in its own block size; a
+    block P's whole blocks do not cover (P 8 -> MD 4 over 22 tokens: MD's block 4, tokens
+    16-19) never commits; the next turn sends from P's block that holds MD's first missing
+    token, and MD's cached block it overlaps is left alone."""
+    src, own, n = REGROUPS[case]
+    kv = token_kv(n + 2 * own.block_size)
+    md_chain = chain(0, own.block_size, n)
+    p_blocks = blocks_in(kv[:, :, :n], src)
+    n_md = len(md_chain)
+
+    async def run():
+        land, drc = receiver(own, slots=16)
+        land.waiters.bind(asyncio.get_running_loop())
+        land.prepare("t1", md_chain, n, lease_s=60)
+        land.received(send(land, src, p_blocks, kv_id="t1"))
+        await land.await_kv("t1", 1)
+        got = [bytes(drc.read(slot)) for slot in drc.ready("t1").slots]
+        land.consume("t1")
+        # turn 2: two more of MD's blocks; MD holds turn 1's; P sends from the block that
+        # holds MD's first missing token
+        n2 = n + 2 * own.block_size
+        chain2 = chain(0, own.block_size, n2)
+        res = land.prepare("t2", chain2, n2, lease_s=60)
+        first = res.cached_tokens // src.block_size
+        land.received(send(land, src, blocks_in(kv[:, :, :n2], src), first=first, kv_id="t2"))
+        await land.await_kv("t2", 1)
+        got2 = [bytes(drc.read(slot)) for slot in drc.ready("t2").slots]
+        land.consume("t2")
+        await asyncio.sleep(0)
+        return got, res.cached_blocks, got2, drc.stats()
+
+    got, cached2, got2, stats = asyncio.run(run())
+    want = blocks_in(as_sent(kv, src), own)
+    whole = n // src.block_size * src.block_size // own.block_size  # MD blocks P's blocks cover
+    assert got == want[:whole] and whole == (4 if "tail" in case else n_md)
+    assert cached2 == whole
+    assert got2 == want[: len(got2)] and len(got2) >= n_md  # the tail block came with turn 2
+    assert (stats.pinned_blocks, stats.landing_blocks) == (0, 0)

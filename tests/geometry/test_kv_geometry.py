@@ -100,11 +100,12 @@ def test_identity_fields_never_pair_landing_fields_pair_only_when_converted():
         other = geometry(**{field: value})
         assert identity_conflict(a, other) is None
         assert pair_conflict(a, other, rld) == field  # RelayDecode converts nothing
-        assert pair_conflict(a, other, md) == (None if field != "block_size" else field)
-        assert pair_conflict(other, a, md) == (None if field != "block_size" else field)
-    # MainDecode converts between the dtypes and layouts its kernel has, no others
+        assert pair_conflict(a, other, md) is None  # MainDecode converts each
+        assert pair_conflict(other, a, md) is None
+    # ... between the dtypes and layouts its kernel has, no others; KV heads it never regroups
     assert pair_conflict(a, geometry(kv_dtype="float16"), md) == "kv_dtype"
     assert pair_conflict(a, geometry(layout="gpu_paged"), md) == "layout"
+    assert pair_conflict(a, geometry(kv_head_end=2), md) == "kv_head_end"
     msg = describe_conflict("kv_dtype", "p0", a, "md0", geometry(kv_dtype="bfloat16"))
     assert msg == ("workers p0 and md0 cannot exchange KV: kv_dtype differs "
                    "(p0: float32, md0: bfloat16)")  # fmt: skip

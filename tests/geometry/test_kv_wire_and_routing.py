@@ -50,12 +50,13 @@ def test_a_chunk_of_another_geometry_is_named_by_its_first_differing_field(field
     assert mismatch(header, G) == why
 
 
-def test_main_decode_takes_chunks_in_the_dtype_and_layout_it_converts_from():
-    """MD's check passes a bfloat16 / K-V-split chunk and hands back the chunk's geometry (its
-    segment is one block in P's dtype); RLD's refuses it; any other field still refuses."""
+def test_main_decode_takes_chunks_in_the_dtype_layout_and_block_size_it_converts_from():
+    """MD's check passes a bfloat16 / K-V-split / 128-token chunk and hands back the chunk's
+    geometry (its segment is one block in P's geometry); RLD's refuses it; another KV-head
+    range still refuses."""
     md = KvWireCheck(G.block_bytes, lambda: G, RECEIVER_CONVERTS[Role.MAIN_DECODE])
     rld = KvWireCheck(G.block_bytes, lambda: G, RECEIVER_CONVERTS[Role.RELAY_DECODE])
-    for change in ({"kv_dtype": "bfloat16"}, {"layout": "kv_split"}):
+    for change in ({"kv_dtype": "bfloat16"}, {"layout": "kv_split"}, {"block_size": 128}):
         src = G.model_copy(update=change)
         seg = KVSegment(bytes(src.block_bytes), block_start=0, block_end=1, **describe(src))
         header = plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header
@@ -64,11 +65,11 @@ def test_main_decode_takes_chunks_in_the_dtype_and_layout_it_converts_from():
             rld(header)
     own = KVSegment(bytes(G.block_bytes), block_start=0, block_end=1, **describe(G))
     assert md(plan_chunks(1, SendRequest("kv", [own]), 1 << 30, algo=0)[0].header) is None
-    half = G.model_copy(update={"kv_dtype": "bfloat16", "block_size": 16})
+    half = G.model_copy(update={"kv_dtype": "bfloat16", "kv_head_end": 2})
     seg = KVSegment(bytes(half.block_bytes), block_start=0, block_end=1, **describe(half))
-    with pytest.raises(TransferError, match="block_size: chunk 16, here 32"):
+    with pytest.raises(TransferError, match="kv_heads: chunk 2, here 3"):
         md(plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header)
-    assert (md.refused, rld.refused) == (1, 2)
+    assert (md.refused, rld.refused) == (1, 3)
 
 
 def test_an_undescribed_chunk_is_not_in_any_geometry():
@@ -81,7 +82,7 @@ def _fleet(*workers):
 
 
 def test_routing_never_pairs_p_with_an_md_that_cannot_take_its_kv():
-    other = G.model_copy(update={"block_size": 128})
+    other = G.model_copy(update={"kv_head_end": 2})  # a TP shard: not regrouped
     view = _fleet(p(geometry=G), md("md0", geometry=other), md("md1", geometry=G))
     cached = {"md0": 40}  # md0 holds the whole prompt: it would win on its hit
     d = choose(view, RouteRequest(40, 16, md_cached_tokens=cached, pipeline=Pipeline.P_MD))
@@ -144,9 +145,9 @@ def test_the_gate_admits_the_fleets_model_only():
 def test_a_replacement_p_can_send_to_the_requests_receivers():
     from pdd.router.decide.recovery import replacement
 
-    b128 = G.model_copy(update={"block_size": 128})
-    view = _fleet(p("p0", geometry=G), p("p1", geometry=b128), p("p2", geometry=G, in_flight=3),
+    shard = G.model_copy(update={"kv_head_end": 2})
+    view = _fleet(p("p0", geometry=G), p("p1", geometry=shard), p("p2", geometry=G, in_flight=3),
                   md("md0", geometry=G))  # fmt: skip
-    assert replacement(view, Role.PREFILL, ["p0"], ["md0"]).id == "p2"  # p1 is idler: block 128
+    assert replacement(view, Role.PREFILL, ["p0"], ["md0"]).id == "p2"  # p1 is idler: a shard
     assert replacement(view, Role.PREFILL, ["p0"]).id == "p1"  # no receivers: any P
     assert replacement(view, Role.PREFILL, ["p0", "p2"], ["md0"]) is None

@@ -189,3 +189,22 @@ def test_transfers_share_a_link_chunk_by_chunk():
     assert first == (big, 0)
     assert order[:4] == [(big, 1), (small, 0), (big, 2), (small, 1)]
     assert order[4:] == [(big, 3), (big, 4)]
+
+
+def test_a_receiver_id_served_from_another_address_gets_its_kv_there(make_pair):
+    """A worker id that now answers at another address (an MD restarted elsewhere): the
+    sender's cached link under that id is retired, so the KV reaches the new address and not
+    one chunk goes to the old receiver, which is still alive."""
+    import dataclasses
+
+    a, b = make_pair("tcp", **SMALL), make_pair("tcp", **SMALL)
+    old = dataclasses.replace(a.receiver.address, name="md")
+    new = dataclasses.replace(b.receiver.address, name="md")
+    data = pattern(4, MiB)
+    first = a.sender.send(old, SendRequest("t1", [KVSegment(data)]))
+    assert first.wait(20).state is TransferState.DONE
+    second = a.sender.send(new, SendRequest("t2", [KVSegment(data)]))
+    assert second.wait(20).state is TransferState.DONE
+    assert crc_of(b.zone.take(second.transfer_id)[0]) == crc_of(data)
+    assert {h.request_id for h in a.zone.headers} == {"t1"}
+    assert a.sender.link_estimates().keys() <= {"md"}

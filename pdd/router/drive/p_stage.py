@@ -91,6 +91,23 @@ class PStage:
             kv_staged_blocks=last.kv_staged_blocks,
         )  # fmt: skip
 
+    def _first_block(self, t: Target, cached_blocks: int) -> int:
+        """P's first block to send ``t``: past the prefix its cache holds, which it counts in
+        its own blocks (an MD of another block size regroups P's blocks as they land). Records
+        MD's cached tokens."""
+        if not t.from_cache:
+            return 0
+        try:
+            stats = self._pool.last_stats(t.worker_id)
+        except KeyError:  # it left the fleet: its send fails on its own
+            stats = None
+        size = stats.block_size if stats is not None and stats.block_size > 0 else self._block_size
+        if t.recorded and size > 0:
+            self._trace.md_cached_tokens = cached_blocks * size
+        if self._block_size <= 0 or size <= 0:  # no geometry known yet: one block size
+            return cached_blocks
+        return cached_blocks * size // self._block_size
+
     async def send(self) -> set[str]:
         """SendKv to every target that lacks blocks; returns their ids."""
         dests: list[worker_pb2.KvDestination] = []
@@ -111,9 +128,7 @@ class PStage:
                 self._pool.mark_unhealthy(t.worker_id, exc.message)
                 self._kv.release("PrepareKv failed", [t.worker_id])
                 continue
-            first = prep.cached_blocks if t.from_cache else 0
-            if t.recorded and t.from_cache and self._block_size > 0:
-                self._trace.md_cached_tokens = prep.cached_blocks * self._block_size
+            first = self._first_block(t, prep.cached_blocks)
             if first < self.staged_blocks:
                 dests.append(worker_pb2.KvDestination(
                     peer=prep.address, first_block=first, landing_key=prep.landing_key))  # fmt: skip
