@@ -43,9 +43,12 @@ from pdd.protocol import Role
 if TYPE_CHECKING:
     from pdd.proto import worker_pb2
 
-# Layouts of one block on the wire (``pdd.engine.kv_copy``): vLLM's CPU cache per layer is
-# block-first [N, H, B, 2D] (K and V packed per head); a K/V-split cache gives K then V.
+# Layouts of one block on the wire (``pdd.engine.kv_copy``, ``pdd.worker.kv_convert``): vLLM's
+# CPU cache with its vec attention kernels (float32 everywhere; bfloat16 without AMX) holds per
+# KV head K transposed [D, B] then V [B, D]; with its AMX kernels (bfloat16 where AMX tiles
+# exist) an interior of its own, never converted; a K/V-split cache gives K then V.
 LAYOUT_CPU_PACKED = "cpu_packed_kv"
+LAYOUT_CPU_AMX = "cpu_amx"
 LAYOUT_KV_SPLIT = "kv_split"
 # A GPU engine's layout as its worker process sees it: the connector picks block-first or
 # K/V-split inside the engine core (kv_copy.detect_block_dim) and does not report it yet.
@@ -145,10 +148,14 @@ def pair_conflict(sender: KvGeometry, receiver: KvGeometry,
     field = identity_conflict(sender, receiver)
     if field is not None:
         return field
-    for name in LANDING:
-        a, b = getattr(sender, name), getattr(receiver, name)
-        if a != b and not (name in converts and convertible(name, a, b)):
+    differs = [n for n in LANDING if getattr(sender, n) != getattr(receiver, n)]
+    for name in differs:
+        if not (
+            name in converts and convertible(name, getattr(sender, name), getattr(receiver, name))
+        ):
             return name
+    if differs and not {sender.layout, receiver.layout} <= CONVERSIONS["layout"]:
+        return "layout"  # converting anything needs both block interiors known
     return None
 
 

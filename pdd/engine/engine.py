@@ -445,8 +445,8 @@ def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry
     """This engine's KV geometry, from vLLM's own view of the model (pdd.kv_geometry).
 
     Tensor parallelism is refused at start (one rank holds every KV head). The layout is the
-    one the connector copies on this platform (pdd.engine.kv_copy): on CPU block-first packed
-    K/V. On a GPU the connector detects block-first or K/V-split per engine inside the engine
+    one the connector copies on this platform (pdd.engine.kv_copy): on CPU the block interior
+    of vLLM's attention kernels (``_cpu_layout``). On a GPU the connector detects block-first or K/V-split per engine inside the engine
     core, which this process does not see: reported as ``LAYOUT_GPU_PAGED`` (two GPU workers
     compare equal even if their backends differ; reporting the detected layout is to do).
     """
@@ -465,8 +465,24 @@ def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry
         block_size=block_size,
         kv_dtype=kv_dtype,
         device=str(current_platform.device_type or "cpu"),
-        layout=LAYOUT_CPU_PACKED if on_cpu else LAYOUT_GPU_PAGED,
+        layout=_cpu_layout(mc.dtype, block_size, mc.get_head_size(), cache_dtype)
+        if on_cpu
+        else LAYOUT_GPU_PAGED,
     )
+
+
+def _cpu_layout(dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The block interior of vLLM's CPU cache: its attention kernels (the "ISA" vLLM picks
+    per dtype, block size and CPU) decide it. The vec kernels' is ``LAYOUT_CPU_PACKED`` (what
+    pdd.worker.kv_convert converts); any other is named after its kernels ("cpu_amx": bfloat16
+    where AMX tiles exist) and never converted."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+    except (NotImplementedError, RuntimeError):
+        isa = "unknown"
+    return LAYOUT_CPU_PACKED if isa == "vec" else f"cpu_{isa}"[:16]
 
 
 def _eos_ids(llm: AsyncLLM) -> tuple[int, ...]:

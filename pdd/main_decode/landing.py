@@ -63,7 +63,7 @@ from pdd.worker.inbound import (
     new_landing_key,
     split_wire_id,
 )
-from pdd.worker.kv_convert import Regroup, convert_block
+from pdd.worker.kv_convert import Regroup
 from pdd.worker.kv_wire import KvWireCheck
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ class _Converting:
     """A reservation's KV that P sends in another dtype, layout or block size: P's blocks in
     scratch until verified, then regrouped into MD's blocks (``kv_convert.Regroup``)."""
 
-    regroup: Regroup
-    own: KvGeometry  # MD's
+    regroup: Regroup  # P's geometry -> MD's
     bufs: dict[int, bytearray] = field(default_factory=dict)  # P's block -> its bytes
     parts: dict[int, dict[int, int]] = field(default_factory=dict)  # P's block -> verified
     slots: dict[int, memoryview] = field(default_factory=dict)  # MD's block -> its DRC slot
@@ -347,7 +346,7 @@ class DrcLanding:
             own = self._geometry()
             assert own is not None, "a converted chunk passed the check of a known geometry"
             try:
-                conv = rec.converting = _Converting(Regroup(src, own), own)
+                conv = rec.converting = _Converting(Regroup(src, own))
             except ConfigError as exc:
                 raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
         elif conv.regroup.src != src:
@@ -406,15 +405,12 @@ class DrcLanding:
 
 
 def _convert(conv: _Converting | None, data: bytes, slot: memoryview) -> bool:
-    """Write a whole block, gathered in P's dtype and layout, into its DRC slot in MD's;
-    False: it cannot be (the block is discarded)."""
+    """Write a whole block, already in MD's geometry (``Regroup``), into its DRC slot; False:
+    it does not fit (the block is discarded)."""
     assert conv is not None
     try:
-        if conv.regroup.mid == conv.own:
-            slot[:] = data
-        else:
-            convert_block(data, conv.regroup.mid, slot, conv.own)
-    except (ConfigError, ValueError) as exc:
+        slot[:] = data
+    except ValueError as exc:
         log.warning("KV block not converted (%s): discarded", exc)
         return False
     return True

@@ -2,21 +2,28 @@
 
 MainDecode's landing runs it on every block P sent in another dtype, layout or block size
 (``pdd.main_decode.landing``: a sender block's chunks land in a scratch buffer; once it is
-verified, ``Regroup`` copies its tokens into the receiver blocks it overlaps; a receiver block
-every token of which arrived is converted into its DRC slot by ``convert_block``). Pure numpy
-over byte buffers, no torch.
+verified, ``Regroup`` copies its tokens into the receiver blocks it overlaps and hands back a
+receiver block every token of which arrived, in the receiver's geometry). Pure numpy over
+byte buffers, no torch.
 
-One block = every layer's K and V of ``block_size`` tokens, layer after layer. Per layer:
+One block = every layer's K and V of ``block_size`` (B) tokens, layer after layer. Per layer:
 
-    cpu_packed_kv   [H, B, 2D]     K = [..., :D], V = [..., D:]   (vLLM's CPU cache)
+    cpu_packed_kv   per KV head: K transposed [D, B], then V [B, D]   (vLLM 0.32's CPU cache
+                    with its vec attention kernels: measured, see below)
     kv_split        [2, B, H, D]   K bytes, then V bytes           (FlashAttention split)
+
+The CPU layout was read off real engines (2026-12-02, float32, the default model): the same
+128-token prompt exported at block 32 and at block 64 gives the same values, and block 64's
+rows are block 32's regrouped exactly this way (per head, each of the D rows of K^T holds the
+block's tokens; V holds a row of D per token). vLLM's AMX kernels (bfloat16 where AMX tiles
+exist) keep another interior (``LAYOUT_CPU_AMX``, not this one: its bytes do not correlate with
+float32's at any position here) and are never converted.
 
 dtypes: float32 and bfloat16. bfloat16 -> float32 is exact (the 16 bits go on top);
 float32 -> bfloat16 rounds to nearest even like torch (NaN keeps its top bits), so every
-widening conversion round-trips bit-exactly, in any layout pair. ``convert_block`` needs one
-block size on both sides; ``Regroup`` moves tokens between block sizes in the sender's dtype and
-layout (a copy: exact). Identity fields and the KV heads held must match (ConfigError
-otherwise): KV-head regrouping (tensor parallelism) is not here.
+widening conversion round-trips bit-exactly, in any layout pair. Everything passes through one
+canonical float32 form [L, 2, B, H, D], exact for both dtypes. Identity fields and the KV heads
+held must match (ConfigError otherwise): KV-head regrouping (tensor parallelism) is not here.
 """
 
 from __future__ import annotations
@@ -66,21 +73,25 @@ def _as_array(buf: Any, g: KvGeometry) -> np.ndarray:
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # exact widening
 
 
-def _shape(g: KvGeometry) -> tuple[int, ...]:
-    L, H, B, D = g.num_layers, g.heads_held, g.block_size, g.head_dim  # noqa: N806
-    return (L, H, B, 2, D) if g.layout == LAYOUT_CPU_PACKED else (L, 2, B, H, D)
-
-
 def _to_canonical(flat: np.ndarray, g: KvGeometry) -> np.ndarray:
-    t = flat.reshape(_shape(g))
-    if g.layout == LAYOUT_CPU_PACKED:  # [L, H, B, 2, D] -> [L, 2, B, H, D]
-        t = t.transpose(0, 3, 2, 1, 4)
-    return t
+    """One block's float32 values in ``g``'s layout -> [L, 2, B, H, D]."""
+    L, H, B, D = g.num_layers, g.heads_held, g.block_size, g.head_dim  # noqa: N806
+    if g.layout != LAYOUT_CPU_PACKED:
+        return flat.reshape(L, 2, B, H, D)
+    per_head = flat.reshape(L, H, 2 * B * D)
+    k = per_head[:, :, : B * D].reshape(L, H, D, B).transpose(0, 3, 1, 2)  # -> [L, B, H, D]
+    v = per_head[:, :, B * D :].reshape(L, H, B, D).transpose(0, 2, 1, 3)
+    return np.stack((k, v), axis=1)
 
 
 def _from_canonical(kv: np.ndarray, g: KvGeometry) -> np.ndarray:
-    t = kv.transpose(0, 3, 2, 1, 4) if g.layout == LAYOUT_CPU_PACKED else kv
-    t = np.ascontiguousarray(t, dtype=np.float32)
+    """[L, 2, B, H, D] float32 -> one block's items in ``g`` (float32 or bfloat16 bits)."""
+    if g.layout == LAYOUT_CPU_PACKED:
+        L, _, B, H, D = kv.shape  # noqa: N806
+        k = kv[:, 0].transpose(0, 2, 3, 1).reshape(L, H, D * B)  # per head K^T [D, B]
+        v = kv[:, 1].transpose(0, 2, 1, 3).reshape(L, H, B * D)  # per head V [B, D]
+        kv = np.concatenate((k, v), axis=2)
+    t = np.ascontiguousarray(kv, dtype=np.float32)
     if g.kv_dtype == "float32":
         return t
     return _to_bf16_bits(t)
@@ -99,57 +110,45 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 class Regroup:
-    """Receiver blocks (``dst``) assembled from sender blocks (``src``) of another block size.
+    """Receiver blocks (``dst``) assembled from sender blocks (``src``): another block size,
+    dtype or layout.
 
     Sender block i holds tokens [i * Bs, (i + 1) * Bs), receiver block j tokens [j * Bd,
-    (j + 1) * Bd). ``put(i, data, j)`` copies the tokens of i that fall in j (in the sender's
-    dtype and layout, geometry ``mid``: ``src`` at the receiver's block size); once every
-    token of j came it returns j's bytes, to be converted into the receiver's slot with
-    ``convert_block(out, mid, slot, dst)``, and forgets it. A receiver block the sender's whole
-    blocks do not cover never completes: its tokens are recomputed by the receiver. Not
-    thread-safe: the receiver's lock guards it.
+    (j + 1) * Bd). ``put(i, data, j)`` copies the tokens of i that fall in j (canonical
+    float32: exact for both dtypes); once every sender block j overlaps came it returns j's
+    bytes in ``dst``'s geometry and forgets it. A receiver block the sender's whole blocks do
+    not cover never completes: the receiver computes its tokens. Not thread-safe: the
+    receiver's lock guards it.
     """
 
     def __init__(self, src: KvGeometry, dst: KvGeometry) -> None:
-        self.src = src
-        self.mid = src.model_copy(update={"block_size": dst.block_size})
-        _check(self.mid, dst)
+        _check(src.model_copy(update={"block_size": dst.block_size}), dst)
+        self.src, self.dst = src, dst
         self._parts: dict[int, np.ndarray] = {}  # receiver block -> its tokens so far
         self._have: dict[int, set[int]] = {}  # receiver block -> sender blocks copied in
 
     def targets(self, i: int) -> range:
         """The receiver blocks sender block ``i`` overlaps."""
-        bs, bd = self.src.block_size, self.mid.block_size
+        bs, bd = self.src.block_size, self.dst.block_size
         return range(i * bs // bd, ((i + 1) * bs - 1) // bd + 1)
 
     def put(self, i: int, data: Any, j: int) -> bytes | None:
         """Copy sender block ``i``'s tokens in receiver block ``j``; j's bytes once complete."""
-        bs, bd = self.src.block_size, self.mid.block_size
+        bs, bd = self.src.block_size, self.dst.block_size
         lo, hi = max(i * bs, j * bd), min((i + 1) * bs, (j + 1) * bd)
         if lo >= hi:
             return None
         part = self._parts.get(j)
         if part is None:
-            part = self._parts[j] = np.empty(_shape(self.mid), _items(self.mid))
+            g = self.dst
+            shape = (g.num_layers, 2, bd, g.heads_held, g.head_dim)
+            part = self._parts[j] = np.empty(shape, np.float32)
             self._have[j] = set()
-        part[:, :, lo - j * bd : hi - j * bd] = _tokens(data, self.src)[
-            :, :, lo - i * bs : hi - i * bs
-        ]
+        tokens = _to_canonical(_as_array(data, self.src), self.src)
+        part[:, :, lo - j * bd : hi - j * bd] = tokens[:, :, lo - i * bs : hi - i * bs]
         self._have[j].add(i)
         first, last = j * bd // bs, ((j + 1) * bd - 1) // bs
         if len(self._have[j]) < last - first + 1:
             return None
         del self._have[j]
-        return self._parts.pop(j).tobytes()
-
-
-def _items(g: KvGeometry) -> type:
-    return np.uint32 if g.dtype_bytes == 4 else np.uint16
-
-
-def _tokens(buf: Any, g: KvGeometry) -> np.ndarray:
-    """One block's raw items shaped per its layout (tokens on axis 2 in both)."""
-    raw = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-    if raw.nbytes != g.block_bytes:
-        raise ConfigError(f"source of {raw.nbytes} bytes, block is {g.block_bytes}")
-    return raw.view(_items(g)).reshape(_shape(g))
+        return _from_canonical(self._parts.pop(j), self.dst).tobytes()

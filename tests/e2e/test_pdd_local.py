@@ -410,17 +410,29 @@ def _stats_at(port: int) -> worker_pb2.StatsResponse:
         return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
 
 
-def test_an_md_of_another_kv_dtype_lands_ps_kv_converted(served, tmp_path):
+def test_an_md_of_another_kv_dtype_lands_ps_kv_converted_or_is_refused(served, tmp_path):
     """A fourth engine: MD with workers[].engine.dtype bfloat16 (same model: admitted, the
-    fingerprint ignores the dtype) behind a router with this float32 P and RLD. MD converts
-    P's float32 KV into bfloat16 as it lands: a two-turn conversation (p_rld_md, then p_md)
-    is served with MD loading P's KV, no chunk refused, and turn 2 finds turn 1's prompt in
-    MD's DRC, so only the new blocks (in P's float32 bytes) cross."""
+    fingerprint ignores the dtype) behind a router with this float32 P and RLD. Where vLLM runs
+    bfloat16 with its vec kernels, MD converts P's float32 KV as it lands: a two-turn
+    conversation (p_rld_md, then p_md) is served with MD loading P's KV, no chunk refused, and
+    turn 2 finds turn 1's prompt in MD's DRC, so only the new blocks (P's bytes) cross. Where it
+    runs bfloat16 on AMX (this machine), the block interior differs and is not converted: every
+    request is refused naming both workers and the field, never served from corrupt KV."""
     with (_extra_worker("md", ["dtype=bfloat16"], tmp_path / "md-bf16.log") as port,
           _router_over(served, {"md": port}) as (router, rows)):  # fmt: skip
-        assert rows["md"]["geometry"]["kv_dtype"] == "bfloat16" and rows["md"]["admitted"]
-        assert rows["md"]["geometry"]["fingerprint"] == rows["p"]["geometry"]["fingerprint"]
-        _two_turns(served, router, port, "Notes on bfloat16. " + _long_text(30, 2))
+        geometry = rows["md"]["geometry"]
+        assert geometry["kv_dtype"] == "bfloat16" and rows["md"]["admitted"]
+        assert geometry["fingerprint"] == rows["p"]["geometry"]["fingerprint"]
+        if geometry["layout"] != "cpu_amx":
+            _two_turns(served, router, port, "Notes on bfloat16. " + _long_text(30, 2))
+            return
+        body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
+        r = httpx.post(router.url + "/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == (
+            "no main_decode worker can take KV from p: workers p and md cannot exchange KV: "
+            "layout differs (p: cpu_packed_kv, md: cpu_amx)"
+        )
 
 
 def _two_turns(served, router, md_port: int, text: str) -> None:

@@ -119,21 +119,21 @@ def test_a_cut_transfer_commits_only_the_blocks_that_arrived_whole():
 
 
 def token_kv(n_tokens: int, seed: int = 1) -> np.ndarray:
-    """Every token's KV, float32 in the packed layout [L, H, tokens, 2D] (tokens on axis 2)."""
-    shape = (F32.num_layers, F32.heads_held, n_tokens, 2 * F32.head_dim)
+    """Every token's KV, float32 [L, 2, tokens, H, D] (the K/V-split layout, tokens on axis 2)."""
+    shape = (F32.num_layers, 2, n_tokens, F32.heads_held, F32.head_dim)
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def blocks_in(kv: np.ndarray, g: KvGeometry) -> list[bytes]:
     """The whole blocks of ``kv``'s tokens in geometry ``g``."""
     out, b = [], g.block_size
+    split = F32.model_copy(update={"block_size": b, "layout": LAYOUT_KV_SPLIT})
     for i in range(kv.shape[2] // b):
-        packed = F32.model_copy(update={"block_size": b})
         raw, dst = (
             np.ascontiguousarray(kv[:, :, i * b : (i + 1) * b]).tobytes(),
             bytearray(g.block_bytes),
         )
-        convert_block(raw, packed, dst, g)
+        convert_block(raw, split, dst, g)
         out.append(bytes(dst))
     return out
 
@@ -142,14 +142,9 @@ def as_sent(kv: np.ndarray, src: KvGeometry) -> np.ndarray:
     """``kv`` as P's dtype holds it (bfloat16: rounded), back in float32."""
     if src.kv_dtype == "float32":
         return kv
-    whole = F32.model_copy(update={"block_size": kv.shape[2]})
-    narrow, back = (
-        bytearray(whole.model_copy(update={"kv_dtype": "bfloat16"}).block_bytes),
-        bytearray(kv.nbytes),
+    return (kv.view(np.uint32) + 0x7FFF + ((kv.view(np.uint32) >> 16) & 1) & 0xFFFF0000).view(
+        np.float32
     )
-    convert_block(kv.tobytes(), whole, narrow, whole.model_copy(update={"kv_dtype": "bfloat16"}))
-    convert_block(narrow, whole.model_copy(update={"kv_dtype": "bfloat16"}), back, whole)
-    return np.frombuffer(bytes(back), np.float32).reshape(kv.shape)
 
 
 REGROUPS = {  # name: (P's geometry, MD's geometry, prompt tokens)

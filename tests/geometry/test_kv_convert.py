@@ -59,14 +59,17 @@ def test_narrowing_rounds_like_torch():
 
 
 def test_layouts_keep_k_and_v_where_each_layout_says():
+    """vLLM's CPU layout holds, per layer and KV head, K transposed [D, B] then V [B, D]
+    (read off real engines: kv_convert's docstring); K/V-split holds [2, B, H, D]."""
     packed, split = geo("float32", LAYOUT_CPU_PACKED), geo("float32", LAYOUT_KV_SPLIT)
     L, H, B, D = 2, 2, 32, 128  # noqa: N806
-    t = np.arange(L * H * B * 2 * D, dtype=np.float32).reshape(L, H, B, 2 * D)
+    t = np.arange(L * H * 2 * B * D, dtype=np.float32).reshape(L, H, 2 * B * D)
     out = bytearray(split.block_bytes)
     convert_block(t.tobytes(), packed, out, split)
     s = np.frombuffer(bytes(out), np.float32).reshape(L, 2, B, H, D)
-    assert np.array_equal(s[1, 0, 5, 1], t[1, 1, 5, :D])  # K of layer 1, token 5, head 1
-    assert np.array_equal(s[1, 1, 5, 1], t[1, 1, 5, D:])  # its V
+    k_t, v = t[1, 1, : B * D].reshape(D, B), t[1, 1, B * D :].reshape(B, D)  # layer 1, head 1
+    assert np.array_equal(s[1, 0, 5, 1], k_t[:, 5])  # K of token 5
+    assert np.array_equal(s[1, 1, 5, 1], v[5])  # its V
 
 
 def test_other_models_or_block_sizes_are_not_converted():

@@ -12,6 +12,7 @@ import pytest
 
 from pdd.errors import ModelError
 from pdd.kv_geometry import (
+    LAYOUT_CPU_AMX,
     RECEIVER_CONVERTS,
     KvGeometry,
     describe_conflict,
@@ -106,6 +107,11 @@ def test_identity_fields_never_pair_landing_fields_pair_only_when_converted():
     assert pair_conflict(a, geometry(kv_dtype="float16"), md) == "kv_dtype"
     assert pair_conflict(a, geometry(layout="gpu_paged"), md) == "layout"
     assert pair_conflict(a, geometry(kv_head_end=2), md) == "kv_head_end"
+    # vLLM's AMX block interior is its own: never converted, only copied as it is
+    amx = geometry(kv_dtype="bfloat16", layout=LAYOUT_CPU_AMX)
+    assert pair_conflict(amx, geometry(kv_dtype="float32"), md) == "layout"
+    assert pair_conflict(amx, amx.model_copy(update={"block_size": 128}), md) == "layout"
+    assert pair_conflict(amx, amx, md) is None
     msg = describe_conflict("kv_dtype", "p0", a, "md0", geometry(kv_dtype="bfloat16"))
     assert msg == ("workers p0 and md0 cannot exchange KV: kv_dtype differs "
                    "(p0: float32, md0: bfloat16)")  # fmt: skip

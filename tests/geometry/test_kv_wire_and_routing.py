@@ -69,7 +69,11 @@ def test_main_decode_takes_chunks_in_the_dtype_layout_and_block_size_it_converts
     seg = KVSegment(bytes(half.block_bytes), block_start=0, block_end=1, **describe(half))
     with pytest.raises(TransferError, match="kv_heads: chunk 2, here 3"):
         md(plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header)
-    assert (md.refused, rld.refused) == (1, 3)
+    amx = G.model_copy(update={"kv_dtype": "bfloat16", "layout": "cpu_amx"})
+    seg = KVSegment(bytes(amx.block_bytes), block_start=0, block_end=1, **describe(amx))
+    with pytest.raises(TransferError, match="layout: chunk cpu_amx, here cpu_packed_kv"):
+        md(plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header)
+    assert (md.refused, rld.refused) == (2, 3)
 
 
 def test_an_undescribed_chunk_is_not_in_any_geometry():
