@@ -309,7 +309,7 @@ class DrcLanding:
             self._land(rec.kv_id, block_hash, commit=True)
             return
         for block_hash, data, slot in ready:
-            self._land(rec.kv_id, block_hash, commit=_convert(conv, data, slot))
+            self._land(rec.kv_id, block_hash, commit=_write(data, slot))
 
     def received(self, result: InboundResult) -> None:
         with self._lock:
@@ -330,7 +330,7 @@ class DrcLanding:
             rec.written.clear()
             rec.verified.clear()
         for block_hash, data, slot in ready:
-            self._land(rec.kv_id, block_hash, commit=_convert(conv, data, slot))
+            self._land(rec.kv_id, block_hash, commit=_write(data, slot))
         # DONE: the rest lands (a converted block still missing tokens never does); else:
         # none half-written
         for block_hash in pending:
@@ -383,7 +383,7 @@ class DrcLanding:
 
     def _distribute(self, rec: Reservation, conv: _Converting, i: int):
         """P's block ``i`` is whole: its tokens go into the DRC blocks it overlaps; the
-        blocks that became whole, as (hash, bytes in P's dtype/layout, DRC slot)."""
+        blocks that became whole, as (hash, bytes in MD's geometry, DRC slot)."""
         data, out = conv.bufs.pop(i), []
         conv.parts.pop(i, None)
         for j in conv.regroup.targets(i):
@@ -404,10 +404,9 @@ class DrcLanding:
             log.debug("KV of %s: block not taken by the DRC: %s", kv_id, exc.message)
 
 
-def _convert(conv: _Converting | None, data: bytes, slot: memoryview) -> bool:
+def _write(data: bytes, slot: memoryview) -> bool:
     """Write a whole block, already in MD's geometry (``Regroup``), into its DRC slot; False:
     it does not fit (the block is discarded)."""
-    assert conv is not None
     try:
         slot[:] = data
     except ValueError as exc:
