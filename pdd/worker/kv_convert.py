@@ -17,7 +17,8 @@ The CPU layout was read off real engines (2026-12-02, float32, the default model
 rows are block 32's regrouped exactly this way (per head, each of the D rows of K^T holds the
 block's tokens; V holds a row of D per token). vLLM's AMX kernels (bfloat16 where AMX tiles
 exist) keep another interior (``LAYOUT_CPU_AMX``, not this one: its bytes do not correlate with
-float32's at any position here) and are never converted.
+float32's at the same positions) and are never converted. bfloat16 with the vec kernels (CPUs
+without AMX) is assumed to keep the float32 interior: not verified here.
 
 dtypes: float32 and bfloat16. bfloat16 -> float32 is exact (the 16 bits go on top);
 float32 -> bfloat16 rounds to nearest even like torch (NaN keeps its top bits), so every
