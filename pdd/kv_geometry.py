@@ -14,9 +14,9 @@ Fields split in two (``IDENTITY`` / ``LANDING``):
               converted; a pair is routed only when the receiver converts every landing field
               that differs, between those two values (``converts``, ``convertible``:
               MainDecode converts the dtype and the layout between the values in
-              ``CONVERSIONS``, and any pair of block sizes; RelayDecode converts nothing, its
-              UCX receiver lands bytes where they are used). Anything else would be refused
-              chunk by chunk and recomputed.
+              ``CONVERSIONS``, and any pair of block sizes, as long as both layouts are ones
+              it knows; RelayDecode converts nothing, its UCX receiver lands bytes where they
+              are used). Anything else would be refused chunk by chunk and recomputed.
 
 The model fingerprint comes from the model folder, not its name (``model_fingerprint``): the
 config (without its dtype), every tensor's name and shape from the safetensors headers, and a
@@ -150,9 +150,8 @@ def pair_conflict(sender: KvGeometry, receiver: KvGeometry,
         return field
     differs = [n for n in LANDING if getattr(sender, n) != getattr(receiver, n)]
     for name in differs:
-        if not (
-            name in converts and convertible(name, getattr(sender, name), getattr(receiver, name))
-        ):
+        a, b = getattr(sender, name), getattr(receiver, name)
+        if name not in converts or not convertible(name, a, b):
             return name
     if differs and not {sender.layout, receiver.layout} <= CONVERSIONS["layout"]:
         return "layout"  # converting anything needs both block interiors known

@@ -446,28 +446,29 @@ def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry
 
     Tensor parallelism is refused at start (one rank holds every KV head). The layout is the
     one the connector copies on this platform (pdd.engine.kv_copy): on CPU the block interior
-    of vLLM's attention kernels (``_cpu_layout``). On a GPU the connector detects block-first or K/V-split per engine inside the engine
-    core, which this process does not see: reported as ``LAYOUT_GPU_PAGED`` (two GPU workers
-    compare equal even if their backends differ; reporting the detected layout is to do).
+    of vLLM's attention kernels (``_cpu_layout``). On a GPU the connector detects block-first
+    or K/V-split per engine inside the engine core, which this process does not see:
+    reported as ``LAYOUT_GPU_PAGED`` (two GPU workers compare equal even if their backends
+    differ; reporting the detected layout is to do).
     """
     mc, pc, cc = llm.model_config, llm.vllm_config.parallel_config, llm.vllm_config.cache_config
     total_heads = mc.get_total_num_kv_heads()
     cache_dtype = str(cc.cache_dtype)
     kv_dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
     on_cpu = current_platform.is_cpu()
+    head_size = mc.get_head_size()
+    layout = _cpu_layout(mc.dtype, block_size, head_size, cache_dtype) if on_cpu else None
     return KvGeometry(
         fingerprint=fingerprint,
         num_layers=mc.get_num_layers(pc),
         total_kv_heads=total_heads,
         kv_head_start=0,
         kv_head_end=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(),
+        head_dim=head_size,
         block_size=block_size,
         kv_dtype=kv_dtype,
         device=str(current_platform.device_type or "cpu"),
-        layout=_cpu_layout(mc.dtype, block_size, mc.get_head_size(), cache_dtype)
-        if on_cpu
-        else LAYOUT_GPU_PAGED,
+        layout=layout or LAYOUT_GPU_PAGED,
     )
 
 
