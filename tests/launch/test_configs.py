@@ -1,4 +1,4 @@
-"""The shipped topologies: each loads, places on this host (and lab.yaml in the lab), and the
+"""The shipped topologies: each loads, places on this host (and lab*.yaml in the lab), and the
 router's own policy picks the workers each one is meant to exercise."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_every_shipped_topology_places_on_this_host(path):
     placed = place(cfg, LocalSites(cfg).sites())
     assert placed.url == f"http://127.0.0.1:{cfg.router.port}/v1"
     assert all(w.host == "127.0.0.1" for w in placed.cfg.workers)
-    assert wants_lab(str(path), []) == (path.name == "lab.yaml")
+    assert wants_lab(str(path), []) == (path.name in ("lab.yaml", "lab-hetero.yaml"))
 
 
 def test_local_is_the_default_pdd_topology():
