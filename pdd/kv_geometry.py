@@ -153,9 +153,15 @@ def pair_conflict(sender: KvGeometry, receiver: KvGeometry,
         a, b = getattr(sender, name), getattr(receiver, name)
         if name not in converts or not convertible(name, a, b):
             return name
-    if differs and not {sender.layout, receiver.layout} <= CONVERSIONS["layout"]:
-        return "layout"  # converting anything needs both block interiors known
+    if differs and not interiors_known(sender.layout, receiver.layout):
+        return "layout"
     return None
+
+
+def interiors_known(*layouts: str) -> bool:
+    """Whether pdd knows these block interiors: converting anything (dtype, block size)
+    needs both sides' known, even when the layouts are equal."""
+    return set(layouts) <= CONVERSIONS["layout"]
 
 
 def convertible(field: str, a: object, b: object) -> bool:

@@ -76,7 +76,7 @@ async def main(dtype: str) -> int:
         return 2
     got = None
     for i, block in enumerate(small):
-        got = regroup.put(i, block, 0) or got
+        got = regroup.put(i, block, [0]).get(0, got)
     equal = got == big[0]
     print(f"{dtype}: four 32-token blocks regrouped == the 128-token block: {equal}")
     return 0 if equal else 1

@@ -384,15 +384,12 @@ class DrcLanding:
     def _distribute(self, rec: Reservation, conv: _Converting, i: int):
         """P's block ``i`` is whole: its tokens go into the DRC blocks it overlaps; the
         blocks that became whole, as (hash, bytes in MD's geometry, DRC slot)."""
-        data, out = conv.bufs.pop(i), []
+        data = conv.bufs.pop(i)
         conv.parts.pop(i, None)
-        for j in conv.regroup.targets(i):
-            if j in rec.written and j not in rec.landed:
-                block = conv.regroup.put(i, data, j)
-                if block is not None:
-                    rec.landed.add(j)
-                    out.append((rec.written[j], block, conv.slots.pop(j)))
-        return out
+        wanted = [j for j in conv.regroup.targets(i) if j in rec.written and j not in rec.landed]
+        done = conv.regroup.put(i, data, wanted) if wanted else {}
+        rec.landed.update(done)
+        return [(rec.written[j], block, conv.slots.pop(j)) for j, block in done.items()]
 
     def _land(self, kv_id: str, block_hash: BlockHash, *, commit: bool) -> None:
         try:

@@ -29,6 +29,7 @@ held must match (ConfigError otherwise): KV-head regrouping (tensor parallelism)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -115,9 +116,9 @@ class Regroup:
     dtype or layout.
 
     Sender block i holds tokens [i * Bs, (i + 1) * Bs), receiver block j tokens [j * Bd,
-    (j + 1) * Bd). ``put(i, data, j)`` copies the tokens of i that fall in j (canonical
-    float32: exact for both dtypes); once every sender block j overlaps came it returns j's
-    bytes in ``dst``'s geometry and forgets it. A receiver block the sender's whole blocks do
+    (j + 1) * Bd). ``put(i, data, into)`` copies the tokens of i that fall in each j of
+    ``into`` (canonical float32: exact for both dtypes); once every sender block j overlaps
+    came it returns j's bytes in ``dst``'s geometry and forgets it. A receiver block the sender's whole blocks do
     not cover never completes: the receiver computes its tokens. Not thread-safe: the
     receiver's lock guards it.
     """
@@ -133,23 +134,26 @@ class Regroup:
         bs, bd = self.src.block_size, self.dst.block_size
         return range(i * bs // bd, ((i + 1) * bs - 1) // bd + 1)
 
-    def put(self, i: int, data: Any, j: int) -> bytes | None:
-        """Copy sender block ``i``'s tokens in receiver block ``j``; j's bytes once complete."""
+    def put(self, i: int, data: Any, into: Iterable[int]) -> dict[int, bytes]:
+        """Copy sender block ``i``'s tokens into the receiver blocks ``into`` (of those it
+        overlaps); the bytes of each that became complete. ``data`` is converted once."""
         bs, bd = self.src.block_size, self.dst.block_size
-        lo, hi = max(i * bs, j * bd), min((i + 1) * bs, (j + 1) * bd)
-        if lo >= hi:
-            return None
-        part = self._parts.get(j)
-        if part is None:
-            g = self.dst
-            shape = (g.num_layers, 2, bd, g.heads_held, g.head_dim)
-            part = self._parts[j] = np.empty(shape, np.float32)
-            self._have[j] = set()
         tokens = _to_canonical(_as_array(data, self.src), self.src)
-        part[:, :, lo - j * bd : hi - j * bd] = tokens[:, :, lo - i * bs : hi - i * bs]
-        self._have[j].add(i)
-        first, last = j * bd // bs, ((j + 1) * bd - 1) // bs
-        if len(self._have[j]) < last - first + 1:
-            return None
-        del self._have[j]
-        return _from_canonical(self._parts.pop(j), self.dst).tobytes()
+        done: dict[int, bytes] = {}
+        for j in into:
+            lo, hi = max(i * bs, j * bd), min((i + 1) * bs, (j + 1) * bd)
+            if lo >= hi:
+                continue
+            part = self._parts.get(j)
+            if part is None:
+                g = self.dst
+                shape = (g.num_layers, 2, bd, g.heads_held, g.head_dim)
+                part = self._parts[j] = np.empty(shape, np.float32)
+                self._have[j] = set()
+            part[:, :, lo - j * bd : hi - j * bd] = tokens[:, :, lo - i * bs : hi - i * bs]
+            self._have[j].add(i)
+            first, last = j * bd // bs, ((j + 1) * bd - 1) // bs
+            if len(self._have[j]) == last - first + 1:
+                del self._have[j]
+                done[j] = _from_canonical(self._parts.pop(j), self.dst).tobytes()
+        return done

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdd.errors import TransferError
-from pdd.kv_geometry import CONVERSIONS, KvGeometry, convertible
+from pdd.kv_geometry import KvGeometry, convertible, interiors_known
 from pdd.transfer.wire import ChunkHeader
 from pdd.worker.inbound import whole_slot
 
@@ -78,7 +78,7 @@ def mismatch(header: ChunkHeader, own: KvGeometry,
         if got != want:
             return f"{name}: chunk {got}, here {want}"
     converted = (header.dtype, header.layout, shape[2]) != (own.kv_dtype, own.layout, block)
-    if converted and not {header.layout, own.layout} <= CONVERSIONS["layout"]:
+    if converted and not interiors_known(header.layout, own.layout):
         return f"layout: chunk {header.layout}, here {own.layout} (not converted)"
     return None
 
