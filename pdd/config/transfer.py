@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from pdd.config.base import Section
 
-Codec = Literal["none", "zstd", "lz4", "int8", "int8+zstd"]
+Codec = Literal["none", "zstd", "lz4", "int8", "int8+zstd", "fp8", "fp8+zstd"]
 
 
 class TransferConfig(Section):
@@ -101,8 +101,9 @@ class TransferConfig(Section):
         "none",
         description=(
             "Codec of KV sent over TCP (the WAN, P -> MD): none, zstd or lz4 (lossless, "
-            "byte-shuffled), int8 (lossy: an absmax scale per token, head and K/V; about half "
-            "of bfloat16), int8+zstd. The receiver decodes whatever each chunk header names. "
+            "byte-shuffled), int8 or fp8 (lossy 8-bit codes: keys scaled per channel over a "
+            "block, values per token; about half of bfloat16, a quarter of float32), "
+            "int8+zstd, fp8+zstd. The receiver decodes whatever each chunk header names. "
             "UCX (P -> RLD) always sends raw."
         ),
     )

@@ -11,32 +11,41 @@ receiver recomputes.
     none       raw bytes
     zstd, lz4  lossless; float data is byte-shuffled first (byte k of every element together:
                the exponent bytes of KV are nearly constant, the mantissa bytes are noise)
-    int8       lossy, keys and values apart (vLLM's CPU layer block is [kv_heads, block_size,
-               2*head_dim], K|V packed): keys get an absmax scale per channel over the block's
-               tokens (keys have outlier channels), values one per token; scales are float16.
-               Per unit (one head of one layer of one block, T tokens x 2*head_dim):
-               [K scales f16 x head_dim][V scales f16 x T][codes i8 x T*2*head_dim], units
-               concatenated. Measured on real KV of the default model (bf16): keys per
-               channel and block 46.6 dB SNR vs 39.3 dB per token and head, with half the
-               key scale bytes, so keys go per channel; values per token 43.2 dB.
-    int8+zstd  int8, then zstd over its payload
+    int8       lossy, 8-bit integer codes with an absmax scale per group (float16 scales)
+    fp8        lossy, 8-bit float codes (e4m3, ml_dtypes) with an absmax scale per group: more
+               precision near zero, less near the group's largest value, than int8
+    int8+zstd, fp8+zstd   the 8-bit payload, then zstd over it
 
-A lossy codec needs a float `dtype` and a `shape` ending in (block_size, 2*head_dim) (the
-header's fields); a chunk without them, or not made of whole units, is sent with the codec's
-lossless part only (int8+zstd -> zstd, int8 -> none): the header of every chunk says what it carries.
-Encoders run on transport threads (beside vLLM's step, never inside it); zstd and lz4 release
-the GIL, numpy does for the large array operations.
+The lossy codecs treat keys and values apart, by what their statistics need: keys have
+outlier *channels*, so a key's scale spans one channel over the block's tokens; a value's
+spans one token's head_dim. The groups follow the bytes' paged layout (the header's `layout`,
+pdd.kv_geometry): in vLLM's CPU cache (`cpu_packed_kv`: per layer and KV head, K transposed
+[D, B] then V [B, D]) both are rows, one scale per row; in a K/V-split block (`kv_split`: per
+layer [2, B, H, D]) keys span B, values D. Per unit (one head of one layer for the CPU
+layout, one layer for K/V-split): [K scales][V scales][codes in the bytes' own order], units
+concatenated. Why these groups (real KV of the default model, `pdd bench codec`; the numbers
+are in docs/benchmarks.md): keys per channel and block gave 46.6 dB SNR against 39.3 dB per
+token and head, with fewer scale bytes; values per token 43.2 dB.
+
+A lossy codec needs a float `dtype`, a known layout and a `shape` (layers, heads, B, 2*D); a
+chunk without them, or not made of whole units, is sent with the codec's lossless part only
+(int8+zstd -> zstd, int8 -> none): the header of every chunk says what it carries. Encoders
+run on transport threads (beside vLLM's step, never inside it); zstd and lz4 release the GIL,
+numpy does for the large array operations.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import lz4.block
+import ml_dtypes
 import numpy as np
 import zstandard
 
 from pdd.errors import TransferError
+from pdd.kv_geometry import LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT
 
 ZSTD_LEVEL = 1  # measured: higher levels cost >3x the time for ~2% fewer bytes on KV
 
@@ -47,22 +56,36 @@ class CodecId(enum.IntEnum):
     LZ4 = 2
     INT8 = 3
     INT8_ZSTD = 4
+    FP8 = 5
+    FP8_ZSTD = 6
 
 
 NAMES = {"none": CodecId.NONE, "zstd": CodecId.ZSTD, "lz4": CodecId.LZ4, "int8": CodecId.INT8}
-NAMES["int8+zstd"] = CodecId.INT8_ZSTD
-LOSSY = (CodecId.INT8, CodecId.INT8_ZSTD)
-_LOSSLESS_PART = {CodecId.INT8: CodecId.NONE, CodecId.INT8_ZSTD: CodecId.ZSTD}
+NAMES.update({"int8+zstd": CodecId.INT8_ZSTD, "fp8": CodecId.FP8, "fp8+zstd": CodecId.FP8_ZSTD})
+LOSSY = (CodecId.INT8, CodecId.INT8_ZSTD, CodecId.FP8, CodecId.FP8_ZSTD)
+_LOSSLESS_PART = {
+    CodecId.INT8: CodecId.NONE,
+    CodecId.INT8_ZSTD: CodecId.ZSTD,
+    CodecId.FP8: CodecId.NONE,
+    CodecId.FP8_ZSTD: CodecId.ZSTD,
+}
+_ZSTD_AFTER = (CodecId.INT8_ZSTD, CodecId.FP8_ZSTD)
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+_F16_MAX = 65504.0
 
 
-# Wire/raw ratio before a codec was measured here (real KV of the default model, bf16).
+# Wire/raw ratio before a codec was measured here (real KV of the default model, bf16; an
+# 8-bit codec of float32 KV is about half of these).
 PRIOR_RATIO = {
     CodecId.NONE: 1.0,
     CodecId.ZSTD: 0.8,
     CodecId.LZ4: 0.9,
     CodecId.INT8: 0.516,
     CodecId.INT8_ZSTD: 0.45,
+    CodecId.FP8: 0.516,
+    CodecId.FP8_ZSTD: 0.45,
 }
 
 
@@ -100,31 +123,66 @@ def max_wire_bytes(nbytes: int) -> int:
     return nbytes + nbytes // 64 + 4096
 
 
-def unit_of(dtype: str, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(tokens, 2*head_dim) of one int8 unit, or (0, 0) when the geometry is unknown."""
-    if dtype not in ELEMENT_BYTES or len(shape) < 2 or shape[-1] < 2 or shape[-1] % 2:
-        return 0, 0
-    return shape[-2], shape[-1]
+@dataclass(frozen=True)
+class KvUnit:
+    """One quantization unit of a layout: its K half and V half as arrays, and the axis each
+    scale spans (keys: the block's tokens, one scale per channel; values: head_dim, one per
+    token). Shapes are per unit; a chunk of n units is viewed as (n, *shape)."""
+
+    elements: int
+    k_shape: tuple[int, ...]
+    k_axis: int  # in the (n, *k_shape) view
+    v_shape: tuple[int, ...]
+    v_axis: int
+
+    def halves(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Views (no copy) of the K and V halves of `flat`, whole units of any dtype."""
+        u = flat.reshape(-1, 2, self.elements // 2)
+        return u[:, 0].reshape(-1, *self.k_shape), u[:, 1].reshape(-1, *self.v_shape)
+
+    def scales(self) -> tuple[int, int]:
+        """Scales per unit: (keys, values)."""
+        k = self.elements // 2 // self.k_shape[self.k_axis - 1]
+        return k, self.elements // 2 // self.v_shape[self.v_axis - 1]
 
 
-def resolve(codec: CodecId, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int):
+def unit_of(dtype: str, shape: tuple[int, ...], layout: str) -> KvUnit | None:
+    """The lossy codecs' unit for this geometry, or None when they cannot apply."""
+    if dtype not in ELEMENT_BYTES or len(shape) != 4 or shape[-1] < 2 or shape[-1] % 2:
+        return None
+    _, heads, tokens, width = shape
+    hd = width // 2
+    if layout == LAYOUT_CPU_PACKED:  # per head: K^T [D, B] rows, then V [B, D] rows
+        return KvUnit(2 * tokens * hd, (hd, tokens), 2, (tokens, hd), 2)
+    if layout == LAYOUT_KV_SPLIT:  # per layer: K [B, H, D] then V [B, H, D]
+        kv = (tokens, heads, hd)
+        return KvUnit(2 * tokens * heads * hd, kv, 1, kv, 3)
+    return None
+
+
+def resolve(
+    codec: CodecId, dtype: str, shape: tuple[int, ...], layout: str, offset: int, nbytes: int
+) -> CodecId:
     """The codec a chunk really gets: a lossy one falls back where its units do not fit."""
     if codec not in LOSSY or nbytes == 0:
         return CodecId.NONE if nbytes == 0 else codec
-    tokens, width = unit_of(dtype, shape)
-    ubytes = tokens * width * ELEMENT_BYTES.get(dtype, 1)
+    unit = unit_of(dtype, shape, layout)
+    ubytes = unit.elements * ELEMENT_BYTES[dtype] if unit else 0
     if ubytes == 0 or offset % ubytes or nbytes % ubytes:
         return _LOSSLESS_PART[codec]
     return codec
 
 
-def encode(codec: CodecId, raw: memoryview, dtype: str, shape: tuple[int, ...]):
+def encode(codec: CodecId, raw: memoryview, dtype: str, shape: tuple[int, ...], layout: str = ""):
     """Encode one chunk's raw bytes; returns a buffer (the raw view itself for NONE)."""
     if codec is CodecId.NONE:
         return raw
     if codec in LOSSY:
-        packed = _int8_encode(raw, dtype, unit_of(dtype, shape))
-        return packed if codec is CodecId.INT8 else _zstd().compress(packed)
+        unit = unit_of(dtype, shape, layout)
+        if unit is None:
+            raise CodecError(f"{codec.name} needs a known KV geometry ({dtype} {shape} {layout})")
+        packed = _q8_encode(raw, dtype, unit, fp8=codec in (CodecId.FP8, CodecId.FP8_ZSTD))
+        return _zstd().compress(packed) if codec in _ZSTD_AFTER else packed
     data = _shuffle(raw, ELEMENT_BYTES.get(dtype, 1))
     if codec is CodecId.ZSTD:
         return _zstd().compress(data)
@@ -132,7 +190,12 @@ def encode(codec: CodecId, raw: memoryview, dtype: str, shape: tuple[int, ...]):
 
 
 def decode_into(
-    codec: CodecId, payload, dest: memoryview, dtype: str, shape: tuple[int, ...]
+    codec: CodecId,
+    payload,
+    dest: memoryview,
+    dtype: str,
+    shape: tuple[int, ...],
+    layout: str = "",
 ) -> None:
     """Decode `payload` into `dest` (exactly the raw size); raises CodecError otherwise."""
     n = dest.nbytes
@@ -143,14 +206,13 @@ def decode_into(
             dest[:] = payload
             return
         if codec in LOSSY:
-            unit = unit_of(dtype, shape)
-            ubytes = unit[0] * unit[1] * ELEMENT_BYTES.get(dtype, 1)
-            if ubytes == 0 or n % ubytes:
-                raise CodecError(f"int8 chunk without a whole KV geometry ({dtype} {shape})")
+            unit = unit_of(dtype, shape, layout)
+            if unit is None or n % (unit.elements * ELEMENT_BYTES[dtype]):
+                raise CodecError(f"8-bit chunk without a whole KV geometry ({dtype} {shape})")
             packed = payload
-            if codec is CodecId.INT8_ZSTD:
-                packed = _zstd_decompress(payload, _int8_size(n, dtype, unit))
-            _int8_decode_into(packed, dest, dtype, unit)
+            if codec in _ZSTD_AFTER:
+                packed = _zstd_decompress(payload, _q8_size(n, dtype, unit))
+            _q8_decode_into(packed, dest, dtype, unit, fp8=codec in (CodecId.FP8, CodecId.FP8_ZSTD))
             return
         esize = ELEMENT_BYTES.get(dtype, 1)
         if codec is CodecId.ZSTD:
@@ -205,14 +267,12 @@ def _unshuffle_into(data, dest: memoryview, esize: int) -> None:
         out[k::esize] = src[k * n : (k + 1) * n]
 
 
-# --- int8: keys per channel and block, values per token -----------------------------------
+# --- 8-bit: int8 or fp8 codes, keys per channel and block, values per token ---------------
 
 
-def _int8_size(nbytes: int, dtype: str, unit: tuple[int, int]) -> int:
-    tokens, width = unit
+def _q8_size(nbytes: int, dtype: str, unit: KvUnit) -> int:
     elements = nbytes // ELEMENT_BYTES[dtype]
-    units = elements // (tokens * width)
-    return elements + 2 * units * (width // 2 + tokens)
+    return elements + 2 * (elements // unit.elements) * sum(unit.scales())
 
 
 def to_float32(raw, dtype: str) -> np.ndarray:
@@ -236,39 +296,48 @@ def from_float32_into(values: np.ndarray, dest: memoryview, dtype: str) -> None:
     out[:] = values.reshape(-1)
 
 
-def _scale(absmax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float16 scales for `absmax` and their float32 values (0 -> 1: an all-zero group)."""
-    scale = (absmax / 127.0).astype(np.float16)
+def _quantize(x: np.ndarray, axis: int, codes: np.ndarray, fp8: bool) -> np.ndarray:
+    """Codes of `x` into `codes` (a uint8 view of x's shape); returns the float16 scales."""
+    qmax = FP8_MAX if fp8 else 127.0
+    absmax = np.abs(x).max(axis=axis, keepdims=True)
+    scale = np.minimum(absmax / qmax, _F16_MAX).astype(np.float16)
     s32 = scale.astype(np.float32)
-    return scale, np.where(s32 > 0, s32, 1.0)
+    q = np.clip(x / np.where(s32 > 0, s32, 1.0), -qmax, qmax)
+    if fp8:
+        codes[...] = q.astype(FP8).view(np.uint8)
+    else:
+        codes.view(np.int8)[...] = np.rint(q)
+    return scale
 
 
-def _int8_encode(raw: memoryview, dtype: str, unit: tuple[int, int]) -> bytes:
-    tokens, width = unit
-    hd = width // 2
-    x = to_float32(raw, dtype).reshape(-1, tokens, width)  # [units, T, 2*hd]
-    k, v = x[..., :hd], x[..., hd:]
-    k_scale, ks = _scale(np.abs(k).max(axis=1))  # [units, hd]: per channel over the block
-    v_scale, vs = _scale(np.abs(v).max(axis=2))  # [units, T]: per token
-    codes = np.empty(x.shape, np.int8)
-    codes[..., :hd] = np.clip(np.rint(k / ks[:, None, :]), -127, 127)
-    codes[..., hd:] = np.clip(np.rint(v / vs[:, :, None]), -127, 127)
+def _q8_encode(raw: memoryview, dtype: str, unit: KvUnit, fp8: bool) -> bytes:
+    x = to_float32(raw, dtype)
+    codes = np.empty(x.size, np.uint8)
+    (k, v), (ck, cv) = unit.halves(x), unit.halves(codes)
+    k_scale = _quantize(k, unit.k_axis, ck, fp8)
+    v_scale = _quantize(v, unit.v_axis, cv, fp8)
     return k_scale.tobytes() + v_scale.tobytes() + codes.tobytes()
 
 
-def _int8_decode_into(packed, dest: memoryview, dtype: str, unit: tuple[int, int]) -> None:
-    tokens, width = unit
-    hd = width // 2
-    want = _int8_size(dest.nbytes, dtype, unit)
+def _q8_decode_into(packed, dest: memoryview, dtype: str, unit: KvUnit, fp8: bool) -> None:
+    want = _q8_size(dest.nbytes, dtype, unit)
     if len(packed) != want:
-        raise CodecError(f"int8 payload of {len(packed)} bytes, expected {want}")
-    units = dest.nbytes // ELEMENT_BYTES[dtype] // (tokens * width)
+        raise CodecError(f"8-bit payload of {len(packed)} bytes, expected {want}")
+    elements = dest.nbytes // ELEMENT_BYTES[dtype]
+    units = elements // unit.elements
+    nk, nv = (units * s for s in unit.scales())
     buf = np.frombuffer(packed, np.uint8)
-    k_end, v_end = 2 * units * hd, 2 * units * (hd + tokens)
-    ks = buf[:k_end].view(np.float16).astype(np.float32).reshape(units, 1, hd)
-    vs = buf[k_end:v_end].view(np.float16).astype(np.float32).reshape(units, tokens, 1)
-    codes = buf[v_end:].view(np.int8).reshape(units, tokens, width)
-    out = np.empty(codes.shape, np.float32)
-    np.multiply(codes[..., :hd], ks, out=out[..., :hd])
-    np.multiply(codes[..., hd:], vs, out=out[..., hd:])
+    scales = buf[: 2 * (nk + nv)].view(np.float16).astype(np.float32)
+    codes = buf[2 * (nk + nv) :].view(FP8 if fp8 else np.int8)
+    if fp8 and np.any((buf[2 * (nk + nv) :] & 0x7F) == 0x7F):  # e4m3's NaN: never encoded
+        raise CodecError("fp8 payload holds NaN codes")
+    out = np.empty(elements, np.float32)
+    (ok, ov), (ck, cv) = unit.halves(out), unit.halves(codes)
+    np.multiply(ck.astype(np.float32), _keepdims(scales[:nk], ck.shape, unit.k_axis), out=ok)
+    np.multiply(cv.astype(np.float32), _keepdims(scales[nk:], cv.shape, unit.v_axis), out=ov)
     from_float32_into(out, dest, dtype)
+
+
+def _keepdims(scales: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """Scales laid out as absmax(..., axis, keepdims=True) of an array of `shape`."""
+    return scales.reshape(shape[:axis] + (1,) + shape[axis + 1 :])

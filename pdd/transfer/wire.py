@@ -433,7 +433,7 @@ class ChunkPlan(Sequence[Chunk]):
             kv_head_start=seg.kv_head_start if seg else 0,
             kv_head_end=seg.kv_head_end if seg else 0,
             layout=seg.layout if seg else "",
-            codec=resolve(self.codec, dtype, shape, offset, nbytes),
+            codec=resolve(self.codec, dtype, shape, seg.layout if seg else "", offset, nbytes),
         )
         view = self.views[si][offset : offset + nbytes] if self.views else memoryview(b"")
         return Chunk(header, view)
@@ -475,7 +475,7 @@ def encode_chunk(chunk: Chunk) -> tuple[ChunkHeader, memoryview]:
     header = chunk.header
     if header.codec == CodecId.NONE:
         return header, chunk.view
-    data = encode(CodecId(header.codec), chunk.view, header.dtype, header.shape)
+    data = encode(CodecId(header.codec), chunk.view, header.dtype, header.shape, header.layout)
     payload = memoryview(data).cast("B")
     if payload.nbytes >= header.nbytes:  # incompressible: raw is never worse
         return dataclasses.replace(header, codec=CodecId.NONE), chunk.view
@@ -484,4 +484,4 @@ def encode_chunk(chunk: Chunk) -> tuple[ChunkHeader, memoryview]:
 
 def decode_chunk(header: ChunkHeader, payload: Any, dest: memoryview) -> None:
     """Land a verified wire payload as raw KV in `dest`; CodecError if it does not decode."""
-    decode_into(CodecId(header.codec), payload, dest, header.dtype, header.shape)
+    decode_into(CodecId(header.codec), payload, dest, header.dtype, header.shape, header.layout)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pdd.errors import OverloadedError
+from pdd.kv_geometry import LAYOUT_CPU_PACKED
 from pdd.transfer import FaultHooks, KVSegment, SendRequest, TransferState
 from pdd.transfer.testing import LandingZone, crc_of, pattern, peer_to_json
 from tests.transfer.helpers import KINDS, idle, wait_for
@@ -290,18 +291,20 @@ def test_one_gib_transfer(kind, make_pair, gib):
 # --- codecs (issue 17): the WAN transports encode on their threads, the receiver decodes ---
 
 CODED_KINDS = ["inproc", "tcp"]  # ucx sends raw only (the P -> RLD path)
-KV_SHAPE = (2, 3, 128, 128)  # layers x [kv_heads, block_size, 2 * head_dim], K|V packed
+KV_SHAPE = (2, 3, 128, 128)  # layers x [kv_heads, block_size, 2 * head_dim]
 
 
 def kv_segment(seed: int) -> KVSegment:
-    """bfloat16 KV-like values (outlier channels included) in vLLM's CPU block layout."""
+    """bfloat16 KV-like values (channels of their own scale) in vLLM's CPU block layout: per
+    layer and KV head, K transposed [64, 128] (a row per channel), then V [128, 64]."""
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(KV_SHAPE) * np.linspace(0.1, 4, 128)).astype(np.float32)
+    x = rng.standard_normal((2, 3, 2, 64, 128)).astype(np.float32)
+    x[:, :, 0] *= np.linspace(0.1, 4, 64)[:, None]  # key channels (rows of K^T)
     bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)
-    return KVSegment(bf16, 0, 1, 0, 2, "bfloat16", KV_SHAPE)
+    return KVSegment(bf16, 0, 1, 0, 2, "bfloat16", KV_SHAPE, layout=LAYOUT_CPU_PACKED)
 
 
-@pytest.mark.parametrize("codec", ["zstd", "lz4", "int8", "int8+zstd"])
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "int8", "int8+zstd", "fp8", "fp8+zstd"])
 @pytest.mark.parametrize("coded_kind", CODED_KINDS)
 def test_codec_delivers_raw_kv_and_fewer_wire_bytes(coded_kind, codec, make_pair):
     from pdd.transfer.codec import NAMES, to_float32
@@ -315,19 +318,27 @@ def test_codec_delivers_raw_kv_and_fewer_wire_bytes(coded_kind, codec, make_pair
     headers = pair.zone.seen(handle.transfer_id)
     assert {h.codec for h in headers} == {NAMES[codec]}
     assert sum(h.nbytes for h in headers) == kv.data.nbytes
-    bound = 0.55 if codec.startswith("int8") else 0.95  # random values: little to squeeze
+    bound = 0.55 if codec[1:4] in ("nt8", "p8") else 0.95  # random values: little to squeeze
     assert sum(h.wire_nbytes for h in headers) < bound * kv.data.nbytes
     assert status.wire_bytes == sum(h.wire_nbytes for h in headers)  # what crossed
     if codec in ("zstd", "lz4"):
         assert bytes(landed) == kv.data.tobytes()  # lossless: exact
-    else:  # int8: keys within half a step of their channel's absmax, values of their token's
-        want = to_float32(kv.data.tobytes(), "bfloat16").reshape(-1, 128, 128)
-        got = to_float32(bytes(landed), "bfloat16").reshape(-1, 128, 128)
-        k_step = np.abs(want[..., :64]).max(axis=1, keepdims=True) / 127
-        v_step = np.abs(want[..., 64:]).max(axis=2, keepdims=True) / 127
-        step = np.concatenate([np.broadcast_to(k_step, want[..., :64].shape),
-                               np.broadcast_to(v_step, want[..., 64:].shape)], axis=-1)  # fmt: skip
-        assert np.all(np.abs(got - want) <= 0.5 * step * 1.01 + np.abs(want) / 128)
+        return
+    # 8-bit: every row (a key channel over the block, a value's head_dim) within half a
+    # step of its own absmax (int8: absmax/127; fp8: 3 mantissa bits, relative)
+    want = to_float32(kv.data.tobytes(), "bfloat16").reshape(-1, 64, 128)
+    got = to_float32(bytes(landed), "bfloat16").reshape(-1, 64, 128)
+    want_rows = want.reshape(2, 3, 2, -1)  # K^T rows of 128 tokens, V rows of 64 channels
+    k_rows, v_rows = want_rows[:, :, 0].reshape(-1, 128), want_rows[:, :, 1].reshape(-1, 64)
+    got_rows = got.reshape(2, 3, 2, -1)
+    gk, gv = got_rows[:, :, 0].reshape(-1, 128), got_rows[:, :, 1].reshape(-1, 64)
+    for w, g in ((k_rows, gk), (v_rows, gv)):
+        absmax = np.abs(w).max(axis=1, keepdims=True)
+        if codec.startswith("int8"):
+            step = 0.5 * absmax / 127 * 1.01
+        else:
+            step = np.abs(w) * 2**-4 + absmax / 448 * 2**-9
+        assert np.all(np.abs(g - w) <= step + np.abs(w) / 128)
 
 
 @pytest.mark.parametrize(
