@@ -360,9 +360,9 @@ def test_workers_of_another_model_than_the_routers_are_not_admitted(served, tmp_
 
 
 @contextlib.contextmanager
-def _extra_worker(worker: str, engine: list[str], log_path):
+def _extra_worker(worker: str, engine: list[str], log_path, sets: tuple[str, ...] = ()):
     """One more engine process for ``worker``'s entry of CONFIG, on free ports, with its
-    ``engine`` settings (KEY=VALUE) changed; yields its gRPC port."""
+    ``engine`` settings (KEY=VALUE) and any other ``sets`` changed; yields its gRPC port."""
     import subprocess
     import sys
 
@@ -371,7 +371,7 @@ def _extra_worker(worker: str, engine: list[str], log_path):
     i, port = WORKERS.index(worker), free_port()
     sets = [f"workers.{i}.port={port}", f"workers.{i}.metrics_port={free_port()}",
             f"workers.{i}.kv_port={free_port()}", f"workers.{i}.engine.kv_cache_space_gib=0.25",
-            *[f"workers.{i}.engine.{e}" for e in engine], *COMMON]  # fmt: skip
+            *[f"workers.{i}.engine.{e}" for e in engine], *sets, *COMMON]  # fmt: skip
     args = [sys.executable, "-m", "pdd.launch.worker", "--config", CONFIG, "--worker", worker,
             *[a for s in sets for a in ("--set", s)]]  # fmt: skip
     with log_path.open("w") as err:
@@ -388,15 +388,15 @@ def _extra_worker(worker: str, engine: list[str], log_path):
 
 
 @contextlib.contextmanager
-def _router_over(served, replaced: dict[str, int]):
+def _router_over(served, replaced: dict[str, int], sets: tuple[str, ...] = (), headers=None):
     """A pdd router over the suite's workers, some of them replaced (worker -> gRPC port);
     yields it once every worker is healthy, with the rows of /debug/workers."""
     ports = [f"workers.{WORKERS.index(w)}.port={port}" for w, port in replaced.items()]
-    router = start_router(CONFIG, [*_router_overrides(served, "pdd"), *ports])
+    router = start_router(CONFIG, [*_router_overrides(served, "pdd"), *ports, *sets])
     root = router.url.removesuffix("/v1")
 
     def all_healthy():
-        rows = httpx.get(root + "/debug/workers", timeout=5).json()["workers"]
+        rows = httpx.get(root + "/debug/workers", timeout=5, headers=headers).json()["workers"]
         return all(r["healthy"] for r in rows) and {r["id"]: r for r in rows}
 
     try:
@@ -512,6 +512,35 @@ def test_a_p_of_another_block_size_equals_single_engine(served, codec, prompts, 
             "no relay_decode worker can take KV from p: workers p and rld cannot exchange KV: "
             "block_size differs (p: 128, rld: 32)"
         )
+    assert stats(served, "md").kv_refused_chunks == refused
+
+
+@pytest.mark.parametrize("wan_codec", ["zstd", "lz4"])
+def test_a_lossless_wan_codec_equals_single_engine(served, codec, prompts, oracle, tmp_path,
+                                                    wan_codec):  # fmt: skip
+    """A P whose KV crosses to MD zstd- or lz4-coded (transfer.wan_codec): p_md's greedy text
+    equals one engine's on every prompt of the suite, fewer bytes cross than P's raw KV (P's
+    counters of what was acknowledged and what went on the wire), and MD refuses no chunk. The requests carry a tenant of their own (an API key of tenant
+    codec-NAME), so every prompt is new to MD's DRC and P sends every whole block."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"sk-{wan_codec} tenant=codec-{wan_codec} admin\n")
+    auth = {"Authorization": f"Bearer sk-{wan_codec}"}
+    refused = stats(served, "md").kv_refused_chunks
+    sets = (f"transfer.wan_codec={wan_codec}",)
+    with (_extra_worker("p", [], tmp_path / "p.log", sets) as port,
+          _router_over(served, {"p": port}, (f"router.api_keys_file={keys}",), auth)
+          as (router, _)):  # fmt: skip
+        for prompt, expected in zip(prompts, oracle, strict=True):
+            body = {"model": load_config(CONFIG).model.name, "prompt": prompt, "temperature": 0,
+                    "max_tokens": MAX_TOKENS, "pdd": VARIANTS["p_md"]}  # fmt: skip
+            r = httpx.post(f"{router.url}/completions", json=body, headers=auth, timeout=300)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
+                wan_codec, len(prompt), got["pdd"])  # fmt: skip
+            assert got["pdd"]["md_cached_tokens"] == 0  # a tenant of its own: MD held nothing
+        p_stats = _stats_at(port)  # p_md only: every byte P sent went to MD, coded
+        assert 0 < p_stats.kv_wire_bytes_sent < p_stats.kv_bytes_sent
     assert stats(served, "md").kv_refused_chunks == refused
 
 

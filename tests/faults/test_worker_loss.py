@@ -9,7 +9,8 @@ the next needs.
 
     p0 dies before its first token          -> the request is retried on p1
     corrupt / truncated / dropped chunk     -> MD never uses it and recomputes, within P's
-                                               send deadline (not the 30 s AwaitKv timeout)
+    (zstd-coded, as every P -> MD chunk       send deadline (not the 30 s AwaitKv timeout)
+    of this suite)
     p_rld_md, WAN transfer cut mid-way      -> no switch: RLD decodes to the end, no token
                                                gap above 2x the stream's median gap
     SIGTERM on the MD of a running stream   -> it finishes that stream and exits 0; a
@@ -155,7 +156,8 @@ def test_broken_kv_chunk_is_never_used_md_recomputes(topo, prompts, fault):
     got = complete(topo, prompts[fault])
     elapsed = time.monotonic() - t0
     record = got["pdd"]
-    assert record["wan_kv_bytes"] == SIZES[fault] * BLOCK_BYTES
+    assert record["wan_kv_raw_bytes"] == SIZES[fault] * BLOCK_BYTES
+    assert record["wan_kv_bytes"] < record["wan_kv_raw_bytes"]  # zstd-coded on the WAN
     assert "fault injection (tcp): " + fault in "\n".join(topo.workers["p1"].output)
     # corrupt: MD's checksum refused the chunk; drop: the sender's deadline (6 s) failed the
     # transfer on both ends; truncate (P cuts its connection in chunk 0): either MD never saw
@@ -188,7 +190,7 @@ def test_wan_transfer_cut_mid_way_on_p_rld_md_completes_on_rld_without_a_stall(t
 
     text, record = stream(topo, prompts["wan_cut_rld"], "p_rld_md", on_chunk)
     assert (record["handoff"], record["rld_tokens"]) == ("rld_finished", MAX_TOKENS - 1)
-    assert record["wan_kv_bytes"] == SIZES["wan_cut_rld"] * BLOCK_BYTES
+    assert record["wan_kv_raw_bytes"] == SIZES["wan_cut_rld"] * BLOCK_BYTES
     assert "fault injection (tcp): truncate" in "\n".join(topo.workers["p1"].output)
     url = topo.url.removesuffix("/v1") + f"/debug/requests/{request[0]}"
     debug = httpx.get(url, timeout=10).json()["pdd"]

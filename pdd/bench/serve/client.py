@@ -29,6 +29,7 @@ class PddFacts(BaseModel):
     prompt_tokens: int = 0
     md_cached_tokens: int = 0
     wan_kv_bytes: int = 0
+    wan_kv_raw_bytes: int = 0  # before P's WAN codec (wan_kv_bytes: after it, as expected)
     rld_tokens: int = 0
     handoff: str = "none"
     handoff_rounds: int = 0
