@@ -32,6 +32,7 @@ from pdd.transfer.api import (
     TransportStats,
 )
 from pdd.transfer.codec import CodecId, WireRatios, codec_id
+from pdd.transfer.estimate import CodecLoad
 from pdd.transfer.ledger import InboundLedger, OutboundLedger, OutRecord, Reaper
 from pdd.transfer.wire import (
     CancelReason,
@@ -139,8 +140,10 @@ class BaseTransport(Transport):
         """(header as sent, the payload to checksum, the payload to send) of chunk `index`:
         encoded on the calling transport thread (inside begin_chunk/end_chunk: the source is
         pinned); the last differs from the second only under the fault hooks."""
+        t0 = time.thread_time()
         header, payload = encode_chunk(rec.chunks[index])
-        self.wire_ratios.observe(CodecId(header.codec), header.nbytes, payload.nbytes)
+        cpu_s = time.thread_time() - t0
+        self.wire_ratios.observe(CodecId(header.codec), header.nbytes, payload.nbytes, cpu_s)
         sent = payload
         shorten = self.faults.shorten
         if header.codec != CodecId.NONE and shorten is not None and shorten(header):
@@ -157,10 +160,21 @@ class BaseTransport(Transport):
         """Learned wire/raw byte ratio of the codec `peer` (else the default) gets: 1.0 raw."""
         if not self.supports_codecs:
             return 1.0
+        return self.wire_ratios.ratio(self._peer_codec(peer))
+
+    def codec_load(self, peer: PeerAddress) -> CodecLoad | None:
+        """What encoding for `peer` costs, as measured (None: it gets raw KV)."""
+        codec = self._peer_codec(peer) if self.supports_codecs else CodecId.NONE
+        if codec is CodecId.NONE:
+            return None
+        name = codec.name.lower().replace("_", "+")
+        return CodecLoad(name, self.wire_ratios.encode_bps(codec), self.wire_ratios.ratio(codec))
+
+    def _peer_codec(self, peer: PeerAddress | None) -> CodecId:
         name = self.config.wan_codec
         if peer is not None:
             name = self.config.wan_codec_peers.get(peer.key(), name)
-        return self.wire_ratios.ratio(codec_id(name))
+        return codec_id(name)
 
     def poll(self, transfer_id: int) -> TransferStatus:
         return self.outbound.poll(transfer_id)

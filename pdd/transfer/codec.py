@@ -90,21 +90,32 @@ PRIOR_RATIO = {
 
 
 class WireRatios:
-    """Learned wire/raw byte ratio per codec (an EWMA over chunks), for ETAs. Thread-safe:
-    one float store per observation under the GIL."""
+    """Learned per codec (EWMAs over the chunks encoded): the wire/raw byte ratio, for ETAs,
+    and the raw bytes one thread encodes per CPU second, for sizing the encoders
+    (pdd.transfer.estimate.plan_flow). Thread-safe: one float store per observation under
+    the GIL."""
 
     def __init__(self, alpha: float = 0.05):
         self._alpha = alpha
         self._ratio = dict(PRIOR_RATIO)
+        self._encode_bps: dict[CodecId, float] = {}
 
-    def observe(self, codec: CodecId, raw: int, wire: int) -> None:
+    def observe(self, codec: CodecId, raw: int, wire: int, cpu_s: float = 0.0) -> None:
         if raw <= 0 or codec is CodecId.NONE:
             return
         old = self._ratio[codec]
         self._ratio[codec] = old + self._alpha * (wire / raw - old)
+        if cpu_s > 0:
+            rate = raw / cpu_s
+            was = self._encode_bps.get(codec, rate)
+            self._encode_bps[codec] = was + self._alpha * (rate - was)
 
     def ratio(self, codec: CodecId) -> float:
         return self._ratio[codec]
+
+    def encode_bps(self, codec: CodecId) -> float:
+        """Raw bytes per CPU second one encoder thread managed (0.0: not measured yet)."""
+        return self._encode_bps.get(codec, 0.0)
 
 
 class CodecError(TransferError):

@@ -18,11 +18,19 @@ product (BDP)::
                   (``socket_inflight_limit``: half the smaller tcp_wmem / tcp_rmem maximum),
                   from wan_streams up to max_wan_streams; past that the plan names the sysctl
     chunk         chunk_bytes_for (a cancel stops the bytes within ~2 RTTs)
+    encoders      with a WAN codec each stream's thread encodes its own chunks, so a link
+                  also needs enough streams that their encoders outrun it: the raw bytes the
+                  measured rate carries (wire rate / the codec's wire ratio), x CODEC_HEADROOM,
+                  over the codec's measured encode rate on one core. A link held back by its
+                  encoders measures their rate as its bandwidth, so the encoders grow by that
+                  headroom per sample until the path, not the codec, limits it; past the
+                  host's cores or max_wan_streams the plan names the codec
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +41,7 @@ from pdd.transfer.api import LinkEstimate
 LAN_RTT_S = 0.001  # below this a path is treated as local: chunks need not shrink for cancel
 WINDOW_HEADROOM = 2.0  # bytes in flight per measured BDP: room to measure a faster path
 DEFAULT_SOCKET_BYTES = 4 * 1024 * 1024  # Linux's default tcp_wmem maximum
+CODEC_HEADROOM = 1.5  # encoder capacity per raw byte rate the link carries
 
 
 class LinkEstimator:
@@ -131,20 +140,31 @@ def socket_inflight_limit(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
     return max(64 * 1024, min(maxima) // 2)
 
 
-def plan_flow(est: LinkEstimate | None, config: TransferConfig, socket_bytes: int) -> FlowPlan:
-    """The plan for a link with estimate ``est`` (module doc). Pure."""
+def plan_flow(
+    est: LinkEstimate | None,
+    config: TransferConfig,
+    socket_bytes: int,
+    codec: CodecLoad | None = None,
+) -> FlowPlan:
+    """The plan for a link with estimate ``est`` (module doc), whose chunks a codec with
+    ``codec``'s measured figures encodes (None: raw). Pure."""
     streams = config.wan_streams
     start = FlowPlan(streams, chunk_bytes_for(est, streams, config), config.window_chunks)
-    if est is None or est.samples == 0 or est.rtt_s < LAN_RTT_S:
-        return start  # nothing measured yet, or a LAN: the starting window is plenty
+    if est is None or est.samples == 0:
+        return start  # nothing measured yet
+    encoders = _encoders(est, config, codec)
+    if est.rtt_s < LAN_RTT_S:  # a LAN: the starting window is plenty
+        streams = max(streams, encoders.streams)
+        return FlowPlan(streams, chunk_bytes_for(est, streams, config), config.window_chunks,
+                        encoders.limited_by)  # fmt: skip
     bdp = est.bandwidth_bps / 8 * est.rtt_s
     want = min(max(start.inflight_bytes, int(bdp * WINDOW_HEADROOM)), config.max_inflight_bytes)
     needed = math.ceil(want / socket_bytes)
-    streams = max(streams, min(needed, config.max_wan_streams))
+    streams = max(streams, min(needed, config.max_wan_streams), encoders.streams)
     want = min(want, streams * socket_bytes)  # what the kernel lets that many sockets hold
     chunk = chunk_bytes_for(est, streams, config)
     window = max(config.window_chunks, math.ceil(want / (streams * chunk)))
-    limited_by = ""
+    limited_by = encoders.limited_by
     if want < bdp:  # pdd, not the path, would bound the rate
         limited_by = (
             "transfer.max_inflight_bytes"
@@ -154,3 +174,27 @@ def plan_flow(est: LinkEstimate | None, config: TransferConfig, socket_bytes: in
             "tcp_rmem maxima"
         )
     return FlowPlan(streams, chunk, window, limited_by)
+
+
+@dataclass(frozen=True)
+class CodecLoad:
+    """What a link's codec costs, as measured: raw bytes one core encodes per second, and
+    wire bytes per raw byte."""
+
+    name: str
+    encode_bps: float  # raw bytes per CPU second of one encoder thread
+    wire_ratio: float
+
+
+def _encoders(est: LinkEstimate, config: TransferConfig, codec: CodecLoad | None) -> FlowPlan:
+    """Streams whose encoders outrun the link (module doc), as a plan's streams and
+    limited_by; 0 streams when nothing is encoded or nothing measured."""
+    if codec is None or codec.encode_bps <= 0:
+        return FlowPlan(0, 0, 0)
+    raw_bps = est.bandwidth_bps / 8 / max(codec.wire_ratio, 1e-3)
+    need = math.ceil(raw_bps * CODEC_HEADROOM / codec.encode_bps)
+    cap = min(config.max_wan_streams, os.cpu_count() or 1)
+    if need <= cap:
+        return FlowPlan(need, 0, 0)
+    return FlowPlan(cap, 0, 0, f"the WAN codec {codec.name}: {cap} encoder threads of "
+                    f"{codec.encode_bps / 1e9:.2f} GB/s (transfer.max_wan_streams, the cores)")  # fmt: skip

@@ -93,7 +93,10 @@ class PeerLink:
             old = self.plan
             cfg = self.transport.config
             self.plan = plan = plan_flow(
-                self.estimator.estimate(), cfg, self.transport.socket_bytes
+                self.estimator.estimate(),
+                cfg,
+                self.transport.socket_bytes,
+                self.transport.codec_load(self.peer),
             )
             added = [SenderStream(self, i, plan.streams) for i in range(len(self.streams),
                                                                         plan.streams)]  # fmt: skip

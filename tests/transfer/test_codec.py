@@ -184,9 +184,11 @@ def test_malformed_codec_fields_are_refused(bad):
         ChunkHeader.unpack(header(**bad).pack()[8:])
 
 
-def test_wire_ratio_learns_from_chunks():
+def test_wire_ratio_and_encode_rate_learn_from_chunks():
     ratios = WireRatios(alpha=0.5)
     assert ratios.ratio(CodecId.NONE) == 1.0
+    assert ratios.encode_bps(CodecId.ZSTD) == 0.0  # nothing encoded yet
     for _ in range(20):
-        ratios.observe(CodecId.ZSTD, 1000, 300)
+        ratios.observe(CodecId.ZSTD, 1000, 300, cpu_s=2e-6)
     assert ratios.ratio(CodecId.ZSTD) == pytest.approx(0.3, abs=1e-3)
+    assert ratios.encode_bps(CodecId.ZSTD) == pytest.approx(5e8)

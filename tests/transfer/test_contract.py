@@ -321,6 +321,8 @@ def test_codec_delivers_raw_kv_and_fewer_wire_bytes(coded_kind, codec, make_pair
     bound = 0.55 if codec[1:4] in ("nt8", "p8") else 0.95  # random values: little to squeeze
     assert sum(h.wire_nbytes for h in headers) < bound * kv.data.nbytes
     assert status.wire_bytes == sum(h.wire_nbytes for h in headers)  # what crossed
+    load = pair.sender.codec_load(pair.receiver.address)  # what sizes the link's encoders
+    assert load.name == codec and load.encode_bps > 0
     if codec in ("zstd", "lz4"):
         assert bytes(landed) == kv.data.tobytes()  # lossless: exact
         return

@@ -9,7 +9,13 @@ import pytest
 from pdd.config.transfer import TransferConfig
 from pdd.transfer import KVSegment, LinkEstimate, SendRequest, TransferState
 from pdd.transfer.api import PeerAddress
-from pdd.transfer.estimate import LinkEstimator, chunk_bytes_for, plan_flow, socket_inflight_limit
+from pdd.transfer.estimate import (
+    CodecLoad,
+    LinkEstimator,
+    chunk_bytes_for,
+    plan_flow,
+    socket_inflight_limit,
+)
 from pdd.transfer.testing import LandingZone, crc_of, make_pki, pattern
 from tests.transfer.helpers import wait_for
 
@@ -157,6 +163,35 @@ def test_a_lan_keeps_the_starting_window():
     cfg = TransferConfig()
     lan = plan_flow(LinkEstimate(25 * GBIT, 30e-6, 10), cfg, 2 * MiB)
     assert (lan.streams, lan.window_chunks) == (cfg.wan_streams, cfg.window_chunks)
+
+
+def test_encoders_outrun_the_link_and_grow_until_the_path_limits(monkeypatch):
+    """With a codec each stream encodes its own chunks: at 10 Gbit/s, int8+zstd (wire ratio
+    0.25) at 0.4 GB/s of raw KV per core needs 19 encoders (raw rate x 1.5 headroom); a link
+    held back by its encoders measures their rate, and the plan grows until the path limits."""
+    monkeypatch.setattr("pdd.transfer.estimate.os.cpu_count", lambda: 64)
+    cfg = TransferConfig()
+    load = CodecLoad("int8+zstd", encode_bps=0.4e9, wire_ratio=0.25)
+    assert plan_flow(LinkEstimate(10 * GBIT, 0.02, 9), cfg, 128 * MiB, load).streams == 19
+    streams, path = cfg.wan_streams, 10 * GBIT
+    for _ in range(8):  # each stream carries its encoder's output: 0.1 GB/s on the wire
+        measured = min(path, streams * load.encode_bps * load.wire_ratio * 8)
+        streams = plan_flow(LinkEstimate(measured, 0.02, 9), cfg, 128 * MiB, load).streams
+    assert measured == path and streams == 19
+    unmeasured = CodecLoad("zstd", encode_bps=0.0, wire_ratio=0.85)  # no chunk encoded yet
+    assert plan_flow(LinkEstimate(10 * GBIT, 0.02, 9), cfg, 128 * MiB, unmeasured) == plan_flow(
+        LinkEstimate(10 * GBIT, 0.02, 9), cfg, 128 * MiB
+    )
+
+
+def test_a_codec_the_cores_cannot_feed_is_named(monkeypatch):
+    monkeypatch.setattr("pdd.transfer.estimate.os.cpu_count", lambda: 8)
+    load = CodecLoad("int8+zstd", encode_bps=0.4e9, wire_ratio=0.25)
+    plan = plan_flow(LinkEstimate(10 * GBIT, 0.02, 9), TransferConfig(), 128 * MiB, load)
+    assert plan.streams == 8
+    assert plan.limited_by.startswith("the WAN codec int8+zstd: 8 encoder threads of 0.40 GB/s")
+    lan = plan_flow(LinkEstimate(10 * GBIT, 30e-6, 9), TransferConfig(), 128 * MiB, load)
+    assert lan.streams == 8  # a LAN's window stays, its encoders still must keep up
 
 
 def test_socket_limit_is_half_the_smaller_kernel_maximum(tmp_path):
