@@ -51,7 +51,6 @@ from pdd.cache.drc import DecodeRadixCache
 from pdd.cache.hashing import BlockHash
 from pdd.errors import CacheError, ConfigError, InvalidRequestError, TransferError
 from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
-from pdd.proto import worker_pb2 as pb
 from pdd.protocol import Role
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
 from pdd.worker.inbound import (
@@ -65,6 +64,7 @@ from pdd.worker.inbound import (
 )
 from pdd.worker.kv_convert import Regroup
 from pdd.worker.kv_wire import KvWireCheck
+from pdd.worker.roles import AwaitKvResult
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class DrcLanding:
             rec = self._recs.get(kv_id)
             return rec is not None and not (rec.inbound.terminal or rec.expected == 0)
 
-    async def await_kv(self, kv_id: str, timeout_s: float) -> pb.AwaitKvResponse:
+    async def await_kv(self, kv_id: str, timeout_s: float) -> AwaitKvResult:
         await self.waiters.wait_until(kv_id, lambda: self.terminal(kv_id), timeout_s)
         with self._lock:
             rec = self._recs.get(kv_id)

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import TransferError
-from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
 from pdd.worker.capacity import ArenaSize, setting_of
@@ -54,7 +53,19 @@ from pdd.worker.kv_run import (
     stream_loading,
 )
 from pdd.worker.kv_wire import KvWireCheck
-from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.roles import (
+    KV_IN,
+    AwaitKvCall,
+    AwaitKvResult,
+    CancelKvCall,
+    CancelKvResult,
+    GenerateCall,
+    KvDelta,
+    KvStats,
+    PrepareKvCall,
+    PrepareKvResult,
+    RoleContext,
+)
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
 
@@ -222,10 +233,10 @@ class RelayDecodeRole:
 
     # --- KV RPCs --------------------------------------------------------------------------
 
-    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
+    async def prepare_kv(self, call: PrepareKvCall) -> PrepareKvResult:
         """Reserve slots for every whole block (RLD holds no cache: cached_blocks is 0)."""
-        kv_id, n = req.kv_request_id, len(req.prompt_token_ids) // self._block_size
-        lease = req.lease_s if req.lease_s > 0 else self._worker.kv_landing_lease_s
+        kv_id, n = call.kv_request_id, len(call.prompt) // self._block_size
+        lease = call.lease_s if call.lease_s > 0 else self._worker.kv_landing_lease_s
         with self._lock:
             landing = self._landings.get(kv_id)
             if landing is None:
@@ -239,14 +250,11 @@ class RelayDecodeRole:
             landing.slots.update(zip(missing, slots, strict=True))
             self._landings[kv_id] = landing
             self._recent.forget(kv_id)
-        return pb.PrepareKvResponse(
-            cached_blocks=0, reserved_blocks=n, address=self._plane.address(),
-            landing_key=landing.key,
-        )  # fmt: skip
+        return PrepareKvResult(0, n, self._plane.address(), landing.key)
 
-    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:
-        key = req.kv_request_id
-        await self._waiters.wait_until(key, lambda: self._terminal(key), req.timeout_s)
+    async def await_kv(self, call: AwaitKvCall) -> AwaitKvResult:
+        key = call.kv_request_id
+        await self._waiters.wait_until(key, lambda: self._terminal(key), call.timeout_s)
         with self._lock:
             landing = self._landings.get(key)
             if landing is not None:
@@ -255,16 +263,16 @@ class RelayDecodeRole:
                 return await_response(state, landing.inbound.bytes_received, blocks, reason)
         return self._recent.response(key)
 
-    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
+    async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
         with self._lock:
-            landing = self._landings.get(req.kv_request_id)
+            landing = self._landings.get(call.kv_request_id)
             if landing is not None and landing.inbound.cancelled is None:
-                landing.inbound.cancelled = req.reason or "cancelled"
+                landing.inbound.cancelled = call.reason or "cancelled"
         if landing is None:
-            return pb.CancelKvResponse(found=False)
-        self._waiters.notify(req.kv_request_id)
+            return CancelKvResult(False)
+        self._waiters.notify(call.kv_request_id)
         self._maybe_free(landing)
-        return pb.CancelKvResponse(found=True)
+        return CancelKvResult(True)
 
     # --- release (event loop) -------------------------------------------------------------
 
