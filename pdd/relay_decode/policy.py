@@ -97,7 +97,9 @@ class PoolSource:
         slots.slots.update(zip(missing, taken, strict=True))
         return slots
 
-    def buffer(self, rec: Landing[PoolSlots], header: ChunkHeader, src: KvGeometry | None):
+    def buffer(
+        self, rec: Landing[PoolSlots], header: ChunkHeader, src: KvGeometry | None
+    ) -> memoryview:
         block, slots = header.block_start, rec.slots.slots
         slot = slots.get(block)
         if slot is None:

@@ -91,21 +91,37 @@ class Landing(Generic[S]):
 
 
 class SlotSource(Protocol[S]):
-    """Where a receiver's inbound KV lands. The hooks run under the landing lock."""
+    """Where a receiver's inbound KV lands (RLD: its slot pool; MD: its DRC). The machine
+    decides when; the source only executes. Every hook runs under the landing lock; the
+    ``Later`` ones return what is left to do once it is released (DRC commits, copies)."""
 
     noun: str  # what a landing is called in refusals
     caches: bool  # what landed outlives the landing (module docstring)
     opens_on_chunk: bool  # a chunk with no landing opens one (unkeyed fleets only)
 
-    def open(self, kv_id: str) -> S: ...
+    def open(self, kv_id: str) -> S:
+        """Empty slots for a landing a chunk opens (only asked when ``opens_on_chunk``)."""
+        ...
+
     def buffer(self, rec: Landing[S], header: ChunkHeader, src: KvGeometry | None) -> memoryview:
         """Where one chunk lands (``src``: the geometry it converts from); raises to refuse."""
         ...
 
-    def verified(self, rec: Landing[S], header: ChunkHeader) -> Later: ...
-    def received(self, rec: Landing[S], done: bool) -> Later: ...
-    def ready_blocks(self, rec: Landing[S]) -> int: ...
-    def release(self, rec: Landing[S]) -> None: ...
+    def verified(self, rec: Landing[S], header: ChunkHeader) -> Later:
+        """A chunk's bytes passed the checksum: commit what is now whole (partial landing)."""
+        ...
+
+    def received(self, rec: Landing[S], done: bool) -> Later:
+        """A transfer ended (``done``: DONE): commit or discard what it wrote."""
+        ...
+
+    def ready_blocks(self, rec: Landing[S]) -> int:
+        """Blocks a Generate could load now (AwaitKv's ``blocks_ready``)."""
+        ...
+
+    def release(self, rec: Landing[S]) -> None:
+        """Give the landing's slots back: the one release, called once."""
+        ...
 
 
 class Landings(Generic[S]):
