@@ -3,14 +3,15 @@
 Owns the DRC (pdd.cache.drc) whose host tier *is* the shell's shared-memory arena, so the KV
 connector loads DRC blocks straight from their slots, and composes:
 
-- ``DrcLanding`` (landing.py): PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks;
+- ``DrcLanding`` (landing.py): the shell's landing state machine (pdd.worker.landing) over
+  the DRC: PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks;
 - ``OwnBlocks`` (store.py): after a request finished, the whole blocks of its prompt + output
   the DRC lacks are exported from the engine and stored, so the next turn sends none of them;
 - Generate(kv_in=DRC or TRANSFER): waits up to kv_in.wait_s for the request's inbound KV, then
   matches the prompt in the DRC (landed blocks included), pins the matched prefix under the
   owner ``gen:<request id>`` (a DRC lease of its own), loads it (LoadParams) and releases the
   pin when the engine is done with the slots (final output or fence);
-- DrcEvents: the DRC's snapshot or events as JSON (pdd.cache.messages) for the router's view.
+- DrcEvents: the DRC's snapshot or events (pdd.cache.messages) for the router's view.
 
 Arena layout: ``[0, drc_slots)`` is the DRC host tier (cache.host_capacity_gib), then
 ``store_slots`` scratch slots for OwnBlocks (worker.kv_staging_gib; 0 when it is off).
