@@ -1,8 +1,10 @@
 """MainDecode's inbound KV: WAN blocks land in the DRC under a PrepareKv reservation.
 
-Owns the *reservations*: per kv_request_id, the prompt's block hash chain, the DRC lease
-``reserve`` took (cached prefix pinned, landing slots for the rest) and the inbound transfer's
-state. Lifecycle of one reservation::
+The reservations run the shell's landing state machine (``pdd.worker.landing.Landings``: lease,
+landing key, consume, cancel, release, outcomes) over ``DrcSource``, the DRC as slot source:
+per kv_request_id, the prompt's block hash chain and the DRC lease ``reserve`` took (cached
+prefix pinned, landing slots for the rest). The DRC *caches*: what landed outlives the
+reservation. Lifecycle of one reservation::
 
     PrepareKv(prompt)    hashes (pdd.cache.hashing, model_salt), drc.reserve -> cached_blocks,
                          reserved_blocks, this worker's address (RESOURCE_EXHAUSTED when the
@@ -36,35 +38,26 @@ state. Lifecycle of one reservation::
                          landed blocks stay cached (LRU), unlanded slots are freed
     record dropped       lease released and no transfer open (``Recent`` keeps the outcome)
 
-Transport threads run ``allocate`` / ``received`` under ``_lock``; the DRC has its own lock.
+The state machine's lock guards the records; ``DrcSource``'s hooks run under it and leave the
+DRC commits and block copies for after it (the DRC has its own lock).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.cache.drc import DecodeRadixCache
+from pdd.cache.drc import Reservation as DrcReservation
 from pdd.cache.hashing import BlockHash
 from pdd.errors import CacheError, ConfigError, InvalidRequestError, TransferError
 from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
-from pdd.proto import worker_pb2 as pb
 from pdd.protocol import Role
-from pdd.transfer import ChunkHeader, InboundResult, TransferState
-from pdd.worker.inbound import (
-    InboundState,
-    Recent,
-    Waiters,
-    await_response,
-    key_matches,
-    new_landing_key,
-    split_wire_id,
-)
+from pdd.transfer import ChunkHeader
 from pdd.worker.kv_convert import Regroup
 from pdd.worker.kv_wire import KvWireCheck
+from pdd.worker.landing import Landing, Landings, Later
 
 log = logging.getLogger(__name__)
 
@@ -83,313 +76,173 @@ class _Converting:
 
 
 @dataclass
-class Reservation:
-    kv_id: str
+class DrcSlots:
+    """One reservation's blocks in the DRC (the landing's slots)."""
+
+    reservation: DrcReservation  # what drc.reserve set up
     chain: tuple[BlockHash, ...]
     expected: int  # blocks the DRC lacked at PrepareKv (what P sends)
-    deadline: float
-    inbound: InboundState = field(default_factory=InboundState)
     written: dict[int, BlockHash] = field(default_factory=dict)  # given a landing buffer
     verified: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> offset: bytes
     landed: set[int] = field(default_factory=set)  # wholly verified and handed to drc.land
     converting: _Converting | None = None  # P sends KV in another geometry
-    consumed: bool = False
-    leased: bool = True
-    landing_key: str = ""  # "": any sender (a fleet without a worker token)
 
 
-class DrcLanding:
-    """PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks, over one DRC."""
+Rec = Landing[DrcSlots]
+Ready = list[tuple[BlockHash, bytes, memoryview]]  # converted blocks: hash, bytes, DRC slot
+
+
+class DrcSource:
+    """The DRC as the landing's slot source: landing buffers, per-chunk commit, conversion."""
+
+    noun = "DRC reservation"
+    caches = True  # landed blocks stay cached; the DRC guards a write buffer open at release
+    opens_on_chunk = False  # a reservation needs the prompt's hash chain (PrepareKv)
 
     def __init__(
-        self,
-        drc: DecodeRadixCache,
-        slot_bytes: int,
-        default_lease_s: float,
-        geometry: Callable[[], KvGeometry | None] = lambda: None,
+        self, drc: DecodeRadixCache, slot_bytes: int, geometry: Callable[[], KvGeometry | None]
     ) -> None:
         self._drc = drc
         self._slot_bytes = slot_bytes
         self._geometry = geometry  # MD's own (the engine's)
-        converts = RECEIVER_CONVERTS[Role.MAIN_DECODE]
-        self.wire_check = KvWireCheck(slot_bytes, geometry, converts)
-        self._default_lease_s = default_lease_s
-        self._recs: dict[str, Reservation] = {}
-        self._recent = Recent()
-        self.waiters = Waiters()
-        self._lock = threading.Lock()
-        self.query_tokens = 0  # prompt tokens routed here (PrepareKv)
-        self.hit_tokens = 0  # of which the DRC held at PrepareKv
-        self.refused_chunks = 0  # chunks without their reservation's landing key
 
-    @property
-    def open_records(self) -> int:
-        with self._lock:
-            return len(self._recs)
+    def open(self, kv_id: str) -> DrcSlots:
+        raise AssertionError("a DRC reservation is only made by PrepareKv")
 
-    # --- RPCs (event loop) ----------------------------------------------------------------
+    def reserve(
+        self, kv_id: str, held: DrcSlots | None, chain: list[BlockHash], n_tokens: int, lease: float
+    ) -> DrcSlots:
+        """drc.reserve for the prompt (CacheFullError when there is no room)."""
+        if held is not None:
+            raise InvalidRequestError(f"KV of request {kv_id!r} is already prepared here")
+        res = self._drc.reserve(
+            kv_id, chain, num_prompt_tokens=n_tokens, ttl_s=lease + LEASE_SLACK_S
+        )
+        return DrcSlots(res, tuple(chain), len(res.receive))
 
-    def prepare(
-        self,
-        kv_id: str,
-        chain: list[BlockHash],
-        n_tokens: int,
-        lease_s: float,
-        keyed: bool = False,
-    ):
-        """drc.reserve for the prompt; returns it (CacheFullError when there is no room).
-        ``keyed``: the reservation gets a landing key its chunks must carry."""
-        lease = lease_s if lease_s > 0 else self._default_lease_s
-        with self._lock:
-            if kv_id in self._recs:
-                raise InvalidRequestError(f"KV of request {kv_id!r} is already prepared here")
-            res = self._drc.reserve(
-                kv_id, chain, num_prompt_tokens=n_tokens, ttl_s=lease + LEASE_SLACK_S
-            )
-            rec = Reservation(kv_id, tuple(chain), len(res.receive), time.monotonic() + lease)
-            rec.landing_key = new_landing_key() if keyed else ""
-            self._recs[kv_id] = rec
-            self._recent.forget(kv_id)
-            self.query_tokens += n_tokens
-            self.hit_tokens += res.cached_tokens
-        return res
-
-    def landing_key(self, kv_id: str) -> str:
-        """The secret chunks of ``kv_id``'s reservation must carry (PrepareKvResponse)."""
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            return rec.landing_key if rec is not None else ""
-
-    def terminal(self, kv_id: str) -> bool:
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            if rec is None:
-                return kv_id in self._recent
-            return rec.inbound.terminal or rec.expected == 0
-
-    def expecting(self, kv_id: str) -> bool:
-        """KV for ``kv_id`` is reserved here and still on its way (Generate waits for it)."""
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            return rec is not None and not (rec.inbound.terminal or rec.expected == 0)
-
-    async def await_kv(self, kv_id: str, timeout_s: float) -> pb.AwaitKvResponse:
-        await self.waiters.wait_until(kv_id, lambda: self.terminal(kv_id), timeout_s)
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            if rec is not None:
-                state, reason = rec.inbound.outcome()
-                if rec.expected == 0 and state == "pending":
-                    state = "done"  # nothing to receive: everything was cached
-                blocks = self._ready_blocks(rec)
-                return await_response(state, rec.inbound.bytes_received, blocks, reason)
-        return self._recent.response(kv_id)
-
-    def cancel(self, kv_id: str, reason: str) -> bool:
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            if rec is None:
-                return False
-            if rec.inbound.cancelled is None and not rec.inbound.done:
-                rec.inbound.cancelled = reason or "cancelled"
-            rec.consumed = True
-        self.waiters.notify(kv_id)
-        self.settle(rec)
-        return True
-
-    def consume(self, kv_id: str) -> None:
-        """A Generate took the request's KV (it pinned what it loads by itself).
-
-        If no transfer of it was ever seen (P's send failed before its first chunk, or is
-        stuck behind a dead link), the Generate recomputes the prompt and nobody will use
-        these slots: the reservation is given up now, and chunks arriving later are refused,
-        rather than holding the landing slots until the lease expires. A transfer already
-        open keeps its slots until it ends (what lands is cached for the next turn)."""
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            if rec is None:
-                return
-            rec.consumed = True
-            idle = not rec.inbound.open and not rec.inbound.terminal and rec.expected > 0
-            if idle and rec.inbound.cancelled is None:
-                rec.inbound.cancelled = "consumed before its KV arrived"
-        if idle:
-            log.warning("KV of %s: never arrived; its landing slots are released", kv_id)
-            self.waiters.notify(kv_id)
-        self.settle(rec)
-
-    def settle(self, rec: Reservation) -> None:
-        """Release the lease / drop the record once nothing needs them (module docstring)."""
-        with self._lock:
-            if self._recs.get(rec.kv_id) is not rec:
-                return
-            ended = rec.inbound.terminal or rec.expected == 0
-            if rec.leased and (rec.inbound.cancelled is not None or (rec.consumed and ended)):
-                blocks = self._ready_blocks(rec)
-                self._drc.release(rec.kv_id)
-                rec.leased = False
-                self._recent.put(rec.kv_id, rec.inbound, blocks)
-            if not rec.leased and not rec.inbound.open:
-                del self._recs[rec.kv_id]
-
-    def expire(self, now: float) -> None:
-        with self._lock:
-            expired = [r for r in self._recs.values() if r.deadline <= now]
-            for rec in expired:
-                if rec.inbound.cancelled is None and not rec.inbound.done:
-                    rec.inbound.cancelled = "lease expired"
-                rec.consumed = True
-        for rec in expired:
-            log.warning("DRC reservation of %s: lease expired, releasing it", rec.kv_id)
-            self.waiters.notify(rec.kv_id)
-            self.settle(rec)
-
-    def release_all(self) -> None:
-        with self._lock:
-            recs, self._recs = list(self._recs.values()), {}
-        for rec in recs:
-            if rec.leased:
-                self._drc.release(rec.kv_id)
-
-    def _ready_blocks(self, rec: Reservation) -> int:
-        if not rec.leased:
-            return self._drc.match(rec.chain).cached_blocks
+    def ready_blocks(self, rec: Rec) -> int:
+        if not rec.held:
+            return self._drc.match(rec.slots.chain).cached_blocks
         try:
             return self._drc.ready(rec.kv_id).cached_blocks
         except CacheError:
             return 0
 
-    # --- the receiver (transport threads) -------------------------------------------------
+    def release(self, rec: Rec) -> None:
+        self._drc.release(rec.kv_id)
 
-    def allocate(self, header: ChunkHeader) -> memoryview:
+    # --- chunks (transport threads, under the landing lock) -------------------------------
+
+    def buffer(self, rec: Rec, header: ChunkHeader, src: KvGeometry | None) -> memoryview:
         """Where one chunk lands; raises to refuse it (and so its transfer)."""
-        (kv_id, key), i = split_wire_id(header.request_id), header.block_start
-        src = self.wire_check(header)  # refused unless it lands here; src: converted
-        with self._lock:
-            rec = self._recs.get(kv_id)
-            if rec is None or not rec.leased or rec.inbound.cancelled is not None:
-                raise TransferError(f"no DRC reservation for the KV of {kv_id!r}")
-            if not key_matches(rec.landing_key, key):
-                self.refused_chunks += 1
-                raise TransferError(f"KV of {kv_id!r}: not from the P its reservation is for")
-            if src is not None:
-                conv = self._converting(rec, src)
-            elif i >= len(rec.chain):
-                raise TransferError(f"KV of {kv_id!r}: block {i} is past the prompt's blocks")
-            rec.inbound.seen(header.transfer_id)
+        s, i = rec.slots, header.block_start
         if src is not None:
-            return self._allocate_converted(rec, conv, header)
-        buf = self._drc.landing_buffer(kv_id, rec.chain[i])  # CacheError: the lease ended
+            return self._converted_buffer(rec, self._converting(rec, src), header)
+        if i >= len(s.chain):
+            raise TransferError(f"KV of {rec.kv_id!r}: block {i} is past the prompt's blocks")
+        buf = self._drc.landing_buffer(rec.kv_id, s.chain[i])  # CacheError: the lease ended
         if buf is None:  # the DRC already holds it: read the bytes and drop them
             return memoryview(bytearray(header.nbytes))
-        with self._lock:
-            rec.written[i] = rec.chain[i]
+        s.written[i] = s.chain[i]
         return buf[header.offset : header.offset + header.nbytes]
 
-    def verified(self, header: ChunkHeader) -> None:
+    def verified(self, rec: Rec, header: ChunkHeader) -> Later:
         """One chunk's bytes are complete and checked; land its block once all of it is."""
-        i = header.block_start
-        with self._lock:
-            rec = self._recs.get(split_wire_id(header.request_id)[0])
-            if rec is None:
-                return
-            conv = rec.converting
-            if conv is not None:
-                ready = self._verified_converted(rec, conv, header)
-            else:
-                if i not in rec.written or i in rec.landed:
-                    return  # a throw-away buffer (already cached), or a duplicate
-                parts = rec.verified.setdefault(i, {})
-                parts[header.offset] = header.nbytes
-                if not rec.leased or not _covers(parts, self._slot_bytes):
-                    return  # more chunks of the block to come (or the lease ended: discarded)
-                rec.landed.add(i)
-                block_hash = rec.written[i]
-        if conv is None:
-            self._land(rec.kv_id, block_hash, commit=True)
-            return
-        for block_hash, data, slot in ready:
-            self._land(rec.kv_id, block_hash, commit=_write(data, slot))
+        s, i = rec.slots, header.block_start
+        conv = s.converting
+        if conv is not None:
+            ready = self._verified_converted(rec, conv, header)
+            return lambda: self._land_ready(rec.kv_id, ready)
+        if i not in s.written or i in s.landed:
+            return None  # a throw-away buffer (already cached), or a duplicate
+        parts = s.verified.setdefault(i, {})
+        parts[header.offset] = header.nbytes
+        if not rec.held or not _covers(parts, self._slot_bytes):
+            return None  # more chunks of the block to come (or the lease ended: discarded)
+        s.landed.add(i)
+        block_hash = s.written[i]
+        return lambda: self._land(rec.kv_id, block_hash, commit=True)
 
-    def received(self, result: InboundResult) -> None:
-        with self._lock:
-            rec = self._recs.get(split_wire_id(result.request_id)[0])
-            if rec is None:
-                return
-            rec.inbound.finish(result)
-            done = result.state is TransferState.DONE
-            conv, ready = rec.converting, []
-            if conv is not None:
-                if done:  # every byte arrived: the blocks not distributed yet are whole
-                    for i in sorted(conv.bufs):
-                        ready += self._distribute(rec, conv, i)
-                conv.bufs.clear()
-                conv.parts.clear()
-                conv.slots.clear()
-            pending = [rec.written[i] for i in sorted(rec.written) if i not in rec.landed]
-            rec.written.clear()
-            rec.verified.clear()
-        for block_hash, data, slot in ready:
-            self._land(rec.kv_id, block_hash, commit=_write(data, slot))
-        # DONE: the rest lands (a converted block still missing tokens never does); else:
-        # none half-written
-        for block_hash in pending:
-            self._land(rec.kv_id, block_hash, commit=done and conv is None)
-        self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))
+    def received(self, rec: Rec, done: bool) -> Later:
+        """DONE: the rest lands (a converted block still missing tokens never does); else:
+        none half-written."""
+        s, conv, ready = rec.slots, rec.slots.converting, []
+        if conv is not None:
+            if done:  # every byte arrived: the blocks not distributed yet are whole
+                for i in sorted(conv.bufs):
+                    ready += self._distribute(rec, conv, i)
+            conv.bufs.clear()
+            conv.parts.clear()
+            conv.slots.clear()
+        pending = [s.written[i] for i in sorted(s.written) if i not in s.landed]
+        s.written.clear()
+        s.verified.clear()
+        commit = done and conv is None
 
-    # --- KV in another geometry (under _lock unless said) ---------------------------------
+        def later() -> None:
+            self._land_ready(rec.kv_id, ready)
+            for block_hash in pending:
+                self._land(rec.kv_id, block_hash, commit=commit)
 
-    def _converting(self, rec: Reservation, src: KvGeometry) -> _Converting:
+        return later
+
+    # --- KV in another geometry (under the landing lock) ----------------------------------
+
+    def _converting(self, rec: Rec, src: KvGeometry) -> _Converting:
         """The reservation's conversion from ``src``; TransferError for a second geometry."""
-        conv = rec.converting
+        conv = rec.slots.converting
         if conv is None:
             own = self._geometry()
             assert own is not None, "a converted chunk passed the check of a known geometry"
             try:
-                conv = rec.converting = _Converting(Regroup(src, own))
+                conv = rec.slots.converting = _Converting(Regroup(src, own))
             except ConfigError as exc:
                 raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
         elif conv.regroup.src != src:
             raise TransferError(f"KV of {rec.kv_id!r}: chunks in two KV geometries")
         return conv
 
-    def _allocate_converted(self, rec: Reservation, conv: _Converting, header: ChunkHeader):
-        """(Not under the lock.) The scratch of P's block; DRC slots for the blocks it fills."""
-        i = header.block_start
-        with self._lock:
-            want = [j for j in conv.regroup.targets(i) if j < len(rec.chain)]
-            new = [j for j in want if j not in rec.written and j not in rec.landed]
+    def _converted_buffer(self, rec: Rec, conv: _Converting, header: ChunkHeader):
+        """The scratch of P's block; DRC slots for the blocks it fills."""
+        s, i = rec.slots, header.block_start
+        want = [j for j in conv.regroup.targets(i) if j < len(s.chain)]
         if not want:  # tokens past the prompt's last whole block here: read and drop
             return memoryview(bytearray(header.nbytes))
-        for j in new:
-            slot = self._drc.landing_buffer(rec.kv_id, rec.chain[j])  # None: already held
+        for j in want:
+            if j in s.written or j in s.landed:
+                continue
+            slot = self._drc.landing_buffer(rec.kv_id, s.chain[j])  # None: already held
             if slot is not None:
-                with self._lock:
-                    rec.written[j] = rec.chain[j]
-                    conv.slots[j] = slot
-        with self._lock:
-            buf = conv.bufs.setdefault(i, bytearray(conv.regroup.src.block_bytes))
+                s.written[j] = s.chain[j]
+                conv.slots[j] = slot
+        buf = conv.bufs.setdefault(i, bytearray(conv.regroup.src.block_bytes))
         return memoryview(buf)[header.offset : header.offset + header.nbytes]
 
-    def _verified_converted(self, rec: Reservation, conv: _Converting, header: ChunkHeader):
+    def _verified_converted(self, rec: Rec, conv: _Converting, header: ChunkHeader) -> Ready:
         i = header.block_start
         if i not in conv.bufs:
             return []  # a throw-away buffer, or a duplicate
         parts = conv.parts.setdefault(i, {})
         parts[header.offset] = header.nbytes
-        if not rec.leased or not _covers(parts, conv.regroup.src.block_bytes):
+        if not rec.held or not _covers(parts, conv.regroup.src.block_bytes):
             return []
         return self._distribute(rec, conv, i)
 
-    def _distribute(self, rec: Reservation, conv: _Converting, i: int):
+    def _distribute(self, rec: Rec, conv: _Converting, i: int) -> Ready:
         """P's block ``i`` is whole: its tokens go into the DRC blocks it overlaps; the
         blocks that became whole, as (hash, bytes in MD's geometry, DRC slot)."""
-        data = conv.bufs.pop(i)
+        s, data = rec.slots, conv.bufs.pop(i)
         conv.parts.pop(i, None)
-        wanted = [j for j in conv.regroup.targets(i) if j in rec.written and j not in rec.landed]
+        wanted = [j for j in conv.regroup.targets(i) if j in s.written and j not in s.landed]
         done = conv.regroup.put(i, data, wanted) if wanted else {}
-        rec.landed.update(done)
-        return [(rec.written[j], block, conv.slots.pop(j)) for j, block in done.items()]
+        s.landed.update(done)
+        return [(s.written[j], block, conv.slots.pop(j)) for j, block in done.items()]
+
+    # --- commits (after the landing lock) -------------------------------------------------
+
+    def _land_ready(self, kv_id: str, ready: Ready) -> None:
+        for block_hash, data, slot in ready:
+            self._land(kv_id, block_hash, commit=_write(data, slot))
 
     def _land(self, kv_id: str, block_hash: BlockHash, *, commit: bool) -> None:
         try:
@@ -399,6 +252,40 @@ class DrcLanding:
                 self._drc.discard(kv_id, block_hash)
         except CacheError as exc:
             log.debug("KV of %s: block not taken by the DRC: %s", kv_id, exc.message)
+
+
+class DrcLanding(Landings[DrcSlots]):
+    """MainDecode's reservations: the shell's landing state machine over ``DrcSource``, and
+    the DRC reservation a PrepareKv makes (with the hit counters it feeds)."""
+
+    def __init__(
+        self,
+        drc: DecodeRadixCache,
+        slot_bytes: int,
+        default_lease_s: float,
+        geometry: Callable[[], KvGeometry | None] = lambda: None,
+    ) -> None:
+        converts = RECEIVER_CONVERTS[Role.MAIN_DECODE]
+        check = KvWireCheck(slot_bytes, geometry, converts)
+        self._drc_source = DrcSource(drc, slot_bytes, geometry)
+        super().__init__(self._drc_source, check, default_lease_s)
+        self.query_tokens = 0  # prompt tokens routed here (PrepareKv)
+        self.hit_tokens = 0  # of which the DRC held at PrepareKv
+
+    def prepare(
+        self, kv_id: str, chain: list[BlockHash], n_tokens: int, lease_s: float, keyed: bool = False
+    ) -> DrcReservation:
+        """drc.reserve for the prompt; returns it (CacheFullError when there is no room;
+        InvalidRequestError when it is prepared already). ``keyed``: the reservation gets a
+        landing key its chunks must carry."""
+
+        def take(held: DrcSlots | None, lease: float) -> DrcSlots:
+            return self._drc_source.reserve(kv_id, held, chain, n_tokens, lease)
+
+        res = self.reserve(kv_id, lease_s, keyed, take).slots.reservation
+        self.query_tokens += n_tokens
+        self.hit_tokens += res.cached_tokens
+        return res
 
 
 def _write(data: bytes, slot: memoryview) -> bool:

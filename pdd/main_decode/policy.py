@@ -3,14 +3,15 @@
 Owns the DRC (pdd.cache.drc) whose host tier *is* the shell's shared-memory arena, so the KV
 connector loads DRC blocks straight from their slots, and composes:
 
-- ``DrcLanding`` (landing.py): PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks;
+- ``DrcLanding`` (landing.py): the shell's landing state machine (pdd.worker.landing) over
+  the DRC: PrepareKv / AwaitKv / CancelKv and the TCP receiver's hooks;
 - ``OwnBlocks`` (store.py): after a request finished, the whole blocks of its prompt + output
   the DRC lacks are exported from the engine and stored, so the next turn sends none of them;
 - Generate(kv_in=DRC or TRANSFER): waits up to kv_in.wait_s for the request's inbound KV, then
   matches the prompt in the DRC (landed blocks included), pins the matched prefix under the
   owner ``gen:<request id>`` (a DRC lease of its own), loads it (LoadParams) and releases the
   pin when the engine is done with the slots (final output or fence);
-- DrcEvents: the DRC's snapshot or events as JSON (pdd.cache.messages) for the router's view.
+- DrcEvents: the DRC's snapshot or events (pdd.cache.messages) for the router's view.
 
 Arena layout: ``[0, drc_slots)`` is the DRC host tier (cache.host_capacity_gib), then
 ``store_slots`` scratch slots for OwnBlocks (worker.kv_staging_gib; 0 when it is off).
@@ -30,7 +31,6 @@ from pdd.config import CacheConfig, PddConfig, WorkerConfig
 from pdd.errors import CacheError, CacheFullError, InvalidRequestError
 from pdd.main_decode.landing import DrcLanding
 from pdd.main_decode.store import OwnBlocks
-from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
 from pdd.worker.capacity import ArenaSize, setting_of
@@ -40,7 +40,21 @@ from pdd.worker.kv_run import (
     plain,
     stream_loading,
 )
-from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.roles import (
+    KV_IN,
+    AwaitKvCall,
+    AwaitKvResult,
+    CancelKvCall,
+    CancelKvResult,
+    DrcEventsCall,
+    DrcEventsResult,
+    GenerateCall,
+    KvDelta,
+    KvStats,
+    PrepareKvCall,
+    PrepareKvResult,
+    RoleContext,
+)
 from pdd.worker.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -174,30 +188,25 @@ class MainDecodeRole:
 
     # --- KV RPCs --------------------------------------------------------------------------
 
-    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
-        prompt = list(req.prompt_token_ids)
-        chain = self.hashes(prompt, req.cache_salt)
+    async def prepare_kv(self, call: PrepareKvCall) -> PrepareKvResult:
+        prompt, kv_id = list(call.prompt), call.kv_request_id
+        chain = self.hashes(prompt, call.cache_salt)
         await self._own.settle(chain)  # the previous turn's own blocks, if still landing
         keyed = kv_token() is not None  # with fleet credentials: bind it to the router's P
-        res = self._landing.prepare(req.kv_request_id, chain, len(prompt), req.lease_s, keyed)
-        return pb.PrepareKvResponse(
-            cached_blocks=res.cached_blocks,
-            reserved_blocks=len(res.receive),
-            address=self._plane.address(),
-            landing_key=self._landing.landing_key(req.kv_request_id),
-        )
+        res = self._landing.prepare(kv_id, chain, len(prompt), call.lease_s, keyed)
+        address, key = self._plane.address(), self._landing.landing_key(kv_id)
+        return PrepareKvResult(res.cached_blocks, len(res.receive), address, key)
 
-    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:
-        return await self._landing.await_kv(req.kv_request_id, req.timeout_s)
+    async def await_kv(self, call: AwaitKvCall) -> AwaitKvResult:
+        return await self._landing.await_kv(call.kv_request_id, call.timeout_s)
 
-    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
-        return pb.CancelKvResponse(found=self._landing.cancel(req.kv_request_id, req.reason))
+    async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
+        return CancelKvResult(self._landing.cancel(call.kv_request_id, call.reason))
 
-    async def drc_events(self, req: pb.DrcEventsRequest) -> pb.DrcEventsResponse:
-        if req.since < 0:
-            return pb.DrcEventsResponse(json=self.drc.snapshot().model_dump_json(), snapshot=True)
-        batch = self.drc.events_since(req.since)
-        return pb.DrcEventsResponse(json=batch.model_dump_json(), snapshot=False)
+    async def drc_events(self, call: DrcEventsCall) -> DrcEventsResult:
+        if call.since < 0:
+            return DrcEventsResult(self.drc.snapshot())
+        return DrcEventsResult(self.drc.events_since(call.since))
 
     # --- leases, stats --------------------------------------------------------------------
 

@@ -32,13 +32,22 @@ from dataclasses import dataclass, field
 from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.errors import CacheError, ContextLengthError, InvalidRequestError
-from pdd.proto import worker_pb2 as pb
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
 from pdd.worker.capacity import ArenaSize, setting_of
-from pdd.worker.kv_plane import PlaneSpec, to_peer
+from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
 from pdd.worker.kv_wire import describe
-from pdd.worker.roles import KV_STAGE, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.roles import (
+    KV_STAGE,
+    CancelKvCall,
+    CancelKvResult,
+    GenerateCall,
+    KvDelta,
+    KvStats,
+    RoleContext,
+    SendKvCall,
+    SendKvResult,
+)
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
 
@@ -155,19 +164,19 @@ class PrefillRole:
 
     # --- KV RPCs --------------------------------------------------------------------------
 
-    async def send_kv(self, req: pb.SendKvRequest) -> pb.SendKvResponse:
+    async def send_kv(self, call: SendKvCall) -> SendKvResult:
         """Start one transfer per destination; returns the bytes queued for each."""
-        stage = self._stages.get(req.kv_request_id)
+        stage = self._stages.get(call.kv_request_id)
         if stage is None or stage.closed is not None:
             why = stage.closed if stage is not None else "never staged, or already released"
-            raise CacheError(f"no staged KV for request {req.kv_request_id!r} ({why})")
+            raise CacheError(f"no staged KV for request {call.kv_request_id!r} ({why})")
         plan = []
-        for dest in req.destinations:  # check everything before the first send starts
+        for dest in call.destinations:  # check everything before the first send starts
             if dest.first_block < 0:
                 raise InvalidRequestError("first_block must be >= 0", param="destinations")
             transport = self._plane.sender(dest.peer.transport)
             plan.append((transport, dest))
-        deadline_s = req.deadline_s if req.deadline_s > 0 else None
+        deadline_s = call.deadline_s if call.deadline_s > 0 else None
         sent: list[int] = []
         wire: list[int] = []  # expected on the wire: raw x the codec's learned ratio
         for transport, dest in plan:
@@ -179,7 +188,7 @@ class PrefillRole:
             request = SendRequest(
                 _wire_id(stage.kv_id, dest.landing_key), segments, deadline_s=deadline_s
             )
-            peer = to_peer(dest.peer)
+            peer = dest.peer.peer()
             handle = transport.send(peer, request)
             self._plane.started(handle.transfer_id)
             stage.sends[handle.transfer_id] = handle
@@ -191,11 +200,7 @@ class PrefillRole:
         stage.deadline = max(stage.deadline, time.monotonic() + lease)
         if not stage.sends:
             self._release(stage)  # nothing to send: the router is done with it
-        return pb.SendKvResponse(
-            staged_blocks=stage.staged,
-            bytes_per_destination=sent,
-            wire_bytes_per_destination=wire,
-        )
+        return SendKvResult(stage.staged, tuple(sent), tuple(wire))
 
     def _segments(self, stage: _Stage, first: int) -> list[KVSegment]:
         arena = self._plane.arena
@@ -205,17 +210,17 @@ class PrefillRole:
             for i in range(first, stage.staged)
         ]
 
-    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
-        kv_id = req.kv_request_id
+    async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
+        kv_id = call.kv_request_id
         found = False
         if kv_id in self._generating:
-            self._generating[kv_id] = req.reason or "cancelled"
+            self._generating[kv_id] = call.reason or "cancelled"
             found = True
         stage = self._stages.get(kv_id)
         if stage is not None:
-            self._close(stage, f"cancelled: {req.reason or 'CancelKv'}")
+            self._close(stage, f"cancelled: {call.reason or 'CancelKv'}")
             found = True
-        return pb.CancelKvResponse(found=found)
+        return CancelKvResult(found)
 
     # --- ends of sends and leases (event loop) --------------------------------------------
 

@@ -1,60 +1,57 @@
 """The RelayDecode (RLD) role: land P's KV over UCX, decode from it at once.
 
-Owns the *landings*: per kv_request_id, the staging slots its blocks land in and the state of
-the inbound transfer. Lifecycle of one landing::
+Its inbound KV runs the shell's landing state machine (``pdd.worker.landing.Landings``) over
+``PoolSlots``: per kv_request_id, staging slots of its own pool, one per prompt block::
 
     PrepareKv (or the first chunk)   slots for the prompt's whole blocks (RESOURCE_EXHAUSTED /
                                      a refused chunk when the staging arena is full); leased
                                      (PrepareKv.lease_s, else worker.kv_landing_lease_s). With
                                      fleet credentials: a fresh landing key the router hands only
                                      to the P it chose, and no landing without a PrepareKv
-    chunks land                      allocate(header) -> the view of block block_start's slot;
-                                     a chunk without the landing's key is refused
+    chunks land                      the view of block block_start's slot (a slot taken on the
+                                     first chunk of a block nobody reserved)
     Generate(kv_in)                  waits up to kv_in.wait_s for the transfer to be DONE, then
                                      loads the landed prefix (LoadParams); otherwise computes
                                      the prompt (still correct). Later chunks are refused.
     release                          consumed by a Generate and that Generate is done with the
                                      slots (final output or fence), or CancelKv, or the lease
                                      expired -- and in every case only once no transfer is open
-                                     (the transport never writes into a slot after reporting)
+                                     (the pool reuses a slot at once: it does not cache)
 
-``SlotPool.release(kv_id)`` is the one release of the slots; ``Recent`` remembers the outcome
-(late AwaitKv answers, late chunks refused). Transport threads call ``_allocate`` and
-``_received`` under ``_lock``; everything else runs on the event loop.
+``SlotPool.release(kv_id)`` is the one release of the slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from pdd.cache.arena import SlotArena
 from pdd.config import PddConfig, WorkerConfig
-from pdd.errors import TransferError
-from pdd.proto import worker_pb2 as pb
-from pdd.transfer import ChunkHeader, InboundResult, ReceiverHooks
+from pdd.kv_geometry import KvGeometry
+from pdd.transfer import ChunkHeader, ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
 from pdd.worker.capacity import ArenaSize, setting_of
-from pdd.worker.inbound import (
-    InboundState,
-    Recent,
-    Waiters,
-    await_response,
-    key_matches,
-    new_landing_key,
-    split_wire_id,
-)
 from pdd.worker.kv_plane import PlaneSpec
-from pdd.worker.kv_run import (
-    plain,
-    stream_loading,
-)
+from pdd.worker.kv_run import plain, stream_loading
 from pdd.worker.kv_wire import KvWireCheck
-from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats, RoleContext
+from pdd.worker.landing import Landing, Landings, Later
+from pdd.worker.roles import (
+    KV_IN,
+    AwaitKvCall,
+    AwaitKvResult,
+    CancelKvCall,
+    CancelKvResult,
+    GenerateCall,
+    KvDelta,
+    KvStats,
+    PrepareKvCall,
+    PrepareKvResult,
+    RoleContext,
+)
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
 
@@ -64,14 +61,11 @@ TICK_S = 0.25
 
 
 @dataclass
-class _Landing:
-    kv_id: str
-    deadline: float
-    slots: dict[int, int] = field(default_factory=dict)  # prompt block -> arena slot
-    inbound: InboundState = field(default_factory=InboundState)
-    users: int = 0  # Generates whose engine request may still read the slots
-    consumed: bool = False  # a Generate took it (or gave up waiting): no more chunks
-    key: str = ""  # its chunks' landing key ("": any sender, a fleet without credentials)
+class PoolSlots:
+    """One landing's staging slots: prompt block -> arena slot."""
+
+    slots: dict[int, int] = field(default_factory=dict)
+    expected: int | None = None  # RLD takes whatever P sends
 
     def loadable(self, whole_blocks: int) -> list[int]:
         """Slots of the landed prefix [0, k), k <= whole_blocks."""
@@ -79,6 +73,52 @@ class _Landing:
         while len(out) < whole_blocks and len(out) in self.slots:
             out.append(self.slots[len(out)])
         return out
+
+
+class PoolSource:
+    """RLD's slot source: its staging pool over the arena the connector loads from."""
+
+    noun = "landing"
+    caches = False  # a released slot is reused at once
+    opens_on_chunk = True  # a fleet without credentials may send before PrepareKv
+
+    def __init__(self, pool: SlotPool, arena: SlotArena) -> None:
+        self._pool = pool
+        self._arena = arena
+
+    def open(self, kv_id: str) -> PoolSlots:
+        return PoolSlots()
+
+    def reserve(self, kv_id: str, held: PoolSlots | None, blocks: int) -> PoolSlots:
+        """Slots for the prompt's whole blocks the landing has none for (OverloadedError)."""
+        slots = held if held is not None else PoolSlots()
+        missing = [b for b in range(blocks) if b not in slots.slots]
+        taken = self._pool.allocate(kv_id, len(missing))  # OverloadedError: full
+        slots.slots.update(zip(missing, taken, strict=True))
+        return slots
+
+    def buffer(
+        self, rec: Landing[PoolSlots], header: ChunkHeader, src: KvGeometry | None
+    ) -> memoryview:
+        block, slots = header.block_start, rec.slots.slots
+        slot = slots.get(block)
+        if slot is None:
+            slot = slots[block] = self._pool.allocate(rec.kv_id, 1)[0]
+        view = self._arena.view(slot)
+        return view[header.offset : header.offset + header.nbytes]
+
+    def verified(self, rec: Landing[PoolSlots], header: ChunkHeader) -> Later:
+        return None  # the Generate loads after the whole transfer is DONE
+
+    def received(self, rec: Landing[PoolSlots], done: bool) -> Later:
+        return None
+
+    def ready_blocks(self, rec: Landing[PoolSlots]) -> int:
+        slots = rec.slots
+        return len(slots.loadable(len(slots.slots))) if rec.inbound.done else 0
+
+    def release(self, rec: Landing[PoolSlots]) -> None:
+        self._pool.release(rec.kv_id)
 
 
 class RelayDecodeRole:
@@ -98,89 +138,39 @@ class RelayDecodeRole:
         assert ctx.plane is not None, "relay_decode needs a KV plane"
         self._engine = ctx.engine
         self._plane = ctx.plane
-        self._worker = ctx.worker
         self._block_size = ctx.block_size
-        self._slot_bytes = ctx.plane.arena.slot_bytes
-        engine = ctx.engine
-        self.wire_check = KvWireCheck(self._slot_bytes, lambda: engine.kv_geometry)
-        self._pool = SlotPool(ctx.plane.arena.num_slots)
-        self._landings: dict[str, _Landing] = {}
-        self._recent = Recent()
-        self._waiters = Waiters()
-        self._lock = threading.Lock()
-        self.refused_chunks = 0  # chunks without a prepared landing's key (keyed fleets)
+        engine, arena = ctx.engine, ctx.plane.arena
+        self._pool = SlotPool(arena.num_slots)
+        wire_check = KvWireCheck(arena.slot_bytes, lambda: engine.kv_geometry)
+        self._source = PoolSource(self._pool, arena)
+        self._landings = Landings(self._source, wire_check, ctx.worker.kv_landing_lease_s)
         self._ticker = Ticker(self.tick, TICK_S, "rld-leases")
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._waiters.bind(loop)
-        self._plane.start(ReceiverHooks(self._allocate, on_received=self._received))
+        landings = self._landings
+        landings.waiters.bind(asyncio.get_running_loop())
+        self._plane.start(ReceiverHooks(landings.allocate, on_received=landings.received))
         self._ticker.start()
 
     async def stop(self) -> None:
         await self._ticker.stop()
-        with self._lock:
-            landings, self._landings = list(self._landings.values()), {}
-        for landing in landings:
-            self._pool.release(landing.kv_id)
-
-    # --- the receiver (transport threads) -------------------------------------------------
-
-    def _allocate(self, header: ChunkHeader) -> memoryview:
-        """The slot view for one chunk; raises (the chunk and its transfer are refused)."""
-        self.wire_check(header)  # this worker's geometry, one whole slot
-        (kv_id, key), block = split_wire_id(header.request_id), header.block_start
-        with self._lock:
-            landing = self._landings.get(kv_id)
-            if landing is None:
-                if kv_id in self._recent:
-                    raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
-                if kv_token() is not None:  # keyed fleet: only a PrepareKv makes a landing
-                    self.refused_chunks += 1
-                    raise TransferError(f"no landing prepared for the KV of {kv_id!r}")
-                lease = time.monotonic() + self._worker.kv_landing_lease_s
-                landing = self._landings[kv_id] = _Landing(kv_id, lease)
-            if not key_matches(landing.key, key):
-                self.refused_chunks += 1
-                raise TransferError(f"KV of {kv_id!r}: not from the P its landing is for")
-            if landing.consumed or landing.inbound.cancelled is not None:
-                raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
-            slot = landing.slots.get(block)
-            if slot is None:
-                slot = landing.slots[block] = self._pool.allocate(kv_id, 1)[0]
-            landing.inbound.seen(header.transfer_id)
-        view = self._plane.arena.view(slot)
-        return view[header.offset : header.offset + header.nbytes]
-
-    def _received(self, result: InboundResult) -> None:
-        with self._lock:
-            kv_id = split_wire_id(result.request_id)[0]
-            landing = self._landings.get(kv_id)
-            if landing is not None:
-                landing.inbound.finish(result)
-        if landing is not None:
-            self._waiters.notify_threadsafe(kv_id, lambda: self._maybe_free(landing))
+        self._landings.release_all()
 
     # --- Generate -------------------------------------------------------------------------
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
         landing = await self._take(call) if call.kv_in is not None else None
-        slots = landing.loadable(len(call.prompt) // self._block_size) if landing else []
+        slots = landing.slots.loadable(len(call.prompt) // self._block_size) if landing else []
         if not slots:
             if landing is not None:
-                self._maybe_free(landing)
+                self._landings.done_with(landing)
             async with aclosing(plain(self._engine, call)) as stream:
                 async for delta in stream:
                     yield KvDelta(delta)
             return
-        landing.users += 1
-
-        def release() -> None:
-            landing.users -= 1
-            self._maybe_free(landing)
-
+        release = lambda: self._landings.done_with(landing)  # noqa: E731
         stream = stream_loading(
             self._engine, self._plane.fences, call, slots, self._block_size, release
         )
@@ -188,109 +178,35 @@ class RelayDecodeRole:
             async for kv_delta in stream:
                 yield kv_delta
 
-    async def _take(self, call: GenerateCall) -> _Landing | None:
+    async def _take(self, call: GenerateCall) -> Landing[PoolSlots] | None:
         """Wait (kv_in.wait_s) for the request's KV if a landing expects it; the landing if it
         is DONE, else None. Either way the landing is consumed: later chunks are refused."""
         kv = call.kv_in
         assert kv is not None
-        key = kv.kv_request_id
-        arrived = lambda: not self._expecting(key)  # noqa: E731
-        await self._waiters.wait_until(key, arrived, kv.wait_s)
-        with self._lock:
-            landing = self._landings.get(key)
-            if landing is not None:
-                landing.consumed = True
-        if landing is None:
-            return None
-        if not landing.inbound.done:
-            state, reason = landing.inbound.outcome()
-            log.info("request %s: KV %s (%s), computing the prompt", key, state, reason)
-            self._maybe_free(landing)
-            return None
-        return landing
-
-    def _expecting(self, kv_id: str) -> bool:
-        """A landing exists for ``kv_id`` and its KV is still on its way."""
-        with self._lock:
-            landing = self._landings.get(kv_id)
-            return landing is not None and not landing.inbound.terminal
-
-    def _terminal(self, kv_id: str) -> bool:
-        with self._lock:
-            landing = self._landings.get(kv_id)
-            return landing.inbound.terminal if landing is not None else kv_id in self._recent
+        key, landings = kv.kv_request_id, self._landings
+        await landings.waiters.wait_until(key, lambda: not landings.expecting(key), kv.wait_s)
+        return landings.take(key)
 
     # --- KV RPCs --------------------------------------------------------------------------
 
-    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
+    async def prepare_kv(self, call: PrepareKvCall) -> PrepareKvResult:
         """Reserve slots for every whole block (RLD holds no cache: cached_blocks is 0)."""
-        kv_id, n = req.kv_request_id, len(req.prompt_token_ids) // self._block_size
-        lease = req.lease_s if req.lease_s > 0 else self._worker.kv_landing_lease_s
-        with self._lock:
-            landing = self._landings.get(kv_id)
-            if landing is None:
-                landing = _Landing(kv_id, time.monotonic() + lease)
-                landing.key = new_landing_key() if kv_token() is not None else ""
-                missing = list(range(n))
-            else:
-                landing.deadline = max(landing.deadline, time.monotonic() + lease)
-                missing = [b for b in range(n) if b not in landing.slots]
-            slots = self._pool.allocate(kv_id, len(missing))  # OverloadedError: full
-            landing.slots.update(zip(missing, slots, strict=True))
-            self._landings[kv_id] = landing
-            self._recent.forget(kv_id)
-        return pb.PrepareKvResponse(
-            cached_blocks=0, reserved_blocks=n, address=self._plane.address(),
-            landing_key=landing.key,
-        )  # fmt: skip
+        kv_id, n = call.kv_request_id, len(call.prompt) // self._block_size
+        source, keyed = self._source, kv_token() is not None
+        take = lambda held, _lease: source.reserve(kv_id, held, n)  # noqa: E731
+        landing = self._landings.reserve(kv_id, call.lease_s, keyed, take)
+        return PrepareKvResult(0, n, self._plane.address(), landing.key)
 
-    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse:
-        key = req.kv_request_id
-        await self._waiters.wait_until(key, lambda: self._terminal(key), req.timeout_s)
-        with self._lock:
-            landing = self._landings.get(key)
-            if landing is not None:
-                state, reason = landing.inbound.outcome()
-                blocks = len(landing.loadable(len(landing.slots))) if state == "done" else 0
-                return await_response(state, landing.inbound.bytes_received, blocks, reason)
-        return self._recent.response(key)
+    async def await_kv(self, call: AwaitKvCall) -> AwaitKvResult:
+        return await self._landings.await_kv(call.kv_request_id, call.timeout_s)
 
-    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse:
-        with self._lock:
-            landing = self._landings.get(req.kv_request_id)
-            if landing is not None and landing.inbound.cancelled is None:
-                landing.inbound.cancelled = req.reason or "cancelled"
-        if landing is None:
-            return pb.CancelKvResponse(found=False)
-        self._waiters.notify(req.kv_request_id)
-        self._maybe_free(landing)
-        return pb.CancelKvResponse(found=True)
+    async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
+        return CancelKvResult(self._landings.cancel(call.kv_request_id, call.reason))
 
-    # --- release (event loop) -------------------------------------------------------------
-
-    def _maybe_free(self, landing: _Landing) -> None:
-        """Release the landing's slots if it is finished with and nothing can touch them."""
-        with self._lock:
-            ended = landing.consumed or landing.inbound.cancelled is not None
-            if not ended or landing.users or landing.inbound.open:
-                return
-            if self._landings.get(landing.kv_id) is not landing:
-                return
-            del self._landings[landing.kv_id]
-            blocks = len(landing.loadable(len(landing.slots)))
-            self._recent.put(landing.kv_id, landing.inbound, blocks)
-            self._pool.release(landing.kv_id)
+    # --- leases, stats --------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        with self._lock:
-            expired = [x for x in self._landings.values() if x.deadline <= now and not x.users]
-            for landing in expired:
-                if landing.inbound.cancelled is None:
-                    landing.inbound.cancelled = "lease expired"
-        for landing in expired:
-            log.warning("KV landing of %s: lease expired, releasing it", landing.kv_id)
-            self._waiters.notify(landing.kv_id)
-            self._maybe_free(landing)
+        self._landings.expire(now)
         self._plane.drain()
 
     def kv_stats(self) -> KvStats:
@@ -299,5 +215,5 @@ class RelayDecodeRole:
             open_transfers=self._plane.open_transfers(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
-            kv_refused_chunks=self.wire_check.refused + self.refused_chunks,
+            kv_refused_chunks=self._landings.wire_check.refused + self._landings.refused_chunks,
         )

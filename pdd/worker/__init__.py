@@ -2,15 +2,18 @@
 
 The shell every role shares (STYLE.md section 3: one shell, thin role policies plugged in):
 
-    main       composition root: role policy, KV plane, engine, service, metrics
     service    the gRPC servicer: admission, status codes, KV RPCs dispatched to the role
-    roles      the role interface (RolePolicy, GenerateCall, KvDelta, KvStats), PlainRole
+    roles      the role contract (RolePolicy, its typed KV capabilities and the dataclasses
+               they take and return), PlainRole
+    convert    proto <-> engine / role types: the only place the wire meets a role
     kv_plane   shared-memory slot arena + fence board the connector maps, transports, bytes
     slots      SlotPool (staging slots by owner) and Fences (engine release confirmations)
     kv_run     one engine request with KV params and exactly one release of its slots
-    inbound    per-request inbound transfer state, waiters, recent outcomes (RLD, MD)
+    landing    the inbound-KV landing state machine both receivers run over a slot source
+    inbound    per-request inbound transfer state, waiters, recent outcomes, landing keys
     layout     the size of one KV block before the engine exists
-    convert    proto <-> engine / role types;  metrics: /metrics and /health
+    metrics    /metrics and /health
 
-The role policies live in pdd.prefill, pdd.relay_decode and pdd.main_decode.
+The role policies live in pdd.prefill, pdd.relay_decode and pdd.main_decode; the composition
+root that picks one is pdd.launch.worker.
 """

@@ -1,4 +1,5 @@
-"""Proto <-> engine types for the Worker service. Pure functions, no I/O.
+"""Proto <-> pdd types for the Worker service: the one place the wire meets the role contract
+(``pdd.worker.roles``; roles never see a protobuf message). Pure functions, no I/O.
 
 Proto3 cannot tell "unset" from zero, so zero means "default" where zero is not a valid
 value: top_p 0 -> 1.0, repetition_penalty 0 -> 1.0, max_tokens 0 -> up to the end of the
@@ -7,9 +8,27 @@ context. Temperature 0 is greedy. ``logprobs`` -1 (or any negative) means none.
 
 from __future__ import annotations
 
+from pdd.cache.messages import DrcSnapshot
 from pdd.engine.types import ConstraintSpec, EngineDelta, EngineStats, SamplingSpec
 from pdd.proto import worker_pb2 as pb
-from pdd.worker.roles import GenerateCall, KvDelta, KvInSpec, KvStats
+from pdd.worker.roles import (
+    AwaitKvCall,
+    AwaitKvResult,
+    CancelKvCall,
+    CancelKvResult,
+    DrcEventsCall,
+    DrcEventsResult,
+    GenerateCall,
+    KvAddress,
+    KvDelta,
+    KvDestination,
+    KvInSpec,
+    KvStats,
+    PrepareKvCall,
+    PrepareKvResult,
+    SendKvCall,
+    SendKvResult,
+)
 
 _SOURCES = {pb.KvIn.TRANSFER: "transfer", pb.KvIn.DRC: "drc"}
 
@@ -127,4 +146,76 @@ def _engine_stats(worker_id: str, role: str, s: EngineStats) -> pb.StatsResponse
         block_size=s.block_size,
         max_num_seqs=s.max_num_seqs,
         kv_block_bytes=s.kv_block_bytes,
+    )
+
+
+# --- the KV RPCs ------------------------------------------------------------------------------
+
+
+def address_from_proto(a: pb.PeerAddress) -> KvAddress:
+    return KvAddress(a.transport, a.host, a.port, a.ucx_address, a.host_id, a.name)
+
+
+def address_to_proto(a: KvAddress) -> pb.PeerAddress:
+    return pb.PeerAddress(
+        transport=a.transport, host=a.host, port=a.port, ucx_address=a.ucx_address,
+        host_id=a.host_id, name=a.name,
+    )  # fmt: skip
+
+
+def send_kv_call(req: pb.SendKvRequest) -> SendKvCall:
+    dests = tuple(
+        KvDestination(address_from_proto(d.peer), d.first_block, d.landing_key)
+        for d in req.destinations
+    )
+    return SendKvCall(req.kv_request_id, dests, req.deadline_s)
+
+
+def send_kv_response(r: SendKvResult) -> pb.SendKvResponse:
+    return pb.SendKvResponse(
+        staged_blocks=r.staged_blocks,
+        bytes_per_destination=r.bytes_per_destination,
+        wire_bytes_per_destination=r.wire_bytes_per_destination,
+    )
+
+
+def prepare_kv_call(req: pb.PrepareKvRequest) -> PrepareKvCall:
+    prompt = tuple(req.prompt_token_ids)
+    return PrepareKvCall(req.kv_request_id, prompt, req.lease_s, req.cache_salt)
+
+
+def prepare_kv_response(r: PrepareKvResult) -> pb.PrepareKvResponse:
+    return pb.PrepareKvResponse(
+        cached_blocks=r.cached_blocks, reserved_blocks=r.reserved_blocks,
+        address=address_to_proto(r.address), landing_key=r.landing_key,
+    )  # fmt: skip
+
+
+def await_kv_call(req: pb.AwaitKvRequest) -> AwaitKvCall:
+    return AwaitKvCall(req.kv_request_id, req.timeout_s)
+
+
+def await_kv_response(r: AwaitKvResult) -> pb.AwaitKvResponse:
+    return pb.AwaitKvResponse(
+        state=r.state, bytes_received=r.bytes_received, blocks_ready=r.blocks_ready,
+        reason=r.reason,
+    )  # fmt: skip
+
+
+def cancel_kv_call(req: pb.CancelKvRequest) -> CancelKvCall:
+    return CancelKvCall(req.kv_request_id, req.reason)
+
+
+def cancel_kv_response(r: CancelKvResult) -> pb.CancelKvResponse:
+    return pb.CancelKvResponse(found=r.found)
+
+
+def drc_events_call(req: pb.DrcEventsRequest) -> DrcEventsCall:
+    return DrcEventsCall(req.since)
+
+
+def drc_events_response(r: DrcEventsResult) -> pb.DrcEventsResponse:
+    """The feed travels as JSON (pdd.cache.messages); ``snapshot`` tells the two kinds apart."""
+    return pb.DrcEventsResponse(
+        json=r.feed.model_dump_json(), snapshot=isinstance(r.feed, DrcSnapshot)
     )

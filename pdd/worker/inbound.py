@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.errors import TransferError
-from pdd.proto import worker_pb2 as pb
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
+from pdd.worker.roles import AwaitKvResult
 
 RECENT = 4096
 
@@ -172,7 +172,7 @@ class Recent:
     def forget(self, key: str) -> None:
         self._items.pop(key, None)
 
-    def response(self, key: str) -> pb.AwaitKvResponse:
+    def response(self, key: str) -> AwaitKvResult:
         """AwaitKv's answer for a request with no live record: its remembered outcome, or
         unknown."""
         past = self._items.get(key)
@@ -190,13 +190,11 @@ class Recent:
             self._items.popitem(last=False)
 
 
-def await_response(state: str, bytes_received: int, blocks: int, reason: str) -> pb.AwaitKvResponse:
+def await_response(state: str, bytes_received: int, blocks: int, reason: str) -> AwaitKvResult:
     """AwaitKv's answer; a state still pending when the wait ended is a timeout."""
     if state == "pending":
         state = "timeout"
-    return pb.AwaitKvResponse(
-        state=state, bytes_received=bytes_received, blocks_ready=blocks, reason=reason
-    )
+    return AwaitKvResult(state, bytes_received, blocks, reason)
 
 
 def whole_slot(header: ChunkHeader, slot_bytes: int) -> None:

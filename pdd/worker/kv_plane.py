@@ -32,7 +32,6 @@ from pdd.config import TransferConfig, WorkerConfig
 from pdd.engine.connector_params import ConnectorSettings
 from pdd.engine.types import KvConnectorSpec, KvRole
 from pdd.errors import ConfigError, InvalidRequestError
-from pdd.proto import worker_pb2 as pb
 from pdd.transfer import (
     InboundResult,
     LinkEstimate,
@@ -44,6 +43,7 @@ from pdd.transfer import (
 )
 from pdd.worker.capacity import ArenaSize
 from pdd.worker.faults import WorkerFaults
+from pdd.worker.roles import KvAddress
 from pdd.worker.slots import Fences
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,6 @@ def advertise_host(worker: WorkerConfig) -> str:
             f"worker {worker.id}: kv_advertise_host is required when host is {worker.host!r}"
         )
     return host
-
-
-def to_peer(addr: pb.PeerAddress) -> PeerAddress:
-    return PeerAddress(addr.host, addr.port, addr.ucx_address, addr.host_id, addr.name)
 
 
 # Per-transport counters of outbound KV (P: ucx toward RLD, tcp toward MD), one per process.
@@ -222,13 +218,13 @@ class KvPlane:
             )
         return transport
 
-    def address(self) -> pb.PeerAddress:
+    def address(self) -> KvAddress:
         """Where peers send this worker's inbound KV (PrepareKv's answer)."""
         if self.receiver is None:
-            return pb.PeerAddress()
+            return KvAddress()
         a = self.receiver.address
         host = a.host if self.spec.receiver == "inproc" else self._advertise
-        return pb.PeerAddress(
+        return KvAddress(
             transport=self.spec.receiver, host=host, port=a.port, ucx_address=a.ucx_address,
             host_id=a.host_id, name=a.name or self._worker.id,
         )  # fmt: skip

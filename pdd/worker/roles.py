@@ -12,6 +12,11 @@ The optional capabilities are typed protocols, one per job: ``SendsKv`` (P: Send
 method; the shell calls that method by its typed name (never looked up from the RPC's name).
 The composition root that picks a role is ``pdd.launch.worker``, above the roles.
 
+Every value a role takes or returns is a frozen pdd dataclass of this module (one call and one
+result per KV RPC, field for field the wire's message), never a protobuf message: the wire is
+the shell's business, converted both ways in ``pdd.worker.convert`` alone, so a role reads as
+plain Python and never imports pdd.proto (import-linter contract ``roles-off-the-wire``).
+
 Roles are composed from shell mechanisms (``KvPlane``, ``SlotPool``, ``run_with_kv``); they
 never import each other.
 """
@@ -23,10 +28,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pdd.cache.messages import DrcStats
+from pdd.cache.messages import DrcEventBatch, DrcSnapshot, DrcStats
 from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.types import EngineDelta, SamplingSpec
-from pdd.proto import worker_pb2 as pb
+from pdd.transfer import PeerAddress
 
 if TYPE_CHECKING:
     from pdd.engine.engine import Engine
@@ -92,6 +97,99 @@ class KvStats:
     kv_in_waits: int = 0  # MD: Generate calls that waited for KV still on its way
 
 
+# --- the KV RPCs' values (wire: pdd.worker.v1 messages of the same names) -----------------
+
+
+@dataclass(frozen=True)
+class KvAddress:
+    """Where a worker receives KV (wire: PeerAddress); ``transport`` "" when it receives none."""
+
+    transport: str = ""  # "ucx" | "tcp" | "inproc"
+    host: str = ""
+    port: int = 0
+    ucx_address: bytes = b""  # UCX worker address (same-host shared memory)
+    host_id: str = ""  # boot id of its machine
+    name: str = ""  # inproc transports register under a name
+
+    def peer(self) -> PeerAddress:
+        """The transport's view of it (what ``Transport.send`` dials)."""
+        return PeerAddress(self.host, self.port, self.ucx_address, self.host_id, self.name)
+
+
+@dataclass(frozen=True)
+class KvDestination:
+    """One place P sends a request's staged blocks ``[first_block, staged)`` to."""
+
+    peer: KvAddress
+    first_block: int = 0
+    landing_key: str = ""  # the destination's PrepareKvResult.landing_key, if it gave one
+
+
+@dataclass(frozen=True)
+class SendKvCall:
+    kv_request_id: str
+    destinations: tuple[KvDestination, ...] = ()
+    deadline_s: float = 0.0  # 0: the transport's default
+
+
+@dataclass(frozen=True)
+class SendKvResult:
+    staged_blocks: int
+    bytes_per_destination: tuple[int, ...]  # raw KV bytes queued, per destination
+    wire_bytes_per_destination: tuple[int, ...]  # expected on the wire (learned codec ratio)
+
+
+@dataclass(frozen=True)
+class PrepareKvCall:
+    kv_request_id: str
+    prompt: tuple[int, ...] = ()
+    lease_s: float = 0.0  # 0: workers[].kv_landing_lease_s
+    cache_salt: str = ""  # the prefix-cache namespace the DRC is looked up under
+
+
+@dataclass(frozen=True)
+class PrepareKvResult:
+    cached_blocks: int  # blocks already held here (not to be sent)
+    reserved_blocks: int  # landing slots reserved for the rest of the whole blocks
+    address: KvAddress  # where to send them
+    landing_key: str = ""  # chunks must carry "kv_request_id#landing_key" ("": any sender)
+
+
+@dataclass(frozen=True)
+class AwaitKvCall:
+    kv_request_id: str
+    timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AwaitKvResult:
+    state: str  # "done" | "failed" | "cancelled" | "timeout" | "unknown"
+    bytes_received: int = 0
+    blocks_ready: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CancelKvCall:
+    kv_request_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CancelKvResult:
+    found: bool
+
+
+@dataclass(frozen=True)
+class DrcEventsCall:
+    since: int  # < 0: a snapshot; else the events after this sequence number
+
+
+@dataclass(frozen=True)
+class DrcEventsResult:
+    feed: DrcSnapshot | DrcEventBatch  # a snapshot resyncs the router's replica
+
+
 @dataclass(frozen=True)
 class RoleContext:
     """Everything a role is built from (the composition root fills it)."""
@@ -106,7 +204,7 @@ class RoleContext:
 
 class RolePolicy(Protocol):
     """The shell's view of a role. For each KV RPC named in ``supports`` the role implements
-    the matching capability below (taking and returning the pdd.worker.v1 messages; raising
+    the matching capability below (taking and returning this module's values; raising
     PddError)."""
 
     name: str
@@ -121,26 +219,26 @@ class RolePolicy(Protocol):
 class SendsKv(Protocol):
     """Sends staged KV to its destinations (P: SendKv)."""
 
-    async def send_kv(self, req: pb.SendKvRequest) -> pb.SendKvResponse: ...
+    async def send_kv(self, call: SendKvCall) -> SendKvResult: ...
 
 
 class ReceivesKv(Protocol):
     """Reserves landing slots for a request's KV and says when it landed (RLD, MD)."""
 
-    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse: ...
-    async def await_kv(self, req: pb.AwaitKvRequest) -> pb.AwaitKvResponse: ...
+    async def prepare_kv(self, call: PrepareKvCall) -> PrepareKvResult: ...
+    async def await_kv(self, call: AwaitKvCall) -> AwaitKvResult: ...
 
 
 class CancelsKv(Protocol):
     """Drops whatever KV it holds or expects for a request (every KV role: CancelKv)."""
 
-    async def cancel_kv(self, req: pb.CancelKvRequest) -> pb.CancelKvResponse: ...
+    async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult: ...
 
 
 class PublishesDrc(Protocol):
     """Publishes its DRC's events for the router's replica (MD: DrcEvents)."""
 
-    async def drc_events(self, req: pb.DrcEventsRequest) -> pb.DrcEventsResponse: ...
+    async def drc_events(self, call: DrcEventsCall) -> DrcEventsResult: ...
 
 
 class PlainRole:

@@ -16,8 +16,9 @@ reserved with PrepareKv before the drain (an MD finishing a request it took). ``
 falls to zero as the requests in flight finish.
 
 KV RPCs (SendKv, PrepareKv, AwaitKv, CancelKv, DrcEvents) go to the role policy when it
-supports them (each through its typed capability, pdd.worker.roles), else UNIMPLEMENTED; a Generate asking for ``kv_stage`` / ``kv_in`` a role cannot
-honour is FAILED_PRECONDITION.
+supports them, else UNIMPLEMENTED: each through its typed capability (pdd.worker.roles), its
+request and response converted in pdd.worker.convert; a Generate asking for ``kv_stage`` /
+``kv_in`` a role cannot honour is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pdd.errors import (
 )
 from pdd.proto import worker_pb2 as pb
 from pdd.proto import worker_pb2_grpc as pb_grpc
+from pdd.worker import convert
 from pdd.worker.convert import (
     call_from_proto,
     kv_delta_to_proto,
@@ -219,9 +221,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         request: Any,
         context: grpc.aio.ServicerContext,
         handle: Callable[[], Awaitable[Any]],
+        respond: Callable[[Any], Any],
     ) -> Any:
-        """Serve KV RPC ``name`` with ``handle`` (the role's typed method) if the role
-        supports it; PddError -> its gRPC status."""
+        """Serve KV RPC ``name`` with ``handle`` (the role's typed method over the call
+        converted from ``request``) if the role supports it; its result goes out through
+        ``respond`` (pdd.worker.convert); PddError -> its gRPC status."""
         if name not in self._role.supports:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -231,7 +235,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             new_work = name == _NEW_WORK
             if new_work or not self._engine.ready:
                 self._require_ready()  # a draining worker still settles what it accepted
-            response = await handle()
+            response = respond(await handle())
             if new_work:
                 self._remember_kv(request.kv_request_id)
             return response
@@ -245,24 +249,29 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._accepted_kv.popitem(last=False)
 
     async def SendKv(self, request: pb.SendKvRequest, context) -> pb.SendKvResponse:  # noqa: N802
-        role = cast(SendsKv, self._role)
-        return await self._kv("SendKv", request, context, lambda: role.send_kv(request))
+        role, call = cast(SendsKv, self._role), convert.send_kv_call(request)
+        handle = lambda: role.send_kv(call)  # noqa: E731
+        return await self._kv("SendKv", request, context, handle, convert.send_kv_response)
 
     async def PrepareKv(self, request: pb.PrepareKvRequest, context) -> pb.PrepareKvResponse:  # noqa: N802
-        role = cast(ReceivesKv, self._role)
-        return await self._kv("PrepareKv", request, context, lambda: role.prepare_kv(request))
+        role, call = cast(ReceivesKv, self._role), convert.prepare_kv_call(request)
+        handle = lambda: role.prepare_kv(call)  # noqa: E731
+        return await self._kv("PrepareKv", request, context, handle, convert.prepare_kv_response)
 
     async def AwaitKv(self, request: pb.AwaitKvRequest, context) -> pb.AwaitKvResponse:  # noqa: N802
-        role = cast(ReceivesKv, self._role)
-        return await self._kv("AwaitKv", request, context, lambda: role.await_kv(request))
+        role, call = cast(ReceivesKv, self._role), convert.await_kv_call(request)
+        handle = lambda: role.await_kv(call)  # noqa: E731
+        return await self._kv("AwaitKv", request, context, handle, convert.await_kv_response)
 
     async def CancelKv(self, request: pb.CancelKvRequest, context) -> pb.CancelKvResponse:  # noqa: N802
-        role = cast(CancelsKv, self._role)
-        return await self._kv("CancelKv", request, context, lambda: role.cancel_kv(request))
+        role, call = cast(CancelsKv, self._role), convert.cancel_kv_call(request)
+        handle = lambda: role.cancel_kv(call)  # noqa: E731
+        return await self._kv("CancelKv", request, context, handle, convert.cancel_kv_response)
 
     async def DrcEvents(self, request: pb.DrcEventsRequest, context) -> pb.DrcEventsResponse:  # noqa: N802
-        role = cast(PublishesDrc, self._role)
-        return await self._kv("DrcEvents", request, context, lambda: role.drc_events(request))
+        role, call = cast(PublishesDrc, self._role), convert.drc_events_call(request)
+        handle = lambda: role.drc_events(call)  # noqa: E731
+        return await self._kv("DrcEvents", request, context, handle, convert.drc_events_response)
 
     # --- control --------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from pdd.kv_geometry import LAYOUT_KV_SPLIT, KvGeometry
-from pdd.proto import worker_pb2 as pb
+from pdd.worker.roles import AwaitKvCall
 from tests.roles.test_roles_fake import BS, SLOT, Topo, oracle, prepare, send, toks
 
 # One block = 2 layers x 1 KV head x 4 tokens x (2 x 4) float32 = 256 bytes (SLOT).
@@ -48,7 +48,7 @@ def test_a_receiver_refuses_kv_of_another_geometry_and_recomputes(field: str, re
             await send(topo, "r1", [(rld_prep.address, 0), (md_prep.address, 0)])
             rld = await topo.generate("rld", "r1", prompt + toks(p), 2, source="transfer")
             emitted = toks(p) + toks(rld)
-            req = pb.AwaitKvRequest(kv_request_id="r1", timeout_s=5)
+            req = AwaitKvCall(kv_request_id="r1", timeout_s=5)
             done = await topo.roles["md"].await_kv(req)
             md = await topo.generate("md", "r1", prompt + emitted, 5, source="drc")
             refused = tuple(topo.roles[w].kv_stats().kv_refused_chunks for w in ("rld", "md"))

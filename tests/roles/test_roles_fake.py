@@ -18,10 +18,20 @@ from pdd.engine.types import SamplingSpec
 from pdd.errors import CacheError, ContextLengthError, OverloadedError
 from pdd.main_decode import MainDecodeRole
 from pdd.prefill import PrefillRole
-from pdd.proto import worker_pb2 as pb
 from pdd.relay_decode import RelayDecodeRole
 from pdd.worker.kv_plane import KvPlane, PlaneSpec
-from pdd.worker.roles import GenerateCall, KvInSpec, RoleContext
+from pdd.worker.roles import (
+    AwaitKvCall,
+    CancelKvCall,
+    GenerateCall,
+    KvDestination,
+    KvInSpec,
+    PrepareKvCall,
+    PrepareKvResult,
+    RoleContext,
+    SendKvCall,
+    SendKvResult,
+)
 from tests.roles.fake_engine import FakeEngine, next_token
 
 SLOT = 256  # bytes of one fake KV block
@@ -100,15 +110,15 @@ def toks(outs) -> list[int]:
     return [t for o in outs for t in o.delta.token_ids]
 
 
-async def prepare(topo: Topo, wid: str, rid: str, prompt: list[int]) -> pb.PrepareKvResponse:
-    req = pb.PrepareKvRequest(kv_request_id=rid, prompt_token_ids=prompt, lease_s=30)
-    return await topo.roles[wid].prepare_kv(req)
+async def prepare(topo: Topo, wid: str, rid: str, prompt: list[int]) -> PrepareKvResult:
+    call = PrepareKvCall(kv_request_id=rid, prompt=tuple(prompt), lease_s=30)
+    return await topo.roles[wid].prepare_kv(call)
 
 
-async def send(topo: Topo, rid: str, dests) -> pb.SendKvResponse:
-    msg = pb.SendKvRequest(
+async def send(topo: Topo, rid: str, dests) -> SendKvResult:
+    msg = SendKvCall(
         kv_request_id=rid,
-        destinations=[pb.KvDestination(peer=a, first_block=f) for a, f in dests],
+        destinations=tuple(KvDestination(peer=a, first_block=f) for a, f in dests),
         deadline_s=10,
     )
     return await topo.roles["p"].send_kv(msg)
@@ -121,7 +131,7 @@ async def turn(topo: Topo, rid: str, prompt: list[int], k: int, m: int) -> dict:
     sent = await send(topo, rid, [(rld_prep.address, 0), (md_prep.address, md_prep.cached_blocks)])
     rld = await topo.generate("rld", rid, prompt + toks(p), k - 1, source="transfer")
     emitted = toks(p) + toks(rld)
-    done = await topo.roles["md"].await_kv(pb.AwaitKvRequest(kv_request_id=rid, timeout_s=5))
+    done = await topo.roles["md"].await_kv(AwaitKvCall(kv_request_id=rid, timeout_s=5))
     md = await topo.generate("md", rid, prompt + emitted, m, source="drc")
     return {"p": p, "sent": sent, "rld": rld, "md": md, "await": done,
             "md_prep": md_prep, "tokens": emitted + toks(md)}  # fmt: skip
@@ -227,10 +237,10 @@ def test_cancel_releases_p_and_the_receivers() -> None:
             md_prep = await prepare(topo, "md", "x1", prompt)
             await topo.generate("p", "x1", prompt, 1, stage=True)
             await send(topo, "x1", [(rld_prep.address, 0), (md_prep.address, 0)])
-            cancel = pb.CancelKvRequest(kv_request_id="x1", reason="test")
+            cancel = CancelKvCall(kv_request_id="x1", reason="test")
             found = [(await topo.roles[w].cancel_kv(cancel)).found for w in ("p", "rld", "md")]
             stats = await topo.idle()
-            req = pb.AwaitKvRequest(kv_request_id="x1", timeout_s=1)
+            req = AwaitKvCall(kv_request_id="x1", timeout_s=1)
             states = [(await topo.roles[w].await_kv(req)).state for w in ("rld", "md")]
             return found, stats, states
 
@@ -254,7 +264,7 @@ def test_rld_keeps_slots_a_running_generate_reads_even_after_cancel() -> None:
             task = asyncio.ensure_future(_drain(topo.roles["rld"].generate(call)))
             while not topo.engines["rld"].loads:
                 await asyncio.sleep(0.005)
-            await topo.roles["rld"].cancel_kv(pb.CancelKvRequest(kv_request_id="h1"))
+            await topo.roles["rld"].cancel_kv(CancelKvCall(kv_request_id="h1"))
             during = topo.roles["rld"].kv_stats().pinned_slots
             gate.set()
             await task
@@ -272,7 +282,7 @@ def test_md_refuses_kv_it_did_not_reserve() -> None:
             addr = topo.planes["md"].address()
             await send(topo, "n1", [(addr, 0)])
             stats = await topo.idle()
-            req = pb.AwaitKvRequest(kv_request_id="n1", timeout_s=0.1)
+            req = AwaitKvCall(kv_request_id="n1", timeout_s=0.1)
             return stats, (await topo.roles["md"].await_kv(req)).state
 
     stats, state = asyncio.run(scenario())
@@ -289,10 +299,10 @@ def test_a_keyed_rld_takes_kv_only_from_the_p_given_its_landing_key() -> None:
     prompt = list(range(500, 516))  # 4 blocks
 
     async def keyed_send(topo, rid, addr, key):
-        dest = pb.KvDestination(peer=addr, first_block=0, landing_key=key)
-        msg = pb.SendKvRequest(kv_request_id=rid, destinations=[dest], deadline_s=10)
+        dest = KvDestination(peer=addr, first_block=0, landing_key=key)
+        msg = SendKvCall(kv_request_id=rid, destinations=(dest,), deadline_s=10)
         await topo.roles["p"].send_kv(msg)
-        req = pb.AwaitKvRequest(kv_request_id=rid, timeout_s=5)
+        req = AwaitKvCall(kv_request_id=rid, timeout_s=5)
         return (await topo.roles["rld"].await_kv(req)).state
 
     async def scenario():
@@ -308,7 +318,7 @@ def test_a_keyed_rld_takes_kv_only_from_the_p_given_its_landing_key() -> None:
             await topo.generate("p", "k4", prompt, 1, stage=True)  # no PrepareKv on RLD
             states["k4"] = await keyed_send(topo, "k4", topo.planes["rld"].address(), "")
             for rid in ("k1", "k2", "k3"):
-                await rld.cancel_kv(pb.CancelKvRequest(kv_request_id=rid))
+                await rld.cancel_kv(CancelKvCall(kv_request_id=rid))
             return states, rld.kv_stats().kv_refused_chunks, await topo.idle()
 
     set_kv_token(b"fleet-token-for-this-test")

@@ -7,10 +7,23 @@ import sys
 
 import pytest
 
+from pdd.cache.messages import DrcEventBatch, DrcSnapshot
 from pdd.engine.types import EngineDelta, SamplingSpec, TokenLogprob, TopLogprob
 from pdd.errors import InvalidRequestError
 from pdd.proto import worker_pb2 as pb
+from pdd.worker import convert
 from pdd.worker.convert import delta_to_proto, sampling_from_proto
+from pdd.worker.roles import (
+    AwaitKvResult,
+    CancelKvCall,
+    DrcEventsResult,
+    KvAddress,
+    KvDestination,
+    PrepareKvCall,
+    PrepareKvResult,
+    SendKvCall,
+    SendKvResult,
+)
 
 
 def test_proto_zero_values_mean_defaults() -> None:
@@ -119,3 +132,48 @@ def test_constraint_from_proto():
     spec = sampling_from_proto(pb.SamplingParams(max_tokens=3), c)
     assert spec.constraint == ConstraintSpec("choice", '["a", "b"]', (4, 5), "guided_choice")
     assert sampling_from_proto(pb.SamplingParams(max_tokens=3)).constraint is None
+
+
+ADDRESS = pb.PeerAddress(
+    transport="tcp", host="10.0.0.2", port=7001, ucx_address=b"\x01\x02", host_id="boot",
+    name="md-0",
+)  # fmt: skip
+
+
+def test_kv_calls_carry_every_field_of_their_requests() -> None:
+    """Roles see pdd dataclasses, field for field the wire's messages (pdd.worker.convert)."""
+    dest = pb.KvDestination(peer=ADDRESS, first_block=3, landing_key="k" * 12)
+    send = pb.SendKvRequest(kv_request_id="r", destinations=[dest], deadline_s=2.5)
+    addr = KvAddress("tcp", "10.0.0.2", 7001, b"\x01\x02", "boot", "md-0")
+    assert convert.send_kv_call(send) == SendKvCall("r", (KvDestination(addr, 3, "k" * 12),), 2.5)
+    assert addr.peer().key() == "md-0" and addr.peer().ucx_address == b"\x01\x02"
+    prep = pb.PrepareKvRequest(kv_request_id="r", prompt_token_ids=[1, 2], lease_s=9,
+                               cache_salt="t")  # fmt: skip
+    assert convert.prepare_kv_call(prep) == PrepareKvCall("r", (1, 2), 9.0, "t")
+    cancel = pb.CancelKvRequest(kv_request_id="r", reason="switch")
+    assert convert.cancel_kv_call(cancel) == CancelKvCall("r", "switch")
+
+
+def test_kv_results_go_back_to_the_wire_unchanged() -> None:
+    addr = convert.address_from_proto(ADDRESS)
+    assert convert.address_to_proto(addr) == ADDRESS
+    assert convert.address_to_proto(KvAddress()) == pb.PeerAddress()
+    prepared = convert.prepare_kv_response(PrepareKvResult(2, 5, addr, "key"))
+    assert prepared == pb.PrepareKvResponse(
+        cached_blocks=2, reserved_blocks=5, address=ADDRESS, landing_key="key"
+    )
+    sent = convert.send_kv_response(SendKvResult(4, (10, 20), (5, 20)))
+    assert sent == pb.SendKvResponse(
+        staged_blocks=4, bytes_per_destination=[10, 20], wire_bytes_per_destination=[5, 20]
+    )
+    done = convert.await_kv_response(AwaitKvResult("failed", 64, 1, "cut"))
+    assert done == pb.AwaitKvResponse(state="failed", bytes_received=64, blocks_ready=1,
+                                      reason="cut")  # fmt: skip
+
+
+def test_a_drc_feed_travels_as_json_and_says_which_kind_it_is() -> None:
+    snap = DrcSnapshot(epoch="e", seq=3, block_size=4, block_hashes=())
+    batch = DrcEventBatch(epoch="e", block_size=4, last_seq=3, events=())
+    for feed, is_snapshot in ((snap, True), (batch, False)):
+        resp = convert.drc_events_response(DrcEventsResult(feed))
+        assert (resp.snapshot, resp.json) == (is_snapshot, feed.model_dump_json())

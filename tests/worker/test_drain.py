@@ -16,7 +16,15 @@ from pdd.errors import OverloadedError, UnavailableError
 from pdd.proto import worker_pb2 as pb
 from pdd.proto import worker_pb2_grpc as pb_grpc
 from pdd.router.fleet.workers import rpc_error
-from pdd.worker.roles import KV_IN, GenerateCall, KvDelta, KvStats
+from pdd.worker.roles import (
+    KV_IN,
+    GenerateCall,
+    KvAddress,
+    KvDelta,
+    KvStats,
+    PrepareKvCall,
+    PrepareKvResult,
+)
 from pdd.worker.service import WorkerService
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,8 +76,8 @@ class KvRole:
         async for delta in self._engine.generate(call.request_id):
             yield KvDelta(delta)
 
-    async def prepare_kv(self, req: pb.PrepareKvRequest) -> pb.PrepareKvResponse:
-        return pb.PrepareKvResponse(cached_blocks=0, reserved_blocks=1)
+    async def prepare_kv(self, call: PrepareKvCall) -> PrepareKvResult:
+        return PrepareKvResult(cached_blocks=0, reserved_blocks=1, address=KvAddress())
 
     def kv_stats(self) -> KvStats:
         return KvStats()
