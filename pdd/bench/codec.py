@@ -237,7 +237,8 @@ def plot(result: dict, out: Path) -> None:
     ax[1].set_title("GB/s of raw KV, one core")
     ax[1].legend()
     ax[2].bar(names, [r["greedy_agreement"] or 0 for r in rows])
-    ax[2].set_ylim(0.9, 1.0)
+    low = min(r["greedy_agreement"] or 0 for r in rows)
+    ax[2].set_ylim(max(0.0, low - 0.05), 1.0)
     ax[2].set_title(
         f"greedy agreement with none ({result['prompts']} x {result['tokens_per_prompt']})"
     )
