@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pdd.kv_geometry import LAYOUT_CPU_PACKED
-from pdd.transfer.codec import NAMES, CodecId
+from pdd.transfer.codec import NAME_OF, NAMES, CodecId
 from pdd.transfer.wire import Chunk, ChunkHeader, decode_chunk, encode_chunk
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def summarize(args, codecs, stats, qual, kinds) -> dict:
         s, q = stats[c], [x for x in qual[c] if x is not None]
         n = sum(x["tokens"] for x in q)
         lp_n = sum(x["logprob_n"] for x in q)
-        rows[c.name.lower().replace("_", "+")] = {
+        rows[NAME_OF[c]] = {
             "wire_ratio": s["wire"] / s["raw"],
             "encode_GBps_one_core": s["raw"] / max(s["enc_s"], 1e-9) / 1e9,
             "decode_GBps_one_core": s["raw"] / max(s["dec_s"], 1e-9) / 1e9,

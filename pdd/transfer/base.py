@@ -31,7 +31,7 @@ from pdd.transfer.api import (
     Transport,
     TransportStats,
 )
-from pdd.transfer.codec import CodecId, WireRatios, codec_id
+from pdd.transfer.codec import NAME_OF, CodecId, WireRatios, codec_id
 from pdd.transfer.estimate import CodecLoad
 from pdd.transfer.ledger import InboundLedger, OutboundLedger, OutRecord, Reaper
 from pdd.transfer.wire import (
@@ -167,8 +167,8 @@ class BaseTransport(Transport):
         codec = self._peer_codec(peer) if self.supports_codecs else CodecId.NONE
         if codec is CodecId.NONE:
             return None
-        name = codec.name.lower().replace("_", "+")
-        return CodecLoad(name, self.wire_ratios.encode_bps(codec), self.wire_ratios.ratio(codec))
+        ratios = self.wire_ratios
+        return CodecLoad(NAME_OF[codec], ratios.encode_bps(codec), ratios.ratio(codec))
 
     def _peer_codec(self, peer: PeerAddress | None) -> CodecId:
         name = self.config.wan_codec

@@ -62,6 +62,7 @@ class CodecId(enum.IntEnum):
 
 NAMES = {"none": CodecId.NONE, "zstd": CodecId.ZSTD, "lz4": CodecId.LZ4, "int8": CodecId.INT8}
 NAMES.update({"int8+zstd": CodecId.INT8_ZSTD, "fp8": CodecId.FP8, "fp8+zstd": CodecId.FP8_ZSTD})
+NAME_OF = {c: n for n, c in NAMES.items()}
 LOSSY = (CodecId.INT8, CodecId.INT8_ZSTD, CodecId.FP8, CodecId.FP8_ZSTD)
 _LOSSLESS_PART = {
     CodecId.INT8: CodecId.NONE,

@@ -152,19 +152,19 @@ def plan_flow(
     start = FlowPlan(streams, chunk_bytes_for(est, streams, config), config.window_chunks)
     if est is None or est.samples == 0:
         return start  # nothing measured yet
-    encoders = _encoders(est, config, codec)
+    encoders, codec_bound = _encoders(est, config, codec)
     if est.rtt_s < LAN_RTT_S:  # a LAN: the starting window is plenty
-        streams = max(streams, encoders.streams)
+        streams = max(streams, encoders)
         return FlowPlan(streams, chunk_bytes_for(est, streams, config), config.window_chunks,
-                        encoders.limited_by)  # fmt: skip
+                        codec_bound)  # fmt: skip
     bdp = est.bandwidth_bps / 8 * est.rtt_s
     want = min(max(start.inflight_bytes, int(bdp * WINDOW_HEADROOM)), config.max_inflight_bytes)
     needed = math.ceil(want / socket_bytes)
-    streams = max(streams, min(needed, config.max_wan_streams), encoders.streams)
+    streams = max(streams, min(needed, config.max_wan_streams), encoders)
     want = min(want, streams * socket_bytes)  # what the kernel lets that many sockets hold
     chunk = chunk_bytes_for(est, streams, config)
     window = max(config.window_chunks, math.ceil(want / (streams * chunk)))
-    limited_by = encoders.limited_by
+    limited_by = codec_bound
     if want < bdp:  # pdd, not the path, would bound the rate
         limited_by = (
             "transfer.max_inflight_bytes"
@@ -186,15 +186,17 @@ class CodecLoad:
     wire_ratio: float
 
 
-def _encoders(est: LinkEstimate, config: TransferConfig, codec: CodecLoad | None) -> FlowPlan:
-    """Streams whose encoders outrun the link (module doc), as a plan's streams and
-    limited_by; 0 streams when nothing is encoded or nothing measured."""
+def _encoders(
+    est: LinkEstimate, config: TransferConfig, codec: CodecLoad | None
+) -> tuple[int, str]:
+    """Streams whose encoders outrun the link (module doc), and what bounds them when the
+    cores or max_wan_streams do ("" otherwise); 0 when nothing is encoded or measured."""
     if codec is None or codec.encode_bps <= 0:
-        return FlowPlan(0, 0, 0)
+        return 0, ""
     raw_bps = est.bandwidth_bps / 8 / max(codec.wire_ratio, 1e-3)
     need = math.ceil(raw_bps * CODEC_HEADROOM / codec.encode_bps)
     cap = min(config.max_wan_streams, os.cpu_count() or 1)
     if need <= cap:
-        return FlowPlan(need, 0, 0)
-    return FlowPlan(cap, 0, 0, f"the WAN codec {codec.name}: {cap} encoder threads of "
-                    f"{codec.encode_bps / 1e9:.2f} GB/s (transfer.max_wan_streams, the cores)")  # fmt: skip
+        return need, ""
+    return cap, (f"the WAN codec {codec.name}: {cap} encoder threads of "
+                 f"{codec.encode_bps / 1e9:.2f} GB/s (transfer.max_wan_streams, the cores)")  # fmt: skip
