@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import time
@@ -192,9 +193,14 @@ def test_wan_transfer_cut_mid_way_on_p_rld_md_completes_on_rld_without_a_stall(t
     assert (record["handoff"], record["rld_tokens"]) == ("rld_finished", MAX_TOKENS - 1)
     assert record["wan_kv_raw_bytes"] == SIZES["wan_cut_rld"] * BLOCK_BYTES
     assert "fault injection (tcp): truncate" in "\n".join(topo.workers["p1"].output)
+    p1_log = "\n".join(topo.workers["p1"].output)
+    assert re.search(rf"KV send of {re.escape(request[0])}\S* ended failed", p1_log)
+    # The router hears of it only if MD learned of the cut before RLD's last token: a reset
+    # connection can discard the chunks MD had not read yet, and then MD, which never saw the
+    # transfer start, learns of it at the send deadline, after this short stream.
     url = topo.url.removesuffix("/v1") + f"/debug/requests/{request[0]}"
     debug = httpx.get(url, timeout=10).json()["pdd"]
-    assert debug["kv_state"] in ("failed", "timeout"), debug
+    assert debug["kv_state"] in (None, "failed", "timeout"), debug
     assert len(arrivals) == MAX_TOKENS  # one chunk per token: the gaps are token gaps
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:], strict=False)]
     median = statistics.median(gaps)

@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.lab, needs_lab]
 
 PREFIX, SUBNET = "pdtlink", "10.77.1.0/28"
 SO_RCVBUFFORCE = 33  # Linux; root may exceed net.core.rmem_max
+PINGS = 5
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +60,22 @@ def test_rtt_is_twice_the_one_way_delay(lab):
     assert 15.0 <= back <= 25.0, back
 
 
+def _best_rate(src: str, dst: str, dst_ip: str) -> list[float]:
+    """Up to three 1 s flows until one reaches 85 Mbit/s: the link shapes the best one; a flow
+    whose two ends (this test's threads) waited for a busy core is slower than the link."""
+    rates: list[float] = []
+    while len(rates) < 3 and max(rates, default=0.0) < 85.0:
+        rates.append(measure_throughput(src, dst, dst_ip, 12_500_000))
+    return rates
+
+
 def test_bulk_tcp_flow_runs_at_the_link_rate(lab):
     st = lab.status()
     # 1 s of link time each way. Ceiling: 96.5% of the IP rate is TCP payload at MTU 1500.
-    mbit = measure_throughput("pdtlink-dc-a", "pdtlink-dc-b", st.dc("dc-b").wan_ip, 12_500_000)
-    assert 85.0 <= mbit <= 100.0, mbit
-    back = measure_throughput("pdtlink-dc-b", "pdtlink-dc-a", st.dc("dc-a").wan_ip, 12_500_000)
-    assert 85.0 <= back <= 100.0, back
+    there = _best_rate("pdtlink-dc-a", "pdtlink-dc-b", st.dc("dc-b").wan_ip)
+    assert 85.0 <= max(there) and all(r <= 100.0 for r in there), there
+    back = _best_rate("pdtlink-dc-b", "pdtlink-dc-a", st.dc("dc-a").wan_ip)
+    assert 85.0 <= max(back) and all(r <= 100.0 for r in back), back
 
 
 def test_every_udp_datagram_arrives_on_a_lossless_link(lab):
@@ -153,19 +163,26 @@ def test_host_reaches_each_datacenter_over_an_unshaped_link(lab):
             server.bind(("0.0.0.0", 0))
             server.settimeout(5)
             port = server.getsockname()[1]
-            echo = threading.Thread(target=_echo_once, args=(server,))
+            echo = threading.Thread(target=_echo, args=(server,))
             echo.start()
             client.settimeout(5)
-            start = time.perf_counter()
-            client.sendto(b"ping", (mgmt_ip, port))
-            assert client.recv(64) == b"ping"
-            rtt_ms = (time.perf_counter() - start) * 1000
+            rtts = [_ping_ms(client, (mgmt_ip, port)) for _ in range(PINGS)]
             echo.join()
-        assert rtt_ms < 5.0, rtt_ms  # no 20 ms WAN delay on the management link
+        # No 20 ms WAN delay on the management link; the fastest of a few pings, since a busy
+        # core can delay either end of one.
+        assert min(rtts) < 5.0, rtts
 
 
-def _echo_once(sock: socket.socket) -> None:
-    sock.sendto(*sock.recvfrom(64))
+def _ping_ms(client: socket.socket, to: tuple[str, int]) -> float:
+    start = time.perf_counter()
+    client.sendto(b"ping", to)
+    assert client.recv(64) == b"ping"
+    return (time.perf_counter() - start) * 1000
+
+
+def _echo(sock: socket.socket) -> None:
+    for _ in range(PINGS):
+        sock.sendto(*sock.recvfrom(64))
 
 
 def test_datacenters_have_no_path_to_each_other_but_the_wan(lab):
