@@ -1,6 +1,7 @@
-"""Measure a lab's WAN link from the inside: RTT by UDP echo, throughput by one bulk TCP flow.
+"""Measure a lab's WAN link from the inside: RTT by UDP echo, loss by counted datagrams,
+throughput by one bulk TCP flow.
 
-Both run in the calling process: the far end is a thread whose socket was opened inside the
+Each runs in the calling process: the far end is a thread whose socket was opened inside the
 destination namespace, the near end a socket opened inside the source namespace (a socket
 stays in the namespace it was made in). Everything started here is stopped before returning.
 """
@@ -17,13 +18,19 @@ from typing import NamedTuple
 from pdd.errors import LabError
 from pdd.lab.netns import enter
 
+_SO_RCVBUFFORCE = 33  # Linux; root may exceed net.core.rmem_max
+_BURST, _BURST_GAP_S = 10, 0.001  # datagrams_lost's pacing: 10 a millisecond
+
 
 class LinkMeasurement(NamedTuple):
     rtt_ms: float  # median round trip of small UDP probes
     throughput_mbit: float  # goodput of one bulk TCP flow once past slow start
 
 
-def _socket_in(netns: str, kind: int) -> socket.socket:
+def _socket_in(netns: str | None, kind: int) -> socket.socket:
+    """A socket in ``netns`` (None: this process's own namespace, e.g. the host's)."""
+    if netns is None:
+        return socket.socket(socket.AF_INET, kind)
     with enter(netns):
         return socket.socket(socket.AF_INET, kind)
 
@@ -42,7 +49,14 @@ def _udp_echo(sock: socket.socket, stop: threading.Event) -> None:
 def measure_rtt(
     src_ns: str, dst_ns: str, dst_ip: str, probes: int = 21, timeout_s: float = 2.0
 ) -> float:
-    """Median RTT in ms of ``probes`` UDP probes from src_ns to an echo at dst_ip in dst_ns.
+    """Median RTT in ms of ``probes`` UDP probes from src_ns to an echo at dst_ip in dst_ns."""
+    return statistics.median(rtt_probes(src_ns, dst_ns, dst_ip, probes, timeout_s))
+
+
+def rtt_probes(
+    src_ns: str | None, dst_ns: str, dst_ip: str, probes: int, timeout_s: float = 2.0
+) -> list[float]:
+    """The RTTs in ms of the probes that came back, in the order sent (src_ns None: the host).
 
     A probe whose echo is not back within ``timeout_s`` counts as lost and is not retried;
     raises LabError if none came back.
@@ -63,7 +77,38 @@ def measure_rtt(
             echo.join()
     if not rtts:
         raise LabError(f"no RTT probe came back from {dst_ip} in {dst_ns}")
-    return statistics.median(rtts)
+    return rtts
+
+
+def datagrams_lost(
+    src_ns: str, dst_ns: str, dst_ip: str, datagrams: int, quiet_s: float = 0.5
+) -> float:
+    """The fraction of ``datagrams`` small UDP datagrams from src_ns to dst_ip that never
+    arrive (the link's loss); the rest is read until ``quiet_s`` of silence.
+
+    They leave paced, 10 a millisecond: a burst also arrives as a burst, and a receiving host
+    whose cores are busy (softirqs deferred) drops past its 1,000-packet backlog, which is the
+    host, not the link.
+    """
+    rx = _socket_in(dst_ns, socket.SOCK_DGRAM)
+    tx = _socket_in(src_ns, socket.SOCK_DGRAM)
+    with rx, tx:
+        rx.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 8 << 20)
+        rx.bind((dst_ip, 0))
+        for seq in range(datagrams):
+            tx.sendto(struct.pack("!I", seq) + bytes(28), rx.getsockname())
+            if seq % _BURST == _BURST - 1:
+                time.sleep(_BURST_GAP_S)
+        rx.settimeout(quiet_s)
+        got: set[int] = set()
+        while len(got) < datagrams:
+            try:
+                got.add(struct.unpack("!I", rx.recv(64)[:4])[0])
+            except TimeoutError:
+                break
+    if not got <= set(range(datagrams)):
+        raise LabError(f"datagrams that were never sent arrived at {dst_ip} in {dst_ns}")
+    return 1 - len(got) / datagrams
 
 
 def _probe(client: socket.socket, seq: int) -> float | None:
