@@ -29,6 +29,13 @@ class PddPolicyConfig(Section):
     wan_rtt_s: float = Field(
         0.02, ge=0, description="WAN round-trip estimate used until P reports a measured one."
     )
+    md_recompute: bool = Field(
+        False,
+        description="Recompute or wait: MD computes the prompt blocks it lacks itself instead "
+        "of waiting for their KV when its measured prefill (fixed + tokens / rate, from its "
+        "engine at start) is sooner than the WAN transfer; the pipeline choice then weighs the "
+        "sooner of the two against ttft_budget_s. Off: MD always waits for the WAN.",
+    )
     catch_up_load_threshold: float = Field(
         0.5,
         ge=0,

@@ -48,6 +48,7 @@ from pdd.engine.types import (  # noqa: E402
     EngineDelta,
     EngineStats,
     KvConnectorSpec,
+    PrefillRate,
     SamplingSpec,
     TokenLogprob,
     TopLogprob,
@@ -111,7 +112,10 @@ class Engine:
         model: ModelConfig,
         engine: EngineConfig,
         kv_connector: KvConnectorSpec | None = None,
+        measure_prefill: bool = False,
     ) -> None:
+        """``measure_prefill``: time a short and a long prefill once started
+        (``prefill_rate``, reported in ``stats``)."""
         self.model_config = model
         self.engine_config = engine
         self.kv_connector = kv_connector
@@ -124,6 +128,8 @@ class Engine:
         self.kv_capacity_tokens = 0  # device KV in tokens (vLLM's blocks x block size)
         self.kv_geometry: KvGeometry | None = None  # set once the engine is up
         self.startup_s: float | None = None
+        self._measure_prefill = measure_prefill
+        self.prefill_rate: PrefillRate | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -159,6 +165,32 @@ class Engine:
         self.kv_geometry = _kv_geometry(llm, fingerprint, self.engine_config.block_size)
         self.startup_s = time.monotonic() - started
         log.info("engine ready in %.1f s (model %s)", self.startup_s, path)
+        if self._measure_prefill:
+            self.prefill_rate = rate = await self.measure_prefill()
+            log.info("prefill measured: %.0f tokens/s + %.0f ms a request",
+                     rate.tokens_per_s, rate.fixed_s * 1000)  # fmt: skip
+
+    async def measure_prefill(self, tokens: int = 512) -> PrefillRate:
+        """Time this engine's prefill here: a 16-token and a ``tokens``-token prompt of fresh
+        ids (never prefix-cached; no KV connector parameters, so nothing is exported), one
+        output token each, after one warm-up. The slope is the prefill rate, the rest of the
+        short one its fixed cost. What the router weighs a WAN transfer against when MD could
+        compute the blocks it lacks itself (``router.pdd.md_recompute``)."""
+        small, salt = 16, int(time.monotonic_ns() % 1_000_003)
+        spec = SamplingSpec(temperature=0, max_tokens=1, ignore_eos=True)
+        span = max(self.vocab_size - 200, 1)
+
+        async def timed(n: int, k: int) -> float:
+            ids = [(i * 7919 + (salt + k) * 104729) % span + 100 for i in range(n)]
+            started = time.monotonic()
+            async for _ in self.generate(f"pdd-measure-prefill-{salt}-{k}", ids, spec):
+                pass
+            return time.monotonic() - started
+
+        await timed(small, 0)  # the first forward after start pays one-off setup
+        short, long = await timed(small, 1), await timed(tokens, 2)
+        rate = (tokens - small) / max(long - short, 1e-6)
+        return PrefillRate(rate, max(0.0, short - small / rate))
 
     def _engine_args(self, path: Path) -> AsyncEngineArgs:
         e, m = self.engine_config, self.model_config
@@ -347,6 +379,8 @@ class Engine:
             block_size=self.engine_config.block_size,
             max_num_seqs=self.engine_config.max_num_seqs,
             kv_block_bytes=self.kv_block_bytes,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s if self.prefill_rate else 0.0,
+            prefill_fixed_s=self.prefill_rate.fixed_s if self.prefill_rate else 0.0,
         )
 
     def _require_llm(self) -> AsyncLLM:

@@ -122,7 +122,10 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
 
     engine = parts["engine"] = Engine(
-        cfg.model, engine_cfg, plane.connector_spec() if plane is not None else None
+        cfg.model,
+        engine_cfg,
+        plane.connector_spec() if plane is not None else None,
+        measure_prefill=worker.role is Role.MAIN_DECODE,  # for router.pdd.md_recompute
     )
     ctx = RoleContext(engine, plane, worker, cfg, engine_cfg.block_size, block_bytes)
     role = parts["role"] = role_cls(ctx)

@@ -4,7 +4,9 @@ Steps of one request, after ``routing.choose`` picked the pipeline, workers and 
 
     P prefill ──> t1 (TTFT) ──┬─ WAN: blocks MD lacks (shared link) ─> landed ──> MD
                               └─ p_rld_md: all blocks over the local link ──> RLD decodes
-    p_md:      MD Generate(prompt + [t1]) after landing + one RTT: extend(tail + 1), decode.
+    p_md:      MD Generate(prompt + [t1]) after landing + one RTT: extend(tail + 1), decode;
+               md_computes (router.pdd.md_recompute): no transfer, MD Generate after one RTT
+               prefills what its DRC lacks + 1, decodes.
     p_rld_md:  landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes
                the rest; RLD ends first -> CancelKv (anomaly filter), handoff rld_finished.
     end:       MD's DRC stores prompt + answer (what MD re-exports when a request ends).
@@ -33,6 +35,12 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     assert md.cache is not None and md.decode is not None
     bs, kvb = md.profile.block_size, md.profile.kv_bytes_per_token
     have = md.cache.cached_tokens(conv, n)  # what MD holds when the send starts
+    if d.md_computes:  # sooner than the WAN: MD computes what it lacks, nothing crosses
+        yield env.timeout(sim.wan.rtt_s)  # the router's Generate reaches MD
+        pin = md.cache.pin(conv, have)
+        yield from sim.decode(md, n + 1, out - 1, md.profile.prefill_s(n - have + 1, have))
+        _finish(md, conv, n + out, pin)
+        return
     nbytes = (n // bs * bs - have) * kvb
     transfer = sim.link.send(nbytes)
     tail = n % bs

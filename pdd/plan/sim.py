@@ -136,6 +136,8 @@ class Simulation:
         cache = (None if capacity is None
                  else make_cache(exact, capacity, prof.block_size, wid, holders))  # fmt: skip
         w = Worker(wid, role, prof, cache)
+        prefill = prof.prefill  # what a real MD measures at start (Engine.measure_prefill)
+        rate = 1 / prefill.per_token_s if role is Role.MAIN_DECODE and prefill.per_token_s else 0.0
         if role is not Role.PREFILL:
             w.decode = DecodeServer(self.env, wid, prof, max_seqs)
         if role in (Role.PREFILL, Role.COLOCATED):
@@ -147,6 +149,7 @@ class Simulation:
             block_size=prof.block_size, kv_block_bytes=prof.block_size * prof.kv_bytes_per_token,
             wan_bandwidth_bps=self.wan.bandwidth_bps if role is Role.PREFILL else 0.0,
             wan_rtt_s=self.wan.rtt_s if role is Role.PREFILL else 0.0,
+            prefill_tokens_per_s=rate, prefill_fixed_s=prefill.chunk_overhead_s if rate else 0.0,
         )  # fmt: skip
 
     def profile_price(self, chip: str) -> float:

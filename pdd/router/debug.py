@@ -149,7 +149,8 @@ def _route(record: RequestRecord) -> dict[str, object]:
         "prompt_tokens": record.prompt_tokens,
         "md_cached_tokens": d.md_cached_tokens,  # the router's DRC view, before PrepareKv
         "wan_bytes": d.wan_bytes,
-        "eta_s": _finite(d.eta_s),
+        "eta_s": _finite(d.eta_s),  # when MD can start (its KV landed, or computed)
+        "md_computes": d.md_computes,
         "handoff": d.handoff.value,
         "block_size": d.block_size,
     }
@@ -218,6 +219,8 @@ def workers_view(pool: WorkerPool) -> list[dict[str, object]]:
             row["wan"] = {"bandwidth_bps": w.wan_bandwidth_bps, "rtt_s": w.wan_rtt_s}
         if w.role is Role.MAIN_DECODE and stats is not None:
             row["drc_stats"] = _drc_stats(stats)
+            row["prefill"] = {"tokens_per_s": w.prefill_tokens_per_s,
+                              "fixed_s": w.prefill_fixed_s}  # fmt: skip
         out.append(row)
     return out
 

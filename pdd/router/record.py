@@ -66,6 +66,7 @@ class PddTrace:
     kv_state: str = ""  # AwaitKv's final state on MD (or D), "" when not awaited
     kv_reason: str = ""  # why it ended so, when it did not end done
     d_is_rld: bool = False  # D is a relay_decode worker: its tokens count as RLD's
+    md_computed: bool = False  # MD computed the blocks it lacked (recompute, or no room)
 
     @classmethod
     def for_decision(cls, decision: Decision, prompt_tokens: int) -> PddTrace:
@@ -101,6 +102,7 @@ class PddTrace:
             rld_tokens=self.tokens.get("rld", 0),
             handoff=self.handoff.value,
             handoff_rounds=self.handoff_rounds,
+            md_computed=self.md_computed,
             p=self.p,
             rld=self.rld,
             md=self.md,

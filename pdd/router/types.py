@@ -163,6 +163,7 @@ class PddSummary:
     rld_tokens: int = 0
     handoff: str = HandoffMode.NONE.value
     handoff_rounds: int = 0
+    md_computed: bool = False  # MD computed the prompt blocks it lacked: no KV crossed for them
     p: str | None = None
     rld: str | None = None
     md: str | None = None
@@ -173,7 +174,8 @@ class PddSummary:
             "md_cached_tokens": self.md_cached_tokens, "wan_kv_bytes": self.wan_kv_bytes,
             "wan_kv_raw_bytes": self.wan_kv_raw_bytes,
             "rld_tokens": self.rld_tokens, "handoff": self.handoff,
-            "handoff_rounds": self.handoff_rounds, "p": self.p, "rld": self.rld, "md": self.md,
+            "handoff_rounds": self.handoff_rounds, "md_computed": self.md_computed,
+            "p": self.p, "rld": self.rld, "md": self.md,
         }  # fmt: skip
 
 

@@ -146,6 +146,8 @@ def _engine_stats(worker_id: str, role: str, s: EngineStats) -> pb.StatsResponse
         block_size=s.block_size,
         max_num_seqs=s.max_num_seqs,
         kv_block_bytes=s.kv_block_bytes,
+        prefill_tokens_per_s=s.prefill_tokens_per_s,
+        prefill_fixed_s=s.prefill_fixed_s,
     )
 
 

@@ -36,7 +36,7 @@ def test_p_rld_md_timeline(pdd):
         "workers": {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"},
         "prompt_tokens": n, "md_cached_tokens": 0, "wan_bytes": wan_bytes,
         "eta_s": P_WAN["wan_rtt_s"] + wan_bytes * 8 / P_WAN["wan_bandwidth_bps"],
-        "handoff": "catch_up", "block_size": BLOCK_SIZE,
+        "md_computes": False, "handoff": "catch_up", "block_size": BLOCK_SIZE,
     }  # fmt: skip
     assert view["route"] == route
     assert (view["request_id"], view["state"], view["finish_reason"]) == (rid, "finished", "stop")

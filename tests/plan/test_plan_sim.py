@@ -161,3 +161,20 @@ def test_a_cancelled_transfer_gives_its_share_back():
     assert a.sent == pytest.approx(250_000_000) and not a.landed.triggered
     assert done == [pytest.approx(0.5 + 0.75)]  # b's remaining 750 MB alone at 1 GB/s
     assert link.bytes_sent == pytest.approx(1_250_000_000)
+
+
+def test_recompute_or_wait_keeps_the_kv_off_a_slow_wan(profiles) -> None:
+    """router.pdd.md_recompute on a 100 Mbit/s WAN: MD prefills a miss in less time than its KV
+    takes to cross, so misses go p_md with MD computing them and the WAN carries nothing; off,
+    the same workload sends its KV and RLD covers the transfer."""
+    slow = Wan(100e6, 0.04, 0.01)
+    work = _work(requests=60, context_tokens=4096, hit_rate=0.5)
+    runs = {
+        on: Simulation(
+            _pdd(), profiles, slow, work, SLA, SimSettings(policy=PddPolicyConfig(md_recompute=on))
+        ).run()
+        for on in (False, True)
+    }
+    assert runs[False].wan_gb > 0 and runs[False].pipelines.get("p_rld_md", 0) > 0
+    assert runs[True].wan_gb == 0 and runs[True].pipelines == {"p_md": 60}
+    assert runs[True].rld_token_share == 0 < runs[False].rld_token_share

@@ -63,6 +63,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.geometry: KvGeometry | None = None  # reported in Health when set (pdd.kv_geometry)
         self.stats_running = 0  # extra running requests reported in Stats (load scripting)
         self.wan_bandwidth_bps = 0.0
+        self.prefill_tokens_per_s = 0.0  # MD: its measured prefill rate (0: none measured)
         self.script = Script()
         self.ready = True
         self.instance_id = "first-process"  # change it to play a restarted worker
@@ -219,6 +220,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             kv_block_bytes=BLOCK_BYTES if self.kv else 0,
             max_num_seqs=self.max_num_seqs,
             wan_bandwidth_bps=self.wan_bandwidth_bps,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
             pinned_slots=len(self.kv.held()) if self.kv else 0,
         )
 

@@ -256,7 +256,8 @@ def test_colocated_record_and_header(router):
     assert r.json()["pdd"] == {
         "pipeline": "colocated", "prompt_tokens": 1, "md_cached_tokens": 0, "wan_kv_bytes": 0,
         "wan_kv_raw_bytes": 0,
-        "rld_tokens": 0, "handoff": "none", "handoff_rounds": 0, "p": None, "rld": None,
+        "rld_tokens": 0, "handoff": "none", "handoff_rounds": 0, "md_computed": False, "p": None,
+        "rld": None,
         "md": None,
     }  # fmt: skip
     with httpx.stream("POST", router.url + "/completions", json={**body, "stream": True}) as s:

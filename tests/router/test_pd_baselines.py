@@ -56,7 +56,7 @@ def test_d_gets_every_block_and_emits_every_token(pd):
         "pipeline": "pd", "prompt_tokens": len(prompt_ids(pd)), "md_cached_tokens": 0,
         "wan_kv_bytes": blocks * BLOCK_BYTES, "wan_kv_raw_bytes": blocks * BLOCK_BYTES,
         "rld_tokens": 0, "handoff": "none",
-        "handoff_rounds": 0, "p": "p0", "rld": None, "md": d.worker_id,
+        "handoff_rounds": 0, "md_computed": False, "p": "p0", "rld": None, "md": d.worker_id,
     }  # fmt: skip
     (p_req,) = pd.by_id("p0").requests
     assert (p_req.sampling.max_tokens, p_req.kv_stage) == (1, True)

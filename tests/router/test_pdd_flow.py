@@ -71,7 +71,7 @@ def test_p_md_exact_stream_and_record(pdd):
         "pipeline": "p_md", "prompt_tokens": n_prompt, "md_cached_tokens": 0,
         "wan_kv_bytes": blocks * BLOCK_BYTES, "wan_kv_raw_bytes": blocks * BLOCK_BYTES,
         "rld_tokens": 0, "handoff": "none",
-        "handoff_rounds": 0, "p": "p0", "rld": None, "md": "md0",
+        "handoff_rounds": 0, "md_computed": False, "p": "p0", "rld": None, "md": "md0",
     }  # fmt: skip
     (p_req,) = gen_requests(pdd, "p0")
     assert (p_req.sampling.max_tokens, p_req.kv_stage) == (1, True)

@@ -81,6 +81,45 @@ def test_rtt_counts_and_config_fills_in_unmeasured_link():
     assert (d.pipeline, d.eta_s) == (Pipeline.P_RLD_MD, 1.25)
 
 
+RECOMPUTE = POLICY.model_copy(update={"md_recompute": True})
+
+
+@pytest.mark.parametrize(
+    ("rate", "pipeline", "wan_bytes", "eta"),
+    [
+        (80.0, Pipeline.P_MD, 0, 0.25 + 40 / 80),  # 0.75 s: MD computes, nothing crosses
+        (40.0, Pipeline.P_RLD_MD, 10_000, 10.0),  # 1.25 s: sooner than the WAN, over budget
+        (3.5, Pipeline.P_RLD_MD, 10_000, 10.0),  # 11.7 s: slower than the WAN
+        (0.0, Pipeline.P_RLD_MD, 10_000, 10.0),  # MD measured nothing: never recompute
+    ],
+)
+def test_recompute_or_wait_takes_the_sooner_of_md_s_prefill_and_the_wan(rate, pipeline,
+                                                                        wan_bytes, eta):  # fmt: skip
+    """A 40-token miss: 10 blocks, 10 s over the WAN; MD's measured prefill takes 0.25 s + 40
+    tokens at ``rate``. The sooner of the two is weighed against the 1 s budget: MD computes
+    only on p_md (on p_rld_md the WAN carries MD's KV while RLD streams)."""
+    mdw = md(prefill_tokens_per_s=rate, prefill_fixed_s=0.25)
+    d = choose(fleet(p(), rld(), mdw, policy=RECOMPUTE), req(40, {"md0": 0}))
+    assert (d.pipeline, d.md_computes, d.wan_bytes) == (pipeline, not wan_bytes, wan_bytes)
+    assert d.eta_s == pytest.approx(eta)
+
+
+def test_recompute_is_off_by_default_and_needs_a_missing_block():
+    fast = md(prefill_tokens_per_s=1e6)
+    d = choose(fleet(p(), rld(), fast), req(40, {"md0": 0}))  # POLICY: md_recompute off
+    assert (d.pipeline, d.md_computes, d.wan_bytes) == (Pipeline.P_RLD_MD, False, 10_000)
+    d = choose(fleet(p(), rld(), fast, policy=RECOMPUTE), req(40, {"md0": 40}))  # a full hit
+    assert (d.pipeline, d.md_computes, d.wan_bytes, d.eta_s) == (Pipeline.P_MD, False, 0, 0.0)
+    # a forced p_md computes when that is sooner; a forced p_rld_md always sends MD its KV
+    forced = choose(fleet(p(), rld(), fast, policy=RECOMPUTE),
+                    req(40, {"md0": 0}, pipeline=Pipeline.P_MD))  # fmt: skip
+    assert (forced.pipeline, forced.md_computes, forced.wan_bytes) == (Pipeline.P_MD, True, 0)
+    forced = choose(fleet(p(), rld(), fast, policy=RECOMPUTE),
+                    req(40, {"md0": 0}, pipeline=Pipeline.P_RLD_MD))  # fmt: skip
+    assert (forced.pipeline, forced.md_computes, forced.wan_bytes) == (
+        Pipeline.P_RLD_MD, False, 10_000)  # fmt: skip
+
+
 def test_partial_tail_block_is_never_sent_and_cache_is_clipped_to_the_prompt():
     d = choose(fleet(p(), rld(), md()), req(10, {"md0": 8}))  # 2 whole blocks, both cached
     assert (d.pipeline, d.wan_bytes, d.md_cached_tokens) == (Pipeline.P_MD, 0, 8)

@@ -22,9 +22,13 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
     WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes * ratio
          (ratio: P's learned wire/raw ratio of its WAN codec, 1 when raw or unknown)
          eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)
-    p_md      when eta <= ttft_budget_s, or no RLD has a free sequence slot (graceful
-              degradation: a longer TTFT on MD instead of overloading RLD)
-    p_rld_md  otherwise
+    compute   = fixed + (prompt - MD's cached tokens) / rate   (MD's measured prefill; inf
+              when MD reported none or router.pdd.md_recompute is off, or MD lacks no block)
+    ready     = min(eta, compute): recompute or wait, when MD can start
+    p_md      when ready <= ttft_budget_s, or no RLD has a free sequence slot (graceful
+              degradation: a longer TTFT on MD instead of overloading RLD); MD computes the
+              blocks it lacks itself (no KV crosses) when compute < eta, else waits for them
+    p_rld_md  otherwise (the WAN carries MD's KV while RLD streams)
     handoff   one_shot when that RLD's load (requests / max_num_seqs) is at or above
               catch_up_load_threshold (free it soonest), else catch_up (p_md: none)
 
@@ -89,6 +93,14 @@ def wan_estimate(
     rtt = p.wan_rtt_s or view.policy.wan_rtt_s
     eta = rtt + wan_bytes * 8 / bandwidth
     return WanEstimate(cached, blocks - cached, wan_bytes, eta, raw_bytes)
+
+
+def md_compute_s(md: WorkerView, tokens: int) -> float:
+    """How long MD takes to compute ``tokens`` prompt tokens itself, from the prefill rate its
+    engine measured at start (math.inf when it reported none)."""
+    if md.prefill_tokens_per_s <= 0:
+        return math.inf
+    return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
 
 
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:
@@ -184,11 +196,14 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
     cached = min(request.md_cached_tokens.get(md.id, 0), n)
     est = wan_estimate(p, md, cached, n, view)
+    computed = policy.md_recompute and est.missing_blocks > 0
+    compute_s = md_compute_s(md, n - cached) if computed else math.inf
+    ready_s = min(est.eta_s, compute_s)
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
         rlds = _receivers(p, view.healthy(Role.RELAY_DECODE), Role.RELAY_DECODE)
         rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
-    elif request.pipeline is None and est.eta_s > policy.ttft_budget_s:
+    elif request.pipeline is None and ready_s > policy.ttft_budget_s:
         rlds = [w for w in view.healthy(Role.RELAY_DECODE) if kv_conflict(p, w) is None]
         rld = pick_rld(rlds)  # None: no RLD capacity left -> degrade to p_md
     roles = [(Role.PREFILL, p.id)]
@@ -199,6 +214,9 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
         roles.append((Role.RELAY_DECODE, rld.id))
     roles.append((Role.MAIN_DECODE, md.id))
     block_size = p.block_size or md.block_size
+    if rld is None and compute_s < est.eta_s:  # MD computes what it lacks: nothing crosses
+        return Decision(pipeline, tuple(roles), handoff, cached, 0, compute_s, block_size,
+                        md_computes=True)  # fmt: skip
     return Decision(pipeline, tuple(roles), handoff, cached, est.wan_bytes, est.eta_s, block_size)
 
 

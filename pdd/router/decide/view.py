@@ -35,6 +35,8 @@ class WorkerView:
     wan_bandwidth_bps: float = 0.0  # P: live estimate toward MD (0: not measured)
     wan_rtt_s: float = 0.0
     wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown = raw)
+    prefill_tokens_per_s: float = 0.0  # MD: its engine's measured prefill rate (0: unknown)
+    prefill_fixed_s: float = 0.0  # MD: a prefill's cost beyond its tokens
     served: int = 0  # requests this router has given the worker so far (balances ties)
     source: str = "config"  # config | registered | dns:NAME
     restarts: int = 0  # times the router saw the worker come back as a new process
@@ -97,7 +99,8 @@ class RouteRequest:
 class Decision:
     """The pipeline to run, the worker for each role it uses, and why.
 
-    ``md_cached_tokens``, ``wan_bytes``, ``eta_s``: the policy's estimate (pdd/pd modes).
+    ``md_cached_tokens``, ``wan_bytes``, ``eta_s``: the policy's estimate (pdd/pd modes);
+    ``eta_s`` is when MD can start: its KV landed, or (``md_computes``) computed by MD.
     """
 
     pipeline: Pipeline
@@ -108,6 +111,7 @@ class Decision:
     eta_s: float = 0.0
     block_size: int = 0  # tokens per KV block as P reported it (0: unknown)
     relay_only: bool = False  # TEST ONLY (p_rld_only): the pd driver's D is an RLD doing MD's job
+    md_computes: bool = False  # p_md: MD computes the blocks it lacks (sooner than the WAN)
 
     def worker(self, role: Role) -> str:
         worker_id = self.maybe_worker(role)

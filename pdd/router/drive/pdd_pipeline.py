@@ -3,6 +3,8 @@
 p_md:
     P stage (PrepareKv on MD || P.Generate(prompt, max_tokens=1, kv_stage)) -> emit t1
     -> SendKv(MD from its cached blocks) -> AwaitKv(MD) -> MD.Generate(prompt+[t1], kv_in=DRC)
+    md_computes (recompute beats the WAN, ``policy``): no PrepareKv or SendKv to MD;
+    MD.Generate(prompt+[t1], kv_in=DRC) computes the blocks its DRC lacks
 p_rld_md:
     P stage with RLD too (RLD from block 0) -> emit t1 -> SendKv(RLD, MD)
     -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
@@ -62,7 +64,8 @@ class PddPipeline:
             md = decision.worker(Role.MAIN_DECODE)
             rld = decision.maybe_worker(Role.RELAY_DECODE)
             targets = [Target(rld)] if rld is not None else []
-            targets.append(Target(md, from_cache=True, recorded=True))
+            if not decision.md_computes:  # else MD computes what it lacks: no KV crosses
+                targets.append(Target(md, from_cache=True, recorded=True))
             stage, first = await prefill(self._pool, run, decision, targets)
             out = run.stream.take(first, "p", final=first.finish_reason == "stop")
             if run.finished:
@@ -74,6 +77,7 @@ class PddPipeline:
             if rld in stage.full:  # RLD has no room for the KV: p_md (MD waits for its KV)
                 rld = trace.rld = None
                 trace.pipeline = Pipeline.P_MD
+            trace.md_computed = decision.md_computes or md in stage.full
             if rld is None:
                 events = run.finish_on(
                     md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost

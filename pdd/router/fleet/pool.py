@@ -210,6 +210,8 @@ def _worker_view(st: WorkerState) -> WorkerView:
         wan_bandwidth_bps=stats.wan_bandwidth_bps,
         wan_rtt_s=stats.wan_rtt_s,
         wan_wire_ratio=stats.wan_wire_ratio,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        prefill_fixed_s=stats.prefill_fixed_s,
         served=st.served,
         source=st.source,
         restarts=st.restarts,

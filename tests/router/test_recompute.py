@@ -1,0 +1,67 @@
+"""Recompute or wait (router.pdd.md_recompute) through the router's HTTP API, fake workers.
+
+P measured a slow WAN (8,000 bit/s: 1 s per 1,000-byte block); MD reports the prefill rate its
+engine measured. Where MD computes a miss sooner than the WAN carries it, the request goes
+p_md, MD is never asked to reserve or receive KV and computes the prompt from prompt + t1;
+where it does not (no rate reported), the request goes as before."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pdd.router.text.tokenizer import TextCodec
+from tests.router.conftest import PDD_POLICY, assert_released, fresh, wait_until
+from tests.router.harness import RouterHarness
+from tests.router.test_pdd_flow import complete, prompt_ids, script
+
+
+@pytest.fixture(scope="module")
+def recompute(codec: TextCodec) -> Iterator[RouterHarness]:
+    h = RouterHarness.pdd(codec, "pdd", **PDD_POLICY, md_recompute=True)
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def pdd(recompute: RouterHarness) -> Iterator[RouterHarness]:
+    fresh(recompute)
+    yield recompute
+    _md_rate(recompute, 0.0)
+    assert_released(recompute)
+
+
+def _md_rate(h: RouterHarness, rate: float) -> None:
+    """MD reports ``rate``; returns once the router's view has it (its next Stats poll)."""
+    h.by_id("md0").prefill_tokens_per_s = rate
+    wait_until(lambda: _seen(h) == rate, "the router never saw MD's prefill rate")
+
+
+def _seen(h: RouterHarness) -> float:
+    (md,) = [w for w in h.workers() if w["id"] == "md0"]
+    return md["prefill"]["tokens_per_s"]
+
+
+def test_md_that_computes_sooner_than_the_wan_gets_no_kv_and_the_whole_answer(pdd):
+    ids = script(pdd, 6)
+    _md_rate(pdd, 1e6)  # the prompt in microseconds against seconds of WAN
+    body = complete(pdd).json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    rec = body["pdd"]
+    assert (rec["pipeline"], rec["md_computed"], rec["wan_kv_bytes"]) == ("p_md", True, 0)
+    md, p = pdd.by_id("md0"), pdd.by_id("p0")
+    assert (md.kv.prepares, md.kv.awaits, p.kv.sends) == ([], [], [])
+    (md_req,) = md.requests
+    assert list(md_req.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
+
+
+def test_md_with_no_measured_rate_waits_for_its_kv(pdd):
+    ids = script(pdd, 6)
+    body = complete(pdd, "p_md").json()  # no rate: the WAN, however slow
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    rec = body["pdd"]
+    assert (rec["pipeline"], rec["md_computed"]) == ("p_md", False)
+    assert rec["wan_kv_bytes"] > 0
+    assert len(pdd.by_id("md0").kv.prepares) == 1
