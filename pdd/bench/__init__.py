@@ -13,6 +13,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("pdd.bench.codec", "WAN KV codecs on real KV: wire ratio, GB/s per core, quality"),
     "overhead": ("pdd.bench.serve_overhead", "pdd's router + worker vs vLLM's own OpenAI server"),
     "handoff-gap": ("pdd.bench.handoff_gap", "stalls around One-Shot / Catch-Up handoffs"),
+    "recompute": ("pdd.bench.recompute", "MD computing a miss or waiting for it, per WAN rate"),
     "soak": ("pdd.bench.soak", "mixed traffic + paused workers: leaks, memory, failures"),
     "chaos-soak": (
         "pdd.bench.chaos_soak",

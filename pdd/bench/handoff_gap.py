@@ -23,13 +23,17 @@ from pathlib import Path
 import httpx
 
 
-def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str) -> dict:
+def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
+                 pipeline: str = "p_rld_md", headers: dict | None = None) -> dict:  # fmt: skip
+    """One streamed greedy request (ignore_eos): when each text chunk came, the record, and
+    the gaps (the switch: RLD's last token to MD's first)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "pdd": {"pipeline": "p_rld_md", "handoff": handoff},
+        "ignore_eos": True, "stream": True, "pdd": {"pipeline": pipeline, "handoff": handoff},
     }  # fmt: skip
     times, record, t0 = [], None, time.perf_counter()
-    with httpx.stream("POST", f"{url}/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{url}/completions", json=body, timeout=600,
+                      headers=headers) as r:  # fmt: skip
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -44,6 +48,7 @@ def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str) -
         "handoff": handoff,
         "record": record,
         "ttft_ms": times[0] * 1000 if times else None,
+        "second_token_ms": times[1] * 1000 if len(times) > 1 else None,
         "text_chunks": len(times),
         "switch_gap_ms": gaps[switch - 1] * 1000 if 0 < switch <= len(gaps) else None,
         "max_gap_ms": max(gaps) * 1000 if gaps else None,

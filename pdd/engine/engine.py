@@ -104,6 +104,10 @@ class _StatSink(StatLoggerBase):
         pass
 
 
+PREFILL_SAMPLE_TOKENS = 256  # a request computing fewer is too short to time the rate
+PREFILL_EWMA = 0.3
+
+
 class Engine:
     """One AsyncLLM. Not thread-safe: use it from the event loop that called ``start``."""
 
@@ -115,7 +119,7 @@ class Engine:
         measure_prefill: bool = False,
     ) -> None:
         """``measure_prefill``: time a short and a long prefill once started
-        (``prefill_rate``, reported in ``stats``)."""
+        (``prefill_rate``, reported in ``stats``), then keep it live (``_observe_prefill``)."""
         self.model_config = model
         self.engine_config = engine
         self.kv_connector = kv_connector
@@ -324,14 +328,18 @@ class Engine:
             prompt["cache_salt"] = cache_salt
         self._inflight.add(request_id)
         queue: RequestOutputCollector | None = None
-        finished = False
+        finished, started, first = False, time.monotonic(), True
         try:
             queue = await _add_whole(llm, request_id, prompt, params)
             while not finished:
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
                 if out is not STREAM_FINISHED:
-                    yield _to_delta(out, sampling.logprobs)
+                    delta = _to_delta(out, sampling.logprobs)
+                    if first:
+                        first = False
+                        self._observe_prefill(delta, time.monotonic() - started)
+                    yield delta
         except (EngineDeadError, EngineGenerateError) as exc:
             raise WorkerError(f"engine failed on request {request_id}: {exc}") from exc
         except PddError:  # InvalidRequestError from the add; _to_delta's own check
@@ -344,6 +352,19 @@ class Engine:
                 if not finished and self._llm is not None and not self._llm.errored:
                     await self._llm.abort(queue.request_id, internal=True)
                 queue.close()
+
+    def _observe_prefill(self, delta: EngineDelta, elapsed_s: float) -> None:
+        """Keep the measured prefill rate live: a request that computed at least
+        ``PREFILL_SAMPLE_TOKENS`` prompt tokens before its first token is a sample (its tokens
+        over its time less the fixed part), folded in with an EWMA. Its time includes what the
+        engine did meanwhile, so a busy engine reports the rate it computes at now."""
+        rate = self.prefill_rate
+        computed = delta.num_prompt_tokens - delta.num_cached_tokens
+        if rate is None or computed < PREFILL_SAMPLE_TOKENS or elapsed_s <= rate.fixed_s:
+            return
+        sample = computed / (elapsed_s - rate.fixed_s)
+        tokens_per_s = rate.tokens_per_s + PREFILL_EWMA * (sample - rate.tokens_per_s)
+        self.prefill_rate = PrefillRate(tokens_per_s, rate.fixed_s)
 
     async def abort(self, request_id: str) -> bool:
         """Abort one request; its stream ends with finish_reason "abort". False if unknown."""

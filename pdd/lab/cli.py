@@ -1,4 +1,4 @@
-"""`pdd lab up | down | status | exec`: the two-datacenter lab from the command line.
+"""`pdd lab up | down | status | set | exec`: the two-datacenter lab from the command line.
 
 The lab's config is the ``lab`` section of a pdd config (``--config F``, ``--set lab.x=y``);
 the flags below override it. ``up`` returns once the lab runs (a daemon keeps it running).
@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         "down": sub.add_parser("down", help="remove everything the lab made (idempotent)"),
         "status": sub.add_parser("status", help="addresses, link parameters, a fresh measurement"),
         "exec": sub.add_parser("exec", help="run a command inside a datacenter: exec dc-a -- CMD"),
+        "set": sub.add_parser("set", help="change a running lab's WAN rate (up to its built one)"),
     }
     for name, cp in cmds.items():
         cp.add_argument("--config", help="pdd YAML config (its `lab` section is used)")
@@ -58,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
             "--seconds", type=float, default=1.0, help="length of the throughput flow in link time"
         )
     cmds["status"].add_argument("--json", action="store_true", help="print LabStatus as JSON")
+    cmds["set"].add_argument("--rate-mbit", dest="new_rate", type=float, required=True,
+                             help="the WAN rate from now on, each direction")  # fmt: skip
     cmds["exec"].add_argument("dc", help="dc-a or dc-b")
     cmds["exec"].add_argument("argv", nargs="*", help="-- CMD [ARGS...]")
     cmds["exec"].epilog = "Options go before `--`; everything after it is the command."
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _show(lab, st, args)
             return 0 if st.state == "up" else 1
+        elif args.cmd == "set":
+            print(format_status(lab.set_rate(args.new_rate)), flush=True)
         else:
             return _exec(lab, args.dc, command or args.argv)
     except PddError as exc:

@@ -130,6 +130,29 @@ class Lab:
             return recorded.model_copy(update={"state": "broken", "problems": problems})
         return recorded
 
+    def set_rate(self, rate_mbit: float) -> LabStatus:
+        """Change the WAN rate of this running lab, both directions at once (a running flow
+        follows within one queue's worth of packets). At most the rate the lab was built
+        with, whose in-flight bytes the relay's delay lines are sized for; not on a lab whose
+        chaos schedule changes the rate. Raises LabError otherwise."""
+        built = state.read_config(self.plan)
+        current = self.status()
+        if built is None or current.state != "up":
+            raise LabError(f"lab {self.cfg.prefix!r} is not up ({current.state})")
+        if not 0 < rate_mbit <= built.rate_mbit:
+            raise LabError(
+                f"rate_mbit {rate_mbit} must be in (0, {built.rate_mbit}]: the rate lab "
+                f"{self.cfg.prefix!r} was built with (`pdd lab up --rate-mbit` for more)"
+            )
+        if built.rate_factors:
+            raise LabError(f"lab {self.cfg.prefix!r} changes its rate by a chaos schedule")
+        plan = LabPlan.from_config(built.model_copy(update={"rate_mbit": rate_mbit}))
+        for dc in plan.dcs:
+            topology.shape_wan(plan, dc)
+        state.write_status(self.plan, current.model_copy(update={"rate_mbit": rate_mbit}))
+        log.info("lab %s: WAN rate now %s Mbit/s", self.cfg.prefix, rate_mbit)
+        return self.status()
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.plan.log_path.read_text().splitlines()[-lines:])

@@ -94,6 +94,11 @@ def _configure_wan(plan: LabPlan, dc: DcPlan) -> None:
     _ns_ip(dc, "link", "set", WAN_IFNAME, "mtu", str(cfg.mtu), "txqueuelen", "1000")
     _ns_ip(dc, "addr", "add", f"{dc.wan_ip}/30", "dev", WAN_IFNAME)
     _ns_ip(dc, "link", "set", WAN_IFNAME, "up")
+    shape_wan(plan, dc)
+
+
+def shape_wan(plan: LabPlan, dc: DcPlan) -> None:
+    """The rate and queue of ``dc``'s WAN egress: a tbf qdisc (replaced in place)."""
     tbf = ["tbf", "rate", f"{int(plan.tbf_rate_bytes_s * 8)}bit"]
     tbf += ["burst", str(plan.burst_bytes), "limit", str(plan.queue_bytes)]
     netns.run(["tc", "-n", dc.netns, "qdisc", "replace", "dev", WAN_IFNAME, "root", *tbf])

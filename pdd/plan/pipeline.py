@@ -5,8 +5,8 @@ Steps of one request, after ``routing.choose`` picked the pipeline, workers and 
     P prefill ──> t1 (TTFT) ──┬─ WAN: blocks MD lacks (shared link) ─> landed ──> MD
                               └─ p_rld_md: all blocks over the local link ──> RLD decodes
     p_md:      MD Generate(prompt + [t1]) after landing + one RTT: extend(tail + 1), decode;
-               md_computes (router.pdd.md_recompute): no transfer, MD Generate after one RTT
-               prefills what its DRC lacks + 1, decodes.
+               md_computes (router.pdd.md_recompute): no transfer; MD's warm-up prefills
+               what its DRC lacks while P prefills; after t1 + one RTT MD extends tail + 1.
     p_rld_md:  landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes
                the rest; RLD ends first -> CancelKv (anomaly filter), handoff rld_finished.
     end:       MD's DRC stores prompt + answer (what MD re-exports when a request ends).
@@ -29,18 +29,15 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     p, md = sim.workers[d.worker(Role.PREFILL)], sim.workers[d.worker(Role.MAIN_DECODE)]
     rld_id = d.maybe_worker(Role.RELAY_DECODE)
     env, n, out = sim.env, turn.prompt_tokens, turn.output_tokens
+    if d.md_computes:
+        yield from _md_computes(sim, p, md, conv, turn, rec)
+        return
     yield from sim.prefill_stage(p, conv, turn, rec)
     rec.first_at = env.now  # P's token is emitted at once
     sim.release(rec, p)
     assert md.cache is not None and md.decode is not None
     bs, kvb = md.profile.block_size, md.profile.kv_bytes_per_token
     have = md.cache.cached_tokens(conv, n)  # what MD holds when the send starts
-    if d.md_computes:  # sooner than the WAN: MD computes what it lacks, nothing crosses
-        yield env.timeout(sim.wan.rtt_s)  # the router's Generate reaches MD
-        pin = md.cache.pin(conv, have)
-        yield from sim.decode(md, n + 1, out - 1, md.profile.prefill_s(n - have + 1, have))
-        _finish(md, conv, n + out, pin)
-        return
     nbytes = (n // bs * bs - have) * kvb
     transfer = sim.link.send(nbytes)
     tail = n % bs
@@ -78,6 +75,25 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     left = out - 1 - emitted
     extend = md.profile.extend_s(tail + 1 + emitted - known)
     yield from sim.decode(md, n + 1 + emitted, left, extend)
+    _finish(md, conv, n + out, pin)
+
+
+def _md_computes(sim: Simulation, p: Worker, md: Worker, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
+    """Nothing crosses: MD's warm-up computes the prompt (what its DRC lacks) while P
+    prefills, stalling MD's batch as it runs; after P's token MD extends the tail and t1."""
+    env, n, out = sim.env, turn.prompt_tokens, turn.output_tokens
+    assert md.cache is not None and md.decode is not None
+    have = md.cache.cached_tokens(conv, n)
+    pin = md.cache.pin(conv, have)
+    seconds = md.profile.prefill_s(n - have, have)
+    warm_end = env.now + sim.wan.rtt_s / 2 + seconds  # the warm-up reaches MD, then runs
+    md.decode.add_extra(seconds)
+    yield from sim.prefill_stage(p, conv, turn, rec)
+    rec.first_at = env.now
+    sim.release(rec, p)
+    yield env.timeout(max(sim.wan.rtt_s, warm_end - env.now))  # and MD's Generate reaches it
+    tail = n % md.profile.block_size
+    yield from sim.decode(md, n + 1, out - 1, md.profile.extend_s(tail + 1))
     _finish(md, conv, n + out, pin)
 
 

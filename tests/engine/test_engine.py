@@ -344,6 +344,31 @@ def test_a_small_chip_profile_of_this_engine(h: Harness) -> None:
     assert h.engine.stats().running == 0  # every timed request ended
 
 
+def test_prefill_is_measured_and_kept_live_by_requests_that_compute_enough(h: Harness) -> None:
+    """measure_prefill (what an MD reports for router.pdd.md_recompute): a positive rate and a
+    non-negative fixed cost, and nothing of it counted as a sample. Then the rate is live: a
+    cold request computing at least 256 prompt tokens pulls a deliberately wrong rate toward
+    the engine's real one; a short one, or one served from the prefix cache, does not."""
+    from pdd.engine.types import PrefillRate
+
+    measured = h.run(h.engine.measure_prefill(tokens=256))
+    assert measured.tokens_per_s > 0 and measured.fixed_s >= 0, measured
+    spec = SamplingSpec(temperature=0, max_tokens=1)
+    cold = [(i * 104729) % 40000 + 100 for i in range(300)]
+    try:
+        h.engine.prefill_rate = PrefillRate(1.0, 0.0)  # 1 token/s: far too slow
+        h.run(h.collect("short", [t + 1 for t in cold[:100]], spec))
+        assert h.engine.prefill_rate == PrefillRate(1.0, 0.0)  # 100 tokens: no sample
+        h.run(h.collect("long", cold, spec))
+        rate = h.engine.prefill_rate
+        assert rate is not None and rate.tokens_per_s > 10, rate  # 1 + 0.3 x (300 / seconds)
+        assert h.engine.stats().prefill_tokens_per_s == rate.tokens_per_s
+        h.run(h.collect("again", cold, spec))  # 288 of 300 from the prefix cache
+        assert h.engine.prefill_rate == rate
+    finally:
+        h.engine.prefill_rate = None
+
+
 def test_stop_leaves_no_engine_process(h: Harness) -> None:
     """Runs last: it stops the module's engine."""
     assert len(vllm_children()) == 1

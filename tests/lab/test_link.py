@@ -161,3 +161,25 @@ def test_cli_status_prints_addresses_and_a_fresh_measurement(lab, capfd):
     assert "delay 10 ms each way, rate 100 Mbit/s" in out
     assert "wan 10.77.1.1, mgmt 10.77.1.6" in out
     assert "measured rtt " in out and " Mbit/s (dc-a -> dc-b" in out
+
+
+def test_set_lowers_the_rate_of_the_running_link_and_refuses_more_than_it_was_built_with(
+    lab, capfd
+):
+    """`pdd lab set --rate-mbit 20`: a bulk flow then runs at most 20 Mbit/s and status says
+    20; above the built 100 the lab refuses (its relay is sized for 100) and stays as it was;
+    back to 100, the flow reaches the link rate again."""
+    st = lab.status()
+    b_ip = st.dc("dc-b").wan_ip
+    try:
+        assert lab_main(["set", "--prefix", PREFIX, "--rate-mbit", "20"]) == 0
+        assert "rate 20 Mbit/s" in capfd.readouterr().out
+        slow = measure_throughput("pdtlink-dc-a", "pdtlink-dc-b", b_ip, 2_500_000, max_s=4)
+        assert 0 < slow <= 20.0, slow
+        assert lab_main(["set", "--prefix", PREFIX, "--rate-mbit", "150"]) == 1
+        assert "must be in (0, 100.0]" in capfd.readouterr().err
+        assert lab.status().rate_mbit == 20
+    finally:
+        lab.set_rate(100)
+    assert lab.status().rate_mbit == 100
+    assert 85.0 <= max(_best_rate("pdtlink-dc-a", "pdtlink-dc-b", b_ip))

@@ -2,8 +2,9 @@
 
 P measured a slow WAN (8,000 bit/s: 1 s per 1,000-byte block); MD reports the prefill rate its
 engine measured. Where MD computes a miss sooner than the WAN carries it, the request goes
-p_md, MD is never asked to reserve or receive KV and computes the prompt from prompt + t1;
-where it does not (no rate reported), the request goes as before."""
+p_md, MD is never asked to reserve or receive KV: it computes the prompt while P prefills (a
+warm-up whose token is dropped), then continues prompt + t1; where it does not (no rate
+reported), the request goes as before."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def test_md_that_computes_sooner_than_the_wan_gets_no_kv_and_the_whole_answer(pd
     assert (rec["pipeline"], rec["md_computed"], rec["wan_kv_bytes"]) == ("p_md", True, 0)
     md, p = pdd.by_id("md0"), pdd.by_id("p0")
     assert (md.kv.prepares, md.kv.awaits, p.kv.sends) == ([], [], [])
-    (md_req,) = md.requests
-    assert list(md_req.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
+    warm, final = md.requests  # the prompt while P prefilled, then prompt + t1 to the end
+    assert (list(warm.prompt_token_ids), warm.sampling.max_tokens) == (prompt_ids(pdd), 1)
+    assert list(final.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
 
 
 def test_md_with_no_measured_rate_waits_for_its_kv(pdd):
@@ -65,3 +67,17 @@ def test_md_with_no_measured_rate_waits_for_its_kv(pdd):
     assert (rec["pipeline"], rec["md_computed"]) == ("p_md", False)
     assert rec["wan_kv_bytes"] > 0
     assert len(pdd.by_id("md0").kv.prepares) == 1
+
+
+def test_a_request_that_ends_on_p_stops_md_s_warm_up(pdd):
+    """P's token is EOS: the request ends there; MD's warm-up (held 5 s before its token) is
+    cancelled, and nothing runs or stays reserved anywhere (the fixture checks)."""
+    script(pdd, 0)
+    md = pdd.by_id("md0")
+    md.script.first_delay_s = 5.0
+    _md_rate(pdd, 1e6)
+    body = complete(pdd).json()
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("", "stop")
+    (warm,) = md.requests
+    assert warm.request_id.endswith(".warm")
+    wait_until(lambda: warm.request_id in md.cancelled, "MD's warm-up still runs")

@@ -4,7 +4,9 @@ p_md:
     P stage (PrepareKv on MD || P.Generate(prompt, max_tokens=1, kv_stage)) -> emit t1
     -> SendKv(MD from its cached blocks) -> AwaitKv(MD) -> MD.Generate(prompt+[t1], kv_in=DRC)
     md_computes (recompute beats the WAN, ``policy``): no PrepareKv or SendKv to MD;
-    MD.Generate(prompt+[t1], kv_in=DRC) computes the blocks its DRC lacks
+    MD.Generate(prompt, max_tokens=1) (a warm-up, its token dropped) || P stage -> emit t1
+    -> MD.Generate(prompt+[t1], kv_in=DRC): the warm-up left the prompt's whole blocks in MD's
+    prefix cache, so MD extends only the tail and t1
 p_rld_md:
     P stage with RLD too (RLD from block 0) -> emit t1 -> SendKv(RLD, MD)
     -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
@@ -28,6 +30,7 @@ each Generate stream still open is cancelled and Aborted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -60,11 +63,14 @@ class PddPipeline:
         self, req: GenerationRequest, decision: Decision, trace: PddTrace
     ) -> AsyncIterator[TokenEvent]:
         run = RequestRun(self._pool, req, trace, self._policy)
+        warm: asyncio.Task[None] | None = None
         try:
             md = decision.worker(Role.MAIN_DECODE)
             rld = decision.maybe_worker(Role.RELAY_DECODE)
             targets = [Target(rld)] if rld is not None else []
-            if not decision.md_computes:  # else MD computes what it lacks: no KV crosses
+            if decision.md_computes:  # no KV crosses: MD computes the prompt while P prefills
+                warm = asyncio.get_running_loop().create_task(_warm_md(run, md))
+            else:
                 targets.append(Target(md, from_cache=True, recorded=True))
             stage, first = await prefill(self._pool, run, decision, targets)
             out = run.stream.take(first, "p", final=first.finish_reason == "stop")
@@ -78,6 +84,8 @@ class PddPipeline:
                 rld = trace.rld = None
                 trace.pipeline = Pipeline.P_MD
             trace.md_computed = decision.md_computes or md in stage.full
+            if warm is not None:  # its blocks in MD's prefix cache: Generate extends tail + t1
+                await warm
             if rld is None:
                 events = run.finish_on(
                     md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost
@@ -90,7 +98,23 @@ class PddPipeline:
             async for event in events:
                 yield event
         finally:
+            if warm is not None and not warm.done():
+                warm.cancel()  # closes its Generate stream: MD aborts it
+                await asyncio.gather(warm, return_exceptions=True)
             run.close()
+
+
+async def _warm_md(run: RequestRun, md: str) -> None:
+    """``md_computes``: MD computes the prompt into its prefix cache (loading what its DRC
+    holds) while P prefills; the token it samples is dropped. A failure costs only the
+    overlap: MD's Generate then computes the prompt itself, or is taken over as ever."""
+    req = run.stream.continuation(f"{run.kv.kv_id}.warm", max_tokens=1)
+    try:
+        async for _ in run.generate(md, req, kv_in=run.kv.kv_in("drc")):
+            pass
+    except PddError as exc:
+        log.warning("request %s: MD's warm-up failed (%s); its Generate computes the prompt",
+                    run.req.request_id, exc.message)  # fmt: skip
 
 
 async def prefill(

@@ -1,0 +1,100 @@
+"""Recompute or wait on the lab (router.pdd.md_recompute): configs/lab.yaml's fleet (P and RLD
+in dc-a, MD in dc-b, 10 ms each way) with real engines, on a link built at 1 Gbit/s and then
+lowered to 10 Mbit/s under the running fleet (`Lab.set_rate`).
+
+The same cold ~1,500-token prompt (cold: each phase's requests carry a tenant of their own):
+- at 1 Gbit/s, before P has measured its link (the router's figure is the config's 1 Gbit/s),
+  MD takes whichever is sooner, its own prefill (the rate its engine measured at start) or the
+  KV crossing, and the request does what the route says (on these cores the KV is sooner);
+- at 10 Mbit/s, once P measured the slower link, MD computes the prompt itself: nothing
+  crosses the WAN, and the answer is the same text.
+
+Timings are not asserted (docs/benchmarks.md has them). One topology for the module."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from pdd.config import load_config
+from pdd.config.lab import LabConfig
+from pdd.lab import Lab
+from tests.helpers import serve, stop
+from tests.lab.support import needs_lab
+
+pytestmark = [pytest.mark.slow, pytest.mark.lab, needs_lab]
+
+PREFIX, SUBNET = "pdtrecmp", "10.77.6.0/28"
+READY_S = 900  # three engines start on two shared cores
+TENANTS = ("wait", "probe", "compute")
+PROMPT = " ".join(f"w{i}" for i in range(420))  # ~1,500 tokens, 46 KB of float32 KV each
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("".join(f"sk-{t} tenant={t} admin\n" for t in TENANTS))
+    lab = Lab(LabConfig(prefix=PREFIX, subnet=SUBNET))
+    lab.down()
+    sets = [f"lab.prefix={PREFIX}", f"lab.subnet={SUBNET}", "lab.rate_mbit=1000",
+            "router.pdd.wan_bandwidth_bps=1e9",  # the link's rate, until P measures it
+            "router.pdd.md_recompute=true", f"router.api_keys_file={keys}"]  # fmt: skip
+    s = serve("configs/lab.yaml", [], sets, timeout_s=READY_S)
+    yield s, lab
+    stop(s)
+    lab.down()
+
+
+def ask(url: str, tenant: str, pipeline: str, max_tokens: int) -> dict:
+    body = {"model": load_config("configs/lab.yaml").model.name, "prompt": PROMPT,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": pipeline}}  # fmt: skip
+    r = httpx.post(f"{url}/completions", json=body, timeout=300,
+                   headers={"Authorization": f"Bearer sk-{tenant}"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def workers(url: str) -> dict[str, dict]:
+    r = httpx.get(url.removesuffix("/v1") + "/debug/workers", timeout=10,
+                  headers={"Authorization": "Bearer sk-wait"})  # fmt: skip
+    return {w["id"]: w for w in r.json()["workers"]}
+
+
+def route(url: str, request_id: str) -> dict:
+    r = httpx.get(url.removesuffix("/v1") + f"/debug/requests/{request_id}", timeout=10,
+                  headers={"Authorization": "Bearer sk-wait"})  # fmt: skip
+    return r.json()["route"]
+
+
+def test_the_link_decides_whether_md_waits_for_its_kv_or_computes_it(fleet):
+    s, lab = fleet
+    # 1 Gbit/s, P unmeasured: the router weighs its config's 1 Gbit/s against MD's prefill
+    seen = workers(s.url)
+    assert seen["p"]["wan"]["bandwidth_bps"] == 0  # nothing crossed yet
+    md = seen["md"]["prefill"]
+    assert md["tokens_per_s"] > 0, seen["md"]
+    fast = ask(s.url, "wait", "p_md", 16)
+    rec, n = fast["pdd"], fast["usage"]["prompt_tokens"]
+    compute_s = md["fixed_s"] + n / md["tokens_per_s"]
+    wan_s = 0.02 + (n // 32) * 32 * 46_080 * 8 / 1e9  # configs/lab.yaml's 20 ms, and 1 Gbit/s
+    assert rec["md_computed"] == (compute_s < wan_s), (rec, compute_s, wan_s)
+    assert (rec["wan_kv_bytes"] > 0) == (not rec["md_computed"]), rec
+    assert route(s.url, fast["id"])["md_computes"] == rec["md_computed"]
+
+    # 10 Mbit/s: one cold p_rld_md request lets P measure the slower link (RLD's 24 tokens
+    # end it; the router then cuts the WAN transfer), then the same prompt again
+    lab.set_rate(10)
+    probe = ask(s.url, "probe", "p_rld_md", 24)
+    assert probe["pdd"]["handoff"] == "rld_finished", probe["pdd"]
+    deadline = time.monotonic() + 60
+    while not 0 < workers(s.url)["p"]["wan"]["bandwidth_bps"] < 100e6:
+        assert time.monotonic() < deadline, workers(s.url)["p"]
+        time.sleep(1)
+    slow = ask(s.url, "compute", "p_md", 16)
+    rec = slow["pdd"]
+    assert (rec["pipeline"], rec["md_computed"], rec["wan_kv_bytes"]) == ("p_md", True, 0), rec
+    assert route(s.url, slow["id"])["md_computes"] is True
+    assert slow["choices"][0]["text"] == fast["choices"][0]["text"]
