@@ -38,8 +38,8 @@ def _p_bandwidth(url: str) -> float:
 
 
 def _cold(words: int) -> str:
-    tag = uuid.uuid4().hex[:6]
-    return " ".join(f"{tag}{j}" for j in range(words))
+    """A prompt no cache holds: a fresh tag first changes the hash of every block after it."""
+    return f"Request {uuid.uuid4().hex[:8]}: " + " ".join(f"w{j}" for j in range(words))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +79,32 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    plot(runs, out / "md_first_token.png")
     return 0
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """MD's first token after P's, per request and link rate: computed by MD or waited for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    rates = sorted({r["rate_mbit"] for r in runs}, reverse=True)
+    for computed, mark, label in ((False, "o", "waited for the KV"), (True, "^", "MD computed")):
+        pts = [(rates.index(r["rate_mbit"]), (r["second_token_ms"] - r["ttft_ms"]) / 1000)
+               for r in runs if bool((r["record"] or {}).get("md_computed")) is computed]  # fmt: skip
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), marker=mark, label=label, s=40)
+    ax.set_xticks(range(len(rates)), [f"{r:g} Mbit/s" for r in rates])
+    ax.set_yscale("log")
+    ax.set_ylabel("MD's first token after P's (s)")
+    ax.set_title("Cold p_md prompt: recompute or wait")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
