@@ -3,7 +3,8 @@ WAN link changes under a running fleet.
 
     sudo .venv/bin/pdd serve --config configs/lab.yaml --set lab.rate_mbit=1000 \\
         --set router.pdd.md_recompute=true &
-    sudo .venv/bin/pdd bench recompute --url http://10.77.0.6:8000/v1 --rates 1000,100,10
+    sudo .venv/bin/pdd bench recompute --url http://10.77.0.6:8000/v1 --lab-prefix pdd \\
+        --rates 1000,100,10
 
 For each rate (each at most the rate the lab was built with; set with ``Lab.set_rate``): one
 cold p_rld_md request of --probe-tokens lets P measure the link (its WAN transfer is cut when
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rate in (float(r) for r in args.rates.split(",")):
         lab.set_rate(rate)
-        stream_times(args.url, args.model, _cold(args.prompt_words), args.probe_tokens,
-                     "auto")  # fmt: skip  # P measures the link
+        # P measures the link on a cold p_rld_md request (cut when RLD ends)
+        stream_times(args.url, args.model, _cold(args.prompt_words), args.probe_tokens, "auto")
         time.sleep(2.5)  # the router's next Stats polls carry P's estimate
         bandwidth = _p_bandwidth(args.url)
         for _ in range(args.repeats):

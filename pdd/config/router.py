@@ -32,8 +32,9 @@ class PddPolicyConfig(Section):
     md_recompute: bool = Field(
         False,
         description="Recompute or wait: MD computes the prompt blocks it lacks itself instead "
-        "of waiting for their KV when its measured prefill (fixed + tokens / rate, from its "
-        "engine at start) is sooner than the WAN transfer; the pipeline choice then weighs the "
+        "of waiting for their KV when its measured prefill (fixed + tokens / rate, measured by "
+        "its engine at start and kept live) is sooner than the WAN transfer, and computes them "
+        "while P prefills; the pipeline choice then weighs the "
         "sooner of the two against ttft_budget_s. Off: MD always waits for the WAN.",
     )
     catch_up_load_threshold: float = Field(

@@ -170,9 +170,13 @@ class Engine:
         self.startup_s = time.monotonic() - started
         log.info("engine ready in %.1f s (model %s)", self.startup_s, path)
         if self._measure_prefill:
-            self.prefill_rate = rate = await self.measure_prefill()
-            log.info("prefill measured: %.0f tokens/s + %.0f ms a request",
-                     rate.tokens_per_s, rate.fixed_s * 1000)  # fmt: skip
+            try:
+                self.prefill_rate = rate = await self.measure_prefill()
+            except PddError as exc:  # the engine serves anyway; the router never recomputes here
+                log.warning("prefill not measured (%s): MD will not recompute", exc.message)
+            else:
+                log.info("prefill measured: %.0f tokens/s + %.0f ms a request",
+                         rate.tokens_per_s, rate.fixed_s * 1000)  # fmt: skip
 
     async def measure_prefill(self, tokens: int = 512) -> PrefillRate:
         """Time this engine's prefill here: a 16-token and a ``tokens``-token prompt of fresh
@@ -181,6 +185,7 @@ class Engine:
         short one its fixed cost. What the router weighs a WAN transfer against when MD could
         compute the blocks it lacks itself (``router.pdd.md_recompute``)."""
         small, salt = 16, int(time.monotonic_ns() % 1_000_003)
+        tokens = max(small + 1, min(tokens, self.max_model_len - 1))
         spec = SamplingSpec(temperature=0, max_tokens=1, ignore_eos=True)
         span = max(self.vocab_size - 200, 1)
 

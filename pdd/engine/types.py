@@ -145,7 +145,7 @@ class EngineStats:
     block_size: int = 0
     max_num_seqs: int = 0
     kv_block_bytes: int = 0  # one block's K and V across all layers (0 before start)
-    prefill_tokens_per_s: float = 0.0  # measured at start (Engine.measure_prefill; 0: not)
+    prefill_tokens_per_s: float = 0.0  # measured at start, kept live (Engine; 0: not measured)
     prefill_fixed_s: float = 0.0  # a prefill's cost beyond its tokens (one step, one token)
 
 

@@ -97,7 +97,7 @@ def wan_estimate(
 
 def md_compute_s(md: WorkerView, tokens: int) -> float:
     """How long MD takes to compute ``tokens`` prompt tokens itself, from the prefill rate its
-    engine measured at start (math.inf when it reported none)."""
+    engine measured at start and keeps live (math.inf when it reported none)."""
     if md.prefill_tokens_per_s <= 0:
         return math.inf
     return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
@@ -196,8 +196,8 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
     cached = min(request.md_cached_tokens.get(md.id, 0), n)
     est = wan_estimate(p, md, cached, n, view)
-    computed = policy.md_recompute and est.missing_blocks > 0
-    compute_s = md_compute_s(md, n - cached) if computed else math.inf
+    may_compute = policy.md_recompute and est.missing_blocks > 0
+    compute_s = md_compute_s(md, n - cached) if may_compute else math.inf
     ready_s = min(est.eta_s, compute_s)
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
