@@ -139,7 +139,9 @@ def test_sampling_parameters_reach_the_worker(client, router):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_truncates_and_aborts_worker(client, router, stream):
-    script_text(router, "alpha beta delta beta gamma end", repeat=False)
+    # 50 ms a token: the worker still streams when the stop string matches, so the router's
+    # Abort is due (a worker that already finished its whole script needs none)
+    script_text(router, "alpha beta delta beta gamma end", repeat=False, step_delay_s=0.05)
     kwargs = dict(model=MODEL, prompt="x", stop=["beta gamma", "zzz"], max_tokens=50)
     if stream:
         chunks = list(client.completions.create(**kwargs, stream=True))
