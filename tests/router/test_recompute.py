@@ -81,3 +81,27 @@ def test_a_request_that_ends_on_p_stops_md_s_warm_up(pdd):
     (warm,) = md.requests
     assert warm.request_id.endswith(".warm")
     wait_until(lambda: warm.request_id in md.cancelled, "MD's warm-up still runs")
+
+
+def test_md_waiting_for_a_crawling_transfer_computes_the_rest_once_that_is_sooner(pdd):
+    """The route waited for the KV (MD reported no rate yet); while the transfer crawls, MD
+    reports a fast prefill: the next AwaitKv poll finds computing sooner, gives MD's
+    reservation up (CancelKv, naming why) and MD's Generate computes the prompt: the whole
+    answer, long before the 30 s the transfer would have taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids = script(pdd, 6)
+    md = pdd.by_id("md0")
+    md.kv.land_delay_s = 30.0
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, pdd, "p_md")
+        wait_until(lambda: md.kv.awaits, "the router never waited for MD's KV")
+        _md_rate(pdd, 1e6)
+        body = answer.result(timeout=20).json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    rec = body["pdd"]
+    assert (rec["pipeline"], rec["md_computed"]) == ("p_md", True)
+    assert rec["wan_kv_bytes"] > 0  # the route sent it; the rest was given up
+    assert [r for _, r in md.kv.cancels] == [
+        "router: computing the rest is sooner than its transfer"
+    ]

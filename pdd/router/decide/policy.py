@@ -103,6 +103,20 @@ def md_compute_s(md: WorkerView, tokens: int) -> float:
     return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
 
 
+def md_computes_rest_sooner(
+    p: WorkerView, md: WorkerView, ready_tokens: int, prompt_tokens: int, view: FleetView
+) -> bool:
+    """Recompute or wait, again, while MD waits for its KV: MD holds ``ready_tokens`` of the
+    prompt (its cache and what landed); True when computing the rest (MD's live prefill rate)
+    is sooner than the rest crossing at P's live WAN estimate. Never without md_recompute."""
+    if not view.policy.md_recompute:
+        return False
+    rest = wan_estimate(p, md, ready_tokens, prompt_tokens, view)
+    if rest.missing_blocks == 0:
+        return False
+    return md_compute_s(md, prompt_tokens - ready_tokens) < rest.eta_s
+
+
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:
     """The tie-break of both scores (flattened into their keys)."""
     return (w.load, w.kv_cache_usage, w.served, w.id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import PddError, UnavailableError
@@ -81,8 +82,14 @@ class KvParties:
         """The request is over: release what is neither settled nor released."""
         self.release("finished" if finished else "aborted")
 
-    async def await_kv(self, worker_id: str) -> KvState:
+    async def await_kv(
+        self, worker_id: str, compute_sooner: Callable[[KvState], bool] | None = None
+    ) -> KvState:
         """Poll AwaitKv until the KV landed, failed, or the wait's deadline passed.
+
+        ``compute_sooner`` (recompute or wait): asked before each poll with what has landed so
+        far; True gives the rest up (CancelKv: what landed stays) so the worker computes it,
+        and the answer is "cancelled".
 
         The deadline is ``await_kv_timeout_s``, and never later than P's send deadline plus
         ``SEND_DEADLINE_GRACE_S`` after SendKv: by then P's transfer ended one way or the
@@ -98,10 +105,17 @@ class KvParties:
             send_end = self.sent_at + self._policy.send_kv_deadline_s + SEND_DEADLINE_GRACE_S
             if send_end < deadline:
                 deadline, why = send_end, "P's send deadline"
+        state = KvState("timeout")  # nothing landed yet, as far as the router knows
         while True:
             left = deadline - loop.time()
             if left <= 0:
                 state = KvState("timeout", reason=f"router: {why} passed")
+                break
+            if compute_sooner is not None and compute_sooner(state):
+                state = KvState("cancelled", state.bytes_received, state.blocks_ready,
+                                "router: computing the rest is sooner than its transfer")  # fmt: skip
+                self._trace.md_computed = True
+                await self.give_up(worker_id, state.reason)
                 break
             try:
                 state = await client.await_kv(self.kv_id, min(self._policy.await_kv_poll_s, left))

@@ -6,7 +6,10 @@ p_md:
     md_computes (recompute beats the WAN, ``policy``): no PrepareKv or SendKv to MD;
     MD.Generate(prompt, max_tokens=1) (a warm-up, its token dropped) || P stage -> emit t1
     -> MD.Generate(prompt+[t1], kv_in=DRC): the warm-up left the prompt's whole blocks in MD's
-    prefix cache, so MD extends only the tail and t1
+    prefix cache, so MD extends only the tail and t1. While MD waits for its KV
+    (router.pdd.md_recompute), each AwaitKv poll asks again: once computing the rest is sooner
+    than the rest crossing (live figures), MD's reservation is cancelled (what landed stays in
+    its DRC) and its Generate computes the rest
 p_rld_md:
     P stage with RLD too (RLD from block 0) -> emit t1 -> SendKv(RLD, MD)
     -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
@@ -32,18 +35,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import PddError
 from pdd.protocol import Pipeline, Role
+from pdd.router.decide.policy import md_computes_rest_sooner
 from pdd.router.decide.recovery import is_worker_loss, replacement
 from pdd.router.decide.view import Decision
 from pdd.router.drive.handoff import RelayHandoff
 from pdd.router.drive.p_stage import PStage, Target
 from pdd.router.drive.request_run import RequestRun
 from pdd.router.fleet.pool import WorkerPool
+from pdd.router.fleet.workers import KvState
 from pdd.router.record import PddTrace
 from pdd.router.types import GenerationRequest, TokenEvent
 
@@ -87,9 +92,11 @@ class PddPipeline:
             if warm is not None:  # its blocks in MD's prefix cache: Generate extends tail + t1
                 await warm
             if rld is None:
+                sooner = _compute_sooner(self._pool, trace, md, len(req.prompt_token_ids))
                 events = run.finish_on(
-                    md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost
-                )
+                    md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost,
+                    compute_sooner=sooner if self._policy.md_recompute else None,
+                )  # fmt: skip
             else:
                 handoff = RelayHandoff(
                     run, rld, md, rld_kv=rld in sent, md_kv=md in sent, md_lost=md in stage.lost
@@ -102,6 +109,24 @@ class PddPipeline:
                 warm.cancel()  # closes its Generate stream: MD aborts it
                 await asyncio.gather(warm, return_exceptions=True)
             run.close()
+
+
+def _compute_sooner(
+    pool: WorkerPool, trace: PddTrace, md: str, prompt_tokens: int
+) -> Callable[[KvState], bool]:
+    """p_md waiting for its KV: whether MD computing the rest is now sooner than the rest
+    crossing (``policy.md_computes_rest_sooner`` on the fleet's live figures)."""
+
+    def sooner(state: KvState) -> bool:
+        view = pool.view()
+        workers = {w.id: w for w in view.workers}
+        p_view, md_view = workers.get(trace.p or ""), workers.get(md)
+        if p_view is None or md_view is None:
+            return False
+        ready = max(trace.md_cached_tokens, state.blocks_ready * md_view.block_size)
+        return md_computes_rest_sooner(p_view, md_view, ready, prompt_tokens, view)
+
+    return sooner
 
 
 async def _warm_md(run: RequestRun, md: str) -> None:

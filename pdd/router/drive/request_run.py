@@ -18,7 +18,7 @@ the emitted list makes that seamless.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import aclosing
 
 from pdd.config.router import PddPolicyConfig
@@ -34,6 +34,7 @@ from pdd.router.decide.recovery import (
 from pdd.router.drive.emitted import EmittedStream
 from pdd.router.drive.kv_parties import KvParties
 from pdd.router.fleet.pool import WorkerPool
+from pdd.router.fleet.workers import KvState
 from pdd.router.record import PddTrace
 from pdd.router.types import GenerationRequest, KvIn, TokenEvent
 
@@ -82,7 +83,7 @@ class RequestRun:
 
     async def finish_on(
         self, worker_id: str, tier: str, *, kv_source: str | None, await_kv: bool,
-        lost: Collection[str] = (),
+        lost: Collection[str] = (), compute_sooner: Callable[[KvState], bool] | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """The last tier: (AwaitKv, then) Generate ``prompt + emitted`` to the end.
 
@@ -90,7 +91,7 @@ class RequestRun:
         is in ``lost`` already, another takes over (``recovery.takeover``: MD, else RLD, else
         P) and continues ``prompt + emitted``, recomputing its KV; with nobody left the
         failure is raised. Settles the KV parties when it ends the request with stop/length;
-        any other end leaves them to ``close()``.
+        any other end leaves them to ``close()``. ``compute_sooner``: see ``KvParties.await_kv``.
         """
         excluded = set(lost)
         attempt = 0
@@ -98,7 +99,8 @@ class RequestRun:
             try:
                 if worker_id in excluded:
                     raise UnavailableError(f"worker {worker_id} was lost earlier")
-                stream = self._finish_once(worker_id, tier, kv_source, await_kv, attempt)
+                stream = self._finish_once(worker_id, tier, kv_source, await_kv, attempt,
+                                           compute_sooner)  # fmt: skip
                 async with aclosing(stream) as events:
                     async for event in events:
                         yield event
@@ -111,10 +113,11 @@ class RequestRun:
                 kv_source, await_kv, attempt = TAKEOVER_KV[tier], False, attempt + 1
 
     async def _finish_once(
-        self, worker_id: str, tier: str, kv_source: str | None, await_kv: bool, attempt: int
-    ) -> AsyncIterator[TokenEvent]:
+        self, worker_id: str, tier: str, kv_source: str | None, await_kv: bool, attempt: int,
+        compute_sooner: Callable[[KvState], bool] | None = None,
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         if await_kv:
-            state = await self.kv.await_kv(worker_id)
+            state = await self.kv.await_kv(worker_id, compute_sooner)
             if state.state != "done":
                 log.warning(
                     "request %s: KV to %s ended %s (%s); it recomputes what is missing",
