@@ -6,8 +6,9 @@ The same cold ~1,500-token prompt (cold: each phase's requests carry a tenant of
 - at 1 Gbit/s, before P has measured its link (the router's figure is the config's 1 Gbit/s),
   MD takes whichever is sooner, its own prefill (the rate its engine measured at start) or the
   KV crossing, and the request does what the route says (on these cores the KV is sooner);
-- at 10 Mbit/s, once P measured the slower link, MD computes the prompt itself: nothing
-  crosses the WAN, and the answer is the same text.
+- at 10 Mbit/s, once P measured the slower link (under 30 Mbit/s: the transfer then takes
+  over 19 s, more than MD's prefill of it on a core half as fast as these), MD computes the
+  prompt itself: nothing crosses the WAN, and the answer is the same text.
 
 Timings are not asserted (docs/benchmarks.md has them). One topology for the module."""
 
@@ -47,8 +48,18 @@ def fleet(tmp_path_factory):
     lab.down()
 
 
-def ask(url: str, tenant: str, pipeline: str, max_tokens: int) -> dict:
-    body = {"model": load_config("configs/lab.yaml").model.name, "prompt": PROMPT,
+def _seen_below(url: str, bps: float, within_s: float) -> bool:
+    """Whether the router's view of P's WAN estimate falls under ``bps`` within the time."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if 0 < workers(url)["p"]["wan"]["bandwidth_bps"] < bps:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def ask(url: str, tenant: str, pipeline: str, max_tokens: int, salt: str = "") -> dict:
+    body = {"model": load_config("configs/lab.yaml").model.name, "prompt": salt + PROMPT,
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "pdd": {"pipeline": pipeline}}  # fmt: skip
     r = httpx.post(f"{url}/completions", json=body, timeout=300,
@@ -84,15 +95,17 @@ def test_the_link_decides_whether_md_waits_for_its_kv_or_computes_it(fleet):
     assert (rec["wan_kv_bytes"] > 0) == (not rec["md_computed"]), rec
     assert route(s.url, fast["id"])["md_computes"] == rec["md_computed"]
 
-    # 10 Mbit/s: one cold p_rld_md request lets P measure the slower link (RLD's 24 tokens
-    # end it; the router then cuts the WAN transfer), then the same prompt again
+    # 10 Mbit/s: cold p_rld_md requests let P measure the slower link (RLD's 24 tokens end
+    # each; the router then cuts its WAN transfer), until the router sees under 30 Mbit/s;
+    # then the same prompt again
     lab.set_rate(10)
-    probe = ask(s.url, "probe", "p_rld_md", 24)
-    assert probe["pdd"]["handoff"] == "rld_finished", probe["pdd"]
-    deadline = time.monotonic() + 60
-    while not 0 < workers(s.url)["p"]["wan"]["bandwidth_bps"] < 100e6:
-        assert time.monotonic() < deadline, workers(s.url)["p"]
-        time.sleep(1)
+    for i in range(6):
+        probe = ask(s.url, "probe", "p_rld_md", 24, salt=f"Probe {i}. ")
+        assert probe["pdd"]["handoff"] == "rld_finished", probe["pdd"]
+        if _seen_below(s.url, 30e6, within_s=5):
+            break
+    else:
+        raise AssertionError(f"P never measured the 10 Mbit/s link: {workers(s.url)['p']}")
     slow = ask(s.url, "compute", "p_md", 16)
     rec = slow["pdd"]
     assert (rec["pipeline"], rec["md_computed"], rec["wan_kv_bytes"]) == ("p_md", True, 0), rec
