@@ -125,6 +125,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             return 0
         original = self.kv.plane.prompts.get(request.kv_in.kv_request_id)
         prompt = tuple(request.prompt_token_ids)
+        if original is None and request.kv_in.source == worker_pb2.KvIn.DRC:
+            # MD's DRC matches by content, so no PrepareKv need have named the id (MD's
+            # recompute warm-up can even arrive before P staged it): the prompt itself
+            original = self.kv.plane.prompts.setdefault(request.kv_in.kv_request_id, prompt)
         if original is None:
             self.violations.append(f"{request.request_id}: unknown kv_request_id")
             return None

@@ -92,10 +92,12 @@ class PddPipeline:
             if warm is not None:  # its blocks in MD's prefix cache: Generate extends tail + t1
                 await warm
             if rld is None:
-                sooner = _compute_sooner(self._pool, trace, md, len(req.prompt_token_ids))
+                sooner = None
+                if self._policy.md_recompute:  # asked again while MD waits for its KV
+                    sooner = _compute_sooner(self._pool, trace, md, len(req.prompt_token_ids))
                 events = run.finish_on(
                     md, "md", kv_source="drc", await_kv=md in sent, lost=stage.lost,
-                    compute_sooner=sooner if self._policy.md_recompute else None,
+                    compute_sooner=sooner,
                 )  # fmt: skip
             else:
                 handoff = RelayHandoff(
