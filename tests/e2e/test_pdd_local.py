@@ -572,8 +572,15 @@ def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(serv
     long, want = max(zip(prompts, oracle, strict=True), key=lambda po: len(po[0]))
     with _extra_worker("p", [], tmp_path / "p.log") as port:
         slow = (*sets, "router.pdd.wan_bandwidth_bps=1e6")
-        with _router_over(served, {"p": port}, slow, admin) as (router, rows):
-            assert rows["md"]["prefill"]["tokens_per_s"] > 0, rows["md"]  # measured at start
+        with _router_over(served, {"p": port}, slow, admin) as (router, _):
+            root = router.url.removesuffix("/v1")
+
+            def md_rate():  # once the router polled MD's Stats: the rate it measured at start
+                rows = httpx.get(root + "/debug/workers", timeout=5, headers=admin).json()
+                (md,) = [w for w in rows["workers"] if w["id"] == "md"]
+                return md.get("prefill", {}).get("tokens_per_s", 0) > 0
+
+            wait_until(md_rate, 30, "MD's measured prefill rate in the router's view")
             received = stats(served, "md").kv_bytes_received
             for prompt, expected in zip(prompts, oracle, strict=True):
                 got = ask(router, prompt, "sk-compute")

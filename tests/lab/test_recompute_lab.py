@@ -83,10 +83,13 @@ def route(url: str, request_id: str) -> dict:
 def test_the_link_decides_whether_md_waits_for_its_kv_or_computes_it(fleet):
     s, lab = fleet
     # 1 Gbit/s, P unmeasured: the router weighs its config's 1 Gbit/s against MD's prefill
-    seen = workers(s.url)
+    deadline = time.monotonic() + 30  # the router's first Stats poll of MD
+    while "prefill" not in (seen := workers(s.url))["md"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "prefill" in seen["md"], seen["md"]
     assert seen["p"]["wan"]["bandwidth_bps"] == 0  # nothing crossed yet
     md = seen["md"]["prefill"]
-    assert md["tokens_per_s"] > 0, seen["md"]
+    assert md["tokens_per_s"] > 0, seen["md"]  # MD's engine measured it as it started
     fast = ask(s.url, "wait", "p_md", 16)
     rec, n = fast["pdd"], fast["usage"]["prompt_tokens"]
     compute_s = md["fixed_s"] + n / md["tokens_per_s"]
