@@ -24,7 +24,7 @@ import httpx
 
 
 def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
-                 pipeline: str = "p_rld_md", headers: dict | None = None) -> dict:  # fmt: skip
+                 pipeline: str = "p_rld_md") -> dict:  # fmt: skip
     """One streamed greedy request (ignore_eos): when each text chunk came, the record, and
     the gaps (the switch: RLD's last token to MD's first)."""
     body = {
@@ -32,8 +32,7 @@ def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
         "ignore_eos": True, "stream": True, "pdd": {"pipeline": pipeline, "handoff": handoff},
     }  # fmt: skip
     times, record, t0 = [], None, time.perf_counter()
-    with httpx.stream("POST", f"{url}/completions", json=body, timeout=600,
-                      headers=headers) as r:  # fmt: skip
+    with httpx.stream("POST", f"{url}/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
