@@ -361,7 +361,7 @@ def test_prefill_is_measured_and_kept_live_by_requests_that_compute_enough(h: Ha
         assert h.engine.prefill_rate == PrefillRate(1.0, 0.0)  # 100 tokens: no sample
         h.run(h.collect("long", cold, spec))
         rate = h.engine.prefill_rate
-        assert rate is not None and rate.tokens_per_s > 10, rate  # 1 + 0.3 x (300 / seconds)
+        assert rate is not None and rate.tokens_per_s > 1.0, rate  # pulled up, whatever the CPU
         assert h.engine.stats().prefill_tokens_per_s == rate.tokens_per_s
         h.run(h.collect("again", cold, spec))  # 288 of 300 from the prefix cache
         assert h.engine.prefill_rate == rate
