@@ -84,10 +84,16 @@ class Landing(Generic[S]):
     users: int = 0  # Generates whose engine request may still read the slots (``take``)
     consumed: bool = False  # a Generate took it (or it expired)
     held: bool = True  # the source still holds its slots (False: released)
+    committing: bool = False  # its transfer ended and the source is still committing it
 
     @property
     def nothing_to_come(self) -> bool:
         return self.slots.expected == 0
+
+    @property
+    def settled_in(self) -> bool:
+        """Nothing more lands: the transfer ended (and was committed), or none was due."""
+        return (self.inbound.terminal and not self.committing) or self.nothing_to_come
 
 
 class SlotSource(Protocol[S]):
@@ -223,8 +229,11 @@ class Landings(Generic[S]):
                 return
             rec.inbound.finish(result)
             later = self._source.received(rec, result.state is TransferState.DONE)
-        if later is not None:
+            rec.committing = later is not None
+        if later is not None:  # a Generate waiting for the KV wakes after this, not before
             later()
+            with self._lock:
+                rec.committing = False
         self.waiters.notify_threadsafe(rec.kv_id, lambda: self.settle(rec))
 
     # --- Generate and the KV RPCs (event loop) --------------------------------------------
@@ -233,14 +242,14 @@ class Landings(Generic[S]):
         """KV for ``kv_id`` is reserved here and still on its way (Generate waits for it)."""
         with self._lock:
             rec = self._recs.get(kv_id)
-            return rec is not None and not (rec.inbound.terminal or rec.nothing_to_come)
+            return rec is not None and not rec.settled_in
 
     def terminal(self, kv_id: str) -> bool:
         with self._lock:
             rec = self._recs.get(kv_id)
             if rec is None:
                 return kv_id in self._recent
-            return rec.inbound.terminal or rec.nothing_to_come
+            return rec.settled_in
 
     async def await_kv(self, kv_id: str, timeout_s: float) -> AwaitKvResult:
         await self.waiters.wait_until(kv_id, lambda: self.terminal(kv_id), timeout_s)
@@ -334,7 +343,7 @@ class Landings(Generic[S]):
                 del self._recs[rec.kv_id]
 
     def _releasable(self, rec: Landing[S]) -> bool:
-        ended = rec.inbound.terminal or rec.nothing_to_come
+        ended = rec.settled_in
         over = rec.inbound.cancelled is not None or (rec.consumed and ended)
         return over and not rec.users and (self._source.caches or not rec.inbound.open)
 

@@ -85,6 +85,7 @@ class FakeKvNode:
         self.sends: list[tuple[str, list[tuple[str, int]]]] = []
         self.cancels: list[tuple[str, str]] = []
         self.awaits: list[str] = []
+        self.waits: list[str] = []  # Generates that found their KV still on its way
 
     def held(self) -> set[str]:
         return set(self.staged) | set(self.outbound) | set(self.leases)
@@ -185,6 +186,7 @@ class FakeKvNode:
         if lease is None:
             return 0
         if lease.state in ("reserved", "landing"):
+            self.waits.append(kv_id)
             try:
                 await asyncio.wait_for(lease.landed.wait(), wait_s)
             except TimeoutError:

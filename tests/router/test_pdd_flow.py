@@ -84,6 +84,22 @@ def test_p_md_exact_stream_and_record(pdd):
     assert gen_requests(pdd, "rld0") == [] and pdd.by_id("rld0").kv.prepares == []
 
 
+def test_p_md_generate_reaches_md_before_its_kv_and_waits_there(pdd):
+    """No AwaitKv round trip before MD's Generate: it is sent once P's send started, waits on
+    MD while the KV crosses, and MD answers once it landed; the router follows the landing
+    alongside (the record says it was done)."""
+    ids = script(pdd, 6)
+    md = pdd.by_id("md0")
+    md.kv.land_delay_s = 0.5
+    body = complete(pdd, "p_md").json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    rid = gen_requests(pdd, "p0")[0].request_id
+    assert md.kv.waits == [rid]  # the Generate was there while the KV was on its way
+    assert md.kv.awaits and md.kv.cancels == []
+    record = httpx.get(pdd.url.removesuffix("/v1") + f"/debug/requests/{rid}", timeout=5).json()
+    assert record["pdd"]["kv_state"] == "done"
+
+
 def test_p_md_sends_only_what_md_lacks(pdd):
     ids = script(pdd, 5)
     md = pdd.by_id("md0")

@@ -6,7 +6,8 @@ D (``prepare``). ``settle()`` on a clean end (the last tier finished after its K
 workers release by themselves); otherwise ``release(reason)`` sends CancelKv to each, in the
 background, after its PrepareKv settled. ``close()`` releases whatever is neither settled nor
 released: every failure path and every client disconnect goes through it. ``await_kv`` polls
-AwaitKv on a destination and gives its reservation up when the KV is not coming.
+AwaitKv on a destination and gives its reservation up when the KV is not coming; ``watch``
+runs it beside the destination's own Generate, which waits for its KV itself (``waiting_kv_in``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pdd.router.types import GenerationRequest, KvIn
 log = logging.getLogger(__name__)
 
 SEND_DEADLINE_GRACE_S = 2.0  # AwaitKv gives up this long after P's send deadline passed
+# A Generate waiting for its own KV waits this much past the router's AwaitKv deadline: the
+# router's give-up (CancelKv, which wakes it) comes first; its own wait is the backstop.
+GENERATE_WAIT_MARGIN_S = 1.0
 
 
 class KvParties:
@@ -44,6 +48,12 @@ class KvParties:
 
     def kv_in(self, source: str) -> KvIn:
         return KvIn(source, self.kv_id, self._policy.kv_in_wait_s)
+
+    def waiting_kv_in(self, source: str) -> KvIn:
+        """``kv_in`` for a Generate sent before its KV landed: it waits inside the worker until
+        the router's AwaitKv deadline (plus a margin), not ``kv_in_wait_s``."""
+        left = self._deadline()[0] - asyncio.get_running_loop().time()
+        return KvIn(source, self.kv_id, max(0.0, left) + GENERATE_WAIT_MARGIN_S)
 
     def prepare(self, worker_id: str) -> asyncio.Task[Prepared]:
         """PrepareKv on a destination, in the background; it is a KV party from now on."""
@@ -100,11 +110,7 @@ class KvParties:
         """
         client = self._pool.client(worker_id)
         loop = asyncio.get_running_loop()
-        deadline, why = loop.time() + self._policy.await_kv_timeout_s, "await_kv_timeout_s"
-        if self.sent_at is not None:
-            send_end = self.sent_at + self._policy.send_kv_deadline_s + SEND_DEADLINE_GRACE_S
-            if send_end < deadline:
-                deadline, why = send_end, "P's send deadline"
+        deadline, why = self._deadline()
         state = KvState("timeout")  # nothing landed yet, as far as the router knows
         while True:
             left = deadline - loop.time()
@@ -129,6 +135,40 @@ class KvParties:
         if state.state == "timeout":
             await self.give_up(worker_id, state.reason)
         return state
+
+    def _deadline(self) -> tuple[float, str]:
+        """When waiting for KV ends (loop time), and the setting that says so."""
+        deadline = asyncio.get_running_loop().time() + self._policy.await_kv_timeout_s
+        if self.sent_at is not None:
+            send_end = self.sent_at + self._policy.send_kv_deadline_s + SEND_DEADLINE_GRACE_S
+            if send_end < deadline:
+                return send_end, "P's send deadline"
+        return deadline, "await_kv_timeout_s"
+
+    def watch(
+        self, worker_id: str, compute_sooner: Callable[[KvState], bool] | None = None
+    ) -> asyncio.Task[KvState | None]:
+        """``await_kv`` in the background, beside ``worker_id``'s Generate that waits for the
+        KV itself (``waiting_kv_in``): no AwaitKv round trip before the Generate. The watch
+        records the outcome and gives the reservation up (CancelKv wakes the Generate, which
+        computes what is missing) at the deadline or once computing is sooner. A failure of
+        the watch itself is left to the Generate stream, which meets the same worker."""
+
+        async def watching() -> KvState | None:
+            try:
+                state = await self.await_kv(worker_id, compute_sooner)
+            except PddError as exc:
+                log.info("request %s: AwaitKv on %s failed (%s); its Generate decides",
+                         self.kv_id, worker_id, exc.message)  # fmt: skip
+                return None
+            if state.state != "done":
+                log.warning(
+                    "request %s: KV to %s ended %s (%s); it computes what is missing",
+                    self.kv_id, worker_id, state.state, state.reason,
+                )  # fmt: skip
+            return state
+
+        return asyncio.get_running_loop().create_task(watching())
 
     async def give_up(self, worker_id: str, reason: str) -> None:
         """CancelKv on one party now (awaited: its next Generate must not wait for the KV)."""

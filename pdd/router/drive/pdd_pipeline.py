@@ -2,21 +2,22 @@
 
 p_md:
     P stage (PrepareKv on MD || P.Generate(prompt, max_tokens=1, kv_stage)) -> emit t1
-    -> SendKv(MD from its cached blocks) -> AwaitKv(MD) -> MD.Generate(prompt+[t1], kv_in=DRC)
+    -> SendKv(MD from its cached blocks) -> MD.Generate(prompt+[t1], kv_in=DRC), sent at once:
+    it waits on MD for the KV, while the router follows the landing (AwaitKv, alongside)
     md_computes (recompute beats the WAN, ``policy``): no PrepareKv or SendKv to MD;
     MD.Generate(prompt, max_tokens=1) (a warm-up, its token dropped) || P stage -> emit t1
     -> MD.Generate(prompt+[t1], kv_in=DRC): the warm-up left the prompt's whole blocks in MD's
     prefix cache, so MD extends only the tail and t1. While MD waits for its KV
     (router.pdd.md_recompute), each AwaitKv poll asks again: once computing the rest is sooner
     than the rest crossing (live figures), MD's reservation is cancelled (what landed stays in
-    its DRC) and its Generate computes the rest
+    its DRC), which wakes its Generate to compute the rest
 p_rld_md:
     P stage with RLD too (RLD from block 0) -> emit t1 -> SendKv(RLD, MD)
     -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
        or RLD finishes first (anomaly: the WAN transfer is cancelled)
 pd_wan / pd_local (the standard PD flow):
     P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
-    -> AwaitKv(D) -> D.Generate(prompt, kv_in=TRANSFER): D samples every token itself
+    -> D.Generate(prompt, kv_in=TRANSFER), waiting on D for the KV: D samples every token
 
 A P lost before its token is replaced by another P (``prefill``, every pipeline); after it,
 P only sends KV, and a failed send makes the destinations recompute (``PStage.send``); a

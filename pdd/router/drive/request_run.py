@@ -17,6 +17,7 @@ the emitted list makes that seamless.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import aclosing
@@ -40,7 +41,8 @@ from pdd.router.types import GenerationRequest, KvIn, TokenEvent
 
 log = logging.getLogger(__name__)
 
-REAL_FINISHES = ("stop", "length")  # a tier ended the request, as opposed to abort / error
+REAL_FINISHES = ("stop", "length")
+WATCH_GRACE_S = 1.0  # a finished request waits this long at most for its AwaitKv's answer  # a tier ended the request, as opposed to abort / error
 # What a takeover loads: MD whatever prefix its DRC holds, RLD a landing it may still hold for
 # the request (else it computes the prompt), P nothing (its prefix cache only).
 TAKEOVER_KV = {"md": "drc", "rld": "transfer", "p": None}
@@ -85,7 +87,9 @@ class RequestRun:
         self, worker_id: str, tier: str, *, kv_source: str | None, await_kv: bool,
         lost: Collection[str] = (), compute_sooner: Callable[[KvState], bool] | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
-        """The last tier: (AwaitKv, then) Generate ``prompt + emitted`` to the end.
+        """The last tier: Generate ``prompt + emitted`` to the end. With ``await_kv`` it is
+        sent at once and waits on the worker for its KV, while ``KvParties.watch`` follows
+        the landing (one WAN round trip less than AwaitKv, then Generate).
 
         If that worker is lost before the request finished (``recovery.is_worker_loss``), or
         is in ``lost`` already, another takes over (``recovery.takeover``: MD, else RLD, else
@@ -116,29 +120,33 @@ class RequestRun:
         self, worker_id: str, tier: str, kv_source: str | None, await_kv: bool, attempt: int,
         compute_sooner: Callable[[KvState], bool] | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
-        if await_kv:
-            state = await self.kv.await_kv(worker_id, compute_sooner)
-            if state.state != "done":
-                log.warning(
-                    "request %s: KV to %s ended %s (%s); it recomputes what is missing",
-                    self.kv.kv_id, worker_id, state.state, state.reason,
-                )  # fmt: skip
-        kv_in = None if kv_source is None else self.kv.kv_in(kv_source)
+        kv_in, watch = None, None
+        if kv_source is not None and await_kv:  # the Generate waits for its KV on the worker
+            kv_in = self.kv.waiting_kv_in(kv_source)
+            watch = self.kv.watch(worker_id, compute_sooner)
+        elif kv_source is not None:
+            kv_in = self.kv.kv_in(kv_source)
         kv_id = self.kv.kv_id
         rid = kv_id if attempt == 0 else f"{kv_id}.takeover{attempt}"
-        async for event in self.generate(worker_id, self.stream.continuation(rid), kv_in=kv_in):
-            lost = event.finish_reason in LOST_FINISHES
-            out = self.stream.take(event, tier, final=not lost)
-            if self.stream.finish_reason in REAL_FINISHES:
-                self.kv.settle()  # before the yield: the consumer may close us right there
-            if out.token_ids or self.finished or not lost:
-                yield out
-            if self.finished:
-                break
-            if lost:
-                raise WorkerLost(
-                    f"worker {worker_id} ended request {rid} with {event.finish_reason!r}"
-                )
+        try:
+            stream = self.generate(worker_id, self.stream.continuation(rid), kv_in=kv_in)
+            async with aclosing(stream) as events:
+                async for event in events:
+                    lost = event.finish_reason in LOST_FINISHES
+                    out = self.stream.take(event, tier, final=not lost)
+                    if self.stream.finish_reason in REAL_FINISHES:
+                        self.kv.settle()  # before the yield: the consumer may close us here
+                    if out.token_ids or self.finished or not lost:
+                        yield out
+                    if self.finished:
+                        break
+                    if lost:
+                        raise WorkerLost(
+                            f"worker {worker_id} ended request {rid} with {event.finish_reason!r}"
+                        )
+        finally:
+            if watch is not None:
+                await _end_watch(watch, self.finished)
 
     def _take_over(self, worker_id: str, excluded: set[str], exc: PddError) -> tuple[str, str]:
         """The worker that continues after ``worker_id`` was lost; raises ``exc`` if none."""
@@ -160,3 +168,14 @@ class RequestRun:
         if nxt.role is Role.MAIN_DECODE:
             self.trace.md = nxt.id
         return nxt.id, TIER_OF_ROLE[nxt.role]
+
+
+async def _end_watch(watch: asyncio.Task[KvState | None], finished: bool) -> None:
+    """The Generate ended. Once it emitted a token its KV wait is over, so the watch's last
+    AwaitKv is answering (the record's ``kv_state``): a finished request gives it a moment;
+    anything else (a loss, a disconnect) cancels it. ``close()`` releases what is left."""
+    if finished and not watch.done():
+        await asyncio.wait({watch}, timeout=WATCH_GRACE_S)
+    if not watch.done():
+        watch.cancel()
+    await asyncio.gather(watch, return_exceptions=True)
