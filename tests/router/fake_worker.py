@@ -70,6 +70,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.health_delay_s = 0.0  # Health answers this late (a worker on a saturated host)
         self.slow_health_calls = 0
         self.prepare_delay_s = 0.0  # PrepareKv reserves, then answers this late (cut off)
+        self.await_delay_s = 0.0  # AwaitKv answers this late (cut off after PrepareKv)
         self.prepare_fail_code: grpc.StatusCode | None = None  # PrepareKv refused (e.g. full)
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.running: set[str] = set()
@@ -84,6 +85,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.health_delay_s = 0.0
         self.slow_health_calls = 0
         self.prepare_delay_s = 0.0
+        self.await_delay_s = 0.0
         self.prepare_fail_code = None
         self.stats_running = 0
         self.requests.clear()
@@ -252,6 +254,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         )
 
     async def AwaitKv(self, request, context):  # noqa: N802
+        if self.await_delay_s:
+            await asyncio.sleep(self.await_delay_s)
         return await self._node().await_kv(request.kv_request_id, request.timeout_s)
 
     async def CancelKv(self, request, context):  # noqa: N802

@@ -115,6 +115,26 @@ def test_md_cut_off_after_reserving_is_left_out_and_its_reservation_released(spa
     assert elapsed < 3.0, elapsed  # did not wait for the late answer
 
 
+def test_md_cut_off_while_its_generate_waits_for_the_kv_is_taken_over(spares):
+    """MD's Generate waits on MD for its KV (sent before it landed); then MD is cut off: its
+    AwaitKv answers past worker_rpc_timeout_s (1 s). The router does not wait for the
+    Generate's own deadline: it treats MD as lost, another worker continues prompt + t1,
+    and nothing stays held."""
+    ids = script(spares, 5)
+    for md in ("md0", "md1"):
+        spares.by_id(md).kv.land_delay_s = 30.0
+    spares.by_id("md0").await_delay_s = spares.by_id("md1").await_delay_s = 30.0
+    t0 = time.monotonic()
+    body = complete(spares, "p_md").json()
+    elapsed = time.monotonic() - t0
+    assert body["choices"][0]["text"] == spares.codec.decode(ids[:-1])
+    waited = [m for m in ("md0", "md1") if spares.by_id(m).kv.waits]
+    assert len(waited) == 1  # the first MD's Generate was waiting there
+    rid = spares.by_id("p0").requests[0].request_id
+    assert spares.by_id(waited[0]).cancelled == [rid]  # its stream was closed
+    assert elapsed < 10.0, elapsed  # not the 30 s the KV or the AwaitKv would take
+
+
 @pytest.fixture(scope="module")
 def pd_spares(codec) -> Iterator[RouterHarness]:
     """The same fleet serving the pd_wan baseline (D: a main_decode)."""

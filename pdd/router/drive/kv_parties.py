@@ -147,20 +147,16 @@ class KvParties:
 
     def watch(
         self, worker_id: str, compute_sooner: Callable[[KvState], bool] | None = None
-    ) -> asyncio.Task[KvState | None]:
+    ) -> asyncio.Task[KvState]:
         """``await_kv`` in the background, beside ``worker_id``'s Generate that waits for the
         KV itself (``waiting_kv_in``): no AwaitKv round trip before the Generate. The watch
         records the outcome and gives the reservation up (CancelKv wakes the Generate, which
-        computes what is missing) at the deadline or once computing is sooner. A failure of
-        the watch itself is left to the Generate stream, which meets the same worker."""
+        computes what is missing) at the deadline or once computing is sooner. It raises
+        what AwaitKv raised (a worker lost or cut off: ``RequestRun`` ends the Generate with
+        it when no token came yet)."""
 
-        async def watching() -> KvState | None:
-            try:
-                state = await self.await_kv(worker_id, compute_sooner)
-            except PddError as exc:
-                log.info("request %s: AwaitKv on %s failed (%s); its Generate decides",
-                         self.kv_id, worker_id, exc.message)  # fmt: skip
-                return None
+        async def watching() -> KvState:
+            state = await self.await_kv(worker_id, compute_sooner)
             if state.state != "done":
                 log.warning(
                     "request %s: KV to %s ended %s (%s); it computes what is missing",

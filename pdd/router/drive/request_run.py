@@ -130,6 +130,8 @@ class RequestRun:
         rid = kv_id if attempt == 0 else f"{kv_id}.takeover{attempt}"
         try:
             stream = self.generate(worker_id, self.stream.continuation(rid), kv_in=kv_in)
+            if watch is not None:
+                stream = _watched(stream, watch)
             async with aclosing(stream) as events:
                 async for event in events:
                     lost = event.finish_reason in LOST_FINISHES
@@ -170,10 +172,35 @@ class RequestRun:
         return nxt.id, TIER_OF_ROLE[nxt.role]
 
 
-async def _end_watch(watch: asyncio.Task[KvState | None], finished: bool) -> None:
+async def _watched(
+    events: AsyncIterator[TokenEvent], watch: asyncio.Task[KvState]
+) -> AsyncIterator[TokenEvent]:
+    """``events`` of a Generate waiting for its KV, ended with the watch's error if the
+    watch failed (AwaitKv found the worker lost or cut off) before the first event came: a
+    worker cut off by a partition would otherwise hold the request until its own deadline."""
+    async with aclosing(events):
+        first = asyncio.ensure_future(anext(events))
+        try:
+            await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and watch.exception() is not None:
+                raise watch.exception()
+            event = await first
+        except StopAsyncIteration:
+            return
+        finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+        yield event
+        async for event in events:
+            yield event
+
+
+async def _end_watch(watch: asyncio.Task[KvState], finished: bool) -> None:
     """The Generate ended. Once it emitted a token its KV wait is over, so the watch's last
     AwaitKv is answering (the record's ``kv_state``): a finished request gives it a moment;
-    anything else (a loss, a disconnect) cancels it. ``close()`` releases what is left."""
+    anything else (a loss, a disconnect) cancels it. ``close()`` releases what is left. The
+    watch's error matters only before the first token (``_watched``)."""
     if finished and not watch.done():
         await asyncio.wait({watch}, timeout=WATCH_GRACE_S)
     if not watch.done():
