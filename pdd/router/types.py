@@ -73,6 +73,7 @@ class GenerationRequest:
     handoff: HandoffMode | None = None  # body "pdd": {"handoff": ...}; None: auto
     cache_salt: str = ""  # prefix-cache namespace of the caller's tenant ("": the shared one)
     constraint: Constraint | None = None  # structured output; None: free text
+    await_kv_first: bool = False  # "pdd": {"kv_wait": "await_first"}: AwaitKv, then Generate
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,17 @@ def test_p_md_generate_reaches_md_before_its_kv_and_waits_there(pdd):
     assert record["pdd"]["kv_state"] == "done"
 
 
+def test_kv_wait_await_first_sends_md_its_generate_after_the_kv_landed(pdd):
+    """The older flow, kept for same-run comparisons (``"pdd": {"kv_wait": "await_first"}``):
+    AwaitKv answers, then MD's Generate is sent, and finds its KV there."""
+    ids = script(pdd, 6)
+    md = pdd.by_id("md0")
+    md.kv.land_delay_s = 0.5
+    body = complete(pdd, "p_md", pdd={"pipeline": "p_md", "kv_wait": "await_first"}).json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert md.kv.awaits and md.kv.waits == []  # it never waited on MD
+
+
 def test_p_md_sends_only_what_md_lacks(pdd):
     ids = script(pdd, 5)
     md = pdd.by_id("md0")
@@ -305,7 +316,11 @@ def test_openai_client_sees_the_record_as_an_extra_field(pdd):
 
 @pytest.mark.parametrize(
     ("pdd_body", "param"),
-    [({"pipeline": "p_rld"}, "pdd.pipeline"), ({"handoff": "slow"}, "pdd.handoff")],
+    [
+        ({"pipeline": "p_rld"}, "pdd.pipeline"),
+        ({"handoff": "slow"}, "pdd.handoff"),
+        ({"kv_wait": "never"}, "pdd.kv_wait"),
+    ],
 )
 def test_bad_overrides_are_400(pdd, pdd_body, param):
     body = {"model": MODEL, "prompt": PROMPT, "pdd": pdd_body}

@@ -132,6 +132,9 @@ class KvParties:
             if state.state != "timeout":
                 break
         self._trace.kv_state, self._trace.kv_reason = state.state, state.reason
+        if state.state != "done":
+            log.warning("request %s: KV to %s ended %s (%s); it computes what is missing",
+                        self.kv_id, worker_id, state.state, state.reason)  # fmt: skip
         if state.state == "timeout":
             await self.give_up(worker_id, state.reason)
         return state
@@ -155,16 +158,7 @@ class KvParties:
         what AwaitKv raised (a worker lost or cut off: ``RequestRun`` ends the Generate with
         it when no token came yet)."""
 
-        async def watching() -> KvState:
-            state = await self.await_kv(worker_id, compute_sooner)
-            if state.state != "done":
-                log.warning(
-                    "request %s: KV to %s ended %s (%s); it computes what is missing",
-                    self.kv_id, worker_id, state.state, state.reason,
-                )  # fmt: skip
-            return state
-
-        return asyncio.get_running_loop().create_task(watching())
+        return asyncio.get_running_loop().create_task(self.await_kv(worker_id, compute_sooner))
 
     async def give_up(self, worker_id: str, reason: str) -> None:
         """CancelKv on one party now (awaited: its next Generate must not wait for the KV)."""

@@ -77,6 +77,12 @@ class PddOptions(BaseModel):
 
     pipeline: str | None = Field(None, description="auto | p_md | p_rld_md (router.mode pdd).")
     handoff: str | None = Field(None, description="auto | one_shot | catch_up (p_rld_md).")
+    kv_wait: str | None = Field(
+        None,
+        description="in_generate (the default: the last tier's Generate is sent at once and "
+        "waits on the worker for its KV) | await_first (AwaitKv answers, then the Generate "
+        "is sent: one WAN round trip more; for comparisons).",
+    )
 
 
 class SamplingFields(_Body):

@@ -27,6 +27,7 @@ INT32_MAX = 2**31 - 1
 MAX_REPETITION_PENALTY = 100.0  # vLLM has no bound; past this every token is suppressed anyway
 MAX_LOGPROBS = 20
 PIPELINE_OVERRIDES = {"auto": None, "p_md": Pipeline.P_MD, "p_rld_md": Pipeline.P_RLD_MD}
+KV_WAIT_OVERRIDES = {"in_generate": False, "await_first": True}  # -> await_kv_first
 HANDOFF_OVERRIDES = {
     "auto": None, "one_shot": HandoffMode.ONE_SHOT, "catch_up": HandoffMode.CATCH_UP
 }  # fmt: skip
@@ -203,19 +204,22 @@ def _build(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
-    pipeline, handoff = pdd_overrides(body.pdd)
+    pipeline, handoff, await_kv_first = pdd_overrides(body.pdd)
     return GenerationRequest(
-        request_id, tuple(prompt_ids), sampling, text, arrival, pipeline, handoff
-    )
+        request_id, tuple(prompt_ids), sampling, text, arrival, pipeline, handoff,
+        await_kv_first=await_kv_first,
+    )  # fmt: skip
 
 
-def pdd_overrides(opts: PddOptions | None) -> tuple[Pipeline | None, HandoffMode | None]:
-    """The body's ``"pdd"`` overrides (None: auto). 400 for values pdd does not know."""
+def pdd_overrides(opts: PddOptions | None) -> tuple[Pipeline | None, HandoffMode | None, bool]:
+    """The body's ``"pdd"`` overrides (None: auto; ``await_kv_first``: ``kv_wait``). 400 for
+    values pdd does not know."""
     if opts is None:
-        return None, None
+        return None, None, False
     return (
         _choice(opts.pipeline, PIPELINE_OVERRIDES, "pdd.pipeline"),
         _choice(opts.handoff, HANDOFF_OVERRIDES, "pdd.handoff"),
+        bool(_choice(opts.kv_wait, KV_WAIT_OVERRIDES, "pdd.kv_wait")),
     )
 
 
