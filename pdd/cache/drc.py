@@ -221,6 +221,17 @@ class DecodeRadixCache:
                 return None
             return self._tier.write(slot)
 
+    def landing_slots(self, request_id: str) -> list[int]:
+        """The slots of the lease's blocks still to land, in chain order, for a writer that
+        fills them in place (the engine's connector, through the shared arena). Each is
+        marked as being written, so it is never reused before ``land`` or ``discard``."""
+        with self._lock:
+            lease = self._lease(request_id)
+            slots = [slot for h, slot in lease.slots.items() if h not in lease.landed]
+            for slot in slots:
+                self._tier.write(slot)
+            return slots
+
     def land(self, request_id: str, block_hash: BlockHash) -> int:
         """The block's bytes are complete. Commits every landed block of the chain whose
         parent is cached, in order; returns how many blocks became ready for this request."""

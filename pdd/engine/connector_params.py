@@ -13,7 +13,8 @@ and in ``RequestOutput.kv_transfer_params`` (final output only) on the way out:
                                   "ok": true, "seconds": 0.0021, "error": null}}}
 
 ``slots[i]`` is the arena slot of prompt block ``i`` (tokens ``[i * block_size, (i+1) *
-block_size)``); only whole prompt blocks travel, so ``len(slots)`` must not exceed
+block_size)``), or of block ``first_block + i`` for an export that skips the blocks its caller
+holds; only whole prompt blocks travel, so ``first_block + len(slots)`` must not exceed
 ``len(prompt) // block_size``. Also: ``ConnectorSettings``, the connector's
 ``kv_connector_extra_config`` (one per engine).
 """
@@ -59,7 +60,12 @@ class _SlotParams(_Msg):
 
 
 class ExportParams(_SlotParams):
-    """On a producer (P): copy prompt block i into ``slots[i]`` as soon as it is computed."""
+    """On a producer (P; MD storing its own blocks): copy prompt block ``first_block + i``
+    into ``slots[i]`` as soon as it is computed."""
+
+    first_block: int = Field(
+        0, ge=0, description="Blocks below it are not copied (the caller already holds them)."
+    )
 
 
 class LoadParams(_SlotParams):
@@ -87,7 +93,10 @@ class RequestKvParams(_Msg):
 class ExportResult(_Msg):
     """Returned by P when its request finishes: which slots hold the prompt's blocks."""
 
-    num_blocks: int = Field(description="slots[:num_blocks] hold prompt blocks 0..num_blocks-1.")
+    num_blocks: int = Field(
+        description="slots[:num_blocks - first_block] hold prompt blocks "
+        "first_block..num_blocks-1 (first_block: ExportParams')."
+    )
     num_tokens: int = Field(description="num_blocks * block_size.")
     complete: bool = Field(description="Every requested slot was filled.")
     error: str | None = Field(None, description="Why the export was refused.")

@@ -47,6 +47,7 @@ class _Req:
     is_export: bool
     fence: FenceRef | None
     error: str | None = None
+    first: int = 0  # export: slots[i] is block first + i (ExportParams.first_block)
     next_block: int = 0  # export: first block not yet handed to the worker
     local_hit: int = 0  # load: block-aligned local prefix hit seen by the last match query
     loaded: LoadResult | None = None
@@ -109,16 +110,19 @@ class SchedulerHalf:
     def _save_job(self, rec: _Req, num_new: int) -> CopyJob | None:
         """The slotted blocks whole once this step ran (num_computed_tokens: before the step).
 
-        ``[next_block, end)``, end = min(tokens computed after this step // block_size, slots).
+        ``[next_block, end)``, end = min(tokens computed after this step // block_size,
+        first + slots); the export starts at ``first``.
         """
         req = rec.request
         done = min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
-        end = min(done // self._block_size, len(rec.slots))
+        first = rec.first
+        end = min(done // self._block_size, first + len(rec.slots))
         if end <= rec.next_block:
             return None
         block_ids = self._block_ids_of(req.request_id)[0]
         start, rec.next_block = rec.next_block, end
-        return CopyJob(req.request_id, tuple(block_ids[start:end]), rec.slots[start:end])
+        slots = rec.slots[start - first : end - first]
+        return CopyJob(req.request_id, tuple(block_ids[start:end]), slots)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -149,7 +153,7 @@ class SchedulerHalf:
             result = ExportResult(
                 num_blocks=done,
                 num_tokens=done * self._block_size,
-                complete=rec.error is None and done == len(rec.slots),
+                complete=rec.error is None and done == rec.first + len(rec.slots),
                 error=rec.error,
             )
             return False, wrap(exported=result)
@@ -178,6 +182,8 @@ class SchedulerHalf:
             return None
         p = params.export or params.load
         rec = _Req(request, tuple(p.slots), params.export is not None, p.fence)
+        if params.export is not None:
+            rec.first = rec.next_block = params.export.first_block
         rec.error = self._refusal(request, params)
         if rec.error is not None:
             log.warning("request %s: pdd KV params refused: %s", rid, rec.error)
@@ -198,10 +204,12 @@ class SchedulerHalf:
         if max(p.slots) >= self._num_slots:
             return f"slot {max(p.slots)} out of range: the arena has {self._num_slots} slots"
         whole = request.num_prompt_tokens // self._block_size
-        if len(p.slots) > whole:
+        first = params.export.first_block if params.export is not None else 0
+        if first + len(p.slots) > whole:
+            after = f" from block {first}" if first else ""
             return (
-                f"{len(p.slots)} slots but the prompt ({request.num_prompt_tokens} tokens) has "
-                f"only {whole} whole blocks of {self._block_size} tokens"
+                f"{len(p.slots)} slots{after} but the prompt ({request.num_prompt_tokens} "
+                f"tokens) has only {whole} whole blocks of {self._block_size} tokens"
             )
         if p.fence is not None and p.fence.index >= self._num_fences:
             return f"fence index {p.fence.index} out of range: the board has {self._num_fences}"

@@ -13,8 +13,8 @@ connector loads DRC blocks straight from their slots, and composes:
   pin when the engine is done with the slots (final output or fence);
 - DrcEvents: the DRC's snapshot or events (pdd.cache.messages) for the router's view.
 
-Arena layout: ``[0, drc_slots)`` is the DRC host tier (cache.host_capacity_gib), then
-``store_slots`` scratch slots for OwnBlocks (worker.kv_staging_gib; 0 when it is off).
+Arena layout: the whole arena is the DRC host tier (cache.host_capacity_gib); OwnBlocks
+(worker.kv_store_own_blocks) exports into the DRC's landing slots.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pdd.main_decode.landing import DrcLanding
 from pdd.main_decode.store import OwnBlocks
 from pdd.transfer import ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
-from pdd.worker.capacity import ArenaSize, setting_of
+from pdd.worker.capacity import ArenaSize
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import (
     REAL_FINISHES,
@@ -74,17 +74,13 @@ class MainDecodeRole:
 
     @staticmethod
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
-        """The arena holds the DRC (+ OwnBlocks scratch); TCP receiver unless configured."""
-        store = worker.staging_slots(block_bytes) if worker.kv_store_own_blocks else 0
+        """The arena is the DRC (OwnBlocks exports into its landing slots); TCP receiver
+        unless configured."""
         drc = config.cache.host_slots(block_bytes)
-        arenas = [ArenaSize("DRC host tier", "cache.host_capacity_gib",
-                            config.cache.host_capacity_gib, drc)]  # fmt: skip
-        if store:  # the longest chain stored after a request: OwnBlocks, one at a time
-            setting = setting_of(config, worker, "kv_staging_gib")
-            arenas.append(ArenaSize("own-blocks scratch arena", setting, worker.kv_staging_gib,
-                                    store, per_sequence=False))  # fmt: skip
-        role = "kv_both" if store else "kv_consumer"
-        return PlaneSpec(role, drc + store, worker.kv_transport or "tcp", (), tuple(arenas))
+        arenas = (ArenaSize("DRC host tier", "cache.host_capacity_gib",
+                            config.cache.host_capacity_gib, drc),)  # fmt: skip
+        role = "kv_both" if worker.kv_store_own_blocks else "kv_consumer"
+        return PlaneSpec(role, drc, worker.kv_transport or "tcp", (), arenas)
 
     def __init__(self, ctx: RoleContext) -> None:
         assert ctx.plane is not None, "main_decode needs a KV plane"
@@ -102,8 +98,8 @@ class MainDecodeRole:
             ctx.worker.kv_landing_lease_s,
             lambda: ctx.engine.kv_geometry,
         )
-        store_slots = ctx.plane.arena.num_slots - drc_slots
-        self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, drc_slots, store_slots, self.hashes)
+        self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, self.hashes)
+        self._stores = ctx.worker.kv_store_own_blocks
         self._ticker = Ticker(self.tick, TICK_S, "md-leases")
         self.kv_in_waits = 0  # Generate calls that found their KV still on its way
 
@@ -151,7 +147,7 @@ class MainDecodeRole:
         async with aclosing(stream):
             async for out in stream:
                 output.extend(out.delta.token_ids)
-                if out.delta.finish_reason in REAL_FINISHES:
+                if out.delta.finish_reason in REAL_FINISHES and self._stores:
                     self._own.store(call.request_id, call.prompt + output, call.cache_salt)
                 yield out
 
@@ -219,7 +215,7 @@ class MainDecodeRole:
     def kv_stats(self) -> KvStats:
         drc = self.drc.stats()
         return KvStats(
-            pinned_slots=drc.pinned_blocks + drc.landing_blocks + self._own.slots_in_use,
+            pinned_slots=drc.pinned_blocks + drc.landing_blocks,
             open_transfers=self._plane.open_transfers(),
             drc=drc,
             drc_query_tokens=self._landing.query_tokens,
@@ -228,4 +224,5 @@ class MainDecodeRole:
             kv_bytes_received=self._plane.bytes_received,
             kv_refused_chunks=self._landing.wire_check.refused + self._landing.refused_chunks,
             kv_in_waits=self.kv_in_waits,
+            own_blocks_stored=self._own.stored_blocks,
         )

@@ -6,19 +6,20 @@ starts with (next prompt = this prompt + answer + new user text), so after a req
 normally ``store`` keeps the whole blocks of ``prompt + output`` the DRC lacks:
 
     n = whole blocks with KV (the last sampled token has none yet)
-    drc.reserve("own:<rid>", chain[:n])      cached prefix pinned, landing slots for the rest
-    engine request "<rid>.own": prompt = tokens[:n * block + 1], max_tokens 1, ExportParams
-        -> vLLM's prefix cache holds the n blocks: it computes one token, the connector
-           copies blocks 0..n-1 into n scratch slots of the arena
-    final output: copy scratch -> landing buffers of the blocks the DRC lacks, drc.land
-    drc.release; the scratch slots come back through run_with_kv's release (fence-safe)
+    drc.reserve("own:<rid>", chain[:n])      c cached blocks pinned, landing slots for the rest
+    engine request "<rid>.own": prompt = tokens[:n * block + 1], max_tokens 1,
+        ExportParams(first_block=c, slots=the DRC's landing slots)
+        -> vLLM's prefix cache holds the n blocks: it computes one token, and the connector
+           copies blocks c..n-1 straight into their DRC landing slots (the DRC's host tier
+           is the engine's arena): no scratch, no second copy, nothing for the c it holds
+    final output: drc.land each exported block (committed in chain order)
+    fence (the engine is done with the slots): discard what never landed, drc.release
 
-The next turn's PrepareKv usually arrives right after this turn ended: it ``settle``s first,
-waiting (at most SETTLE_WAIT_S) for a store of the same conversation (same first block).
-
-The export starts at block 0 (ExportParams has no first block), so the blocks the DRC
-already holds are copied into scratch too and dropped: the scratch region bounds the longest
-chain stored (``kv_staging_gib``). Best effort: any failure only means fewer cached blocks.
+So a finished request costs MD its new blocks only, and a context of any length is stored
+when the DRC has room for its new blocks. The next turn's PrepareKv usually arrives right
+after this turn ended: it ``settle``s first, waiting (at most SETTLE_WAIT_S) for a store of
+the same conversation (same first block). Best effort: any failure only means fewer cached
+blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from pdd.engine.types import SamplingSpec
 from pdd.errors import PddError
 from pdd.worker.kv_run import REAL_FINISHES, exported_blocks, run_with_kv
 from pdd.worker.roles import GenerateCall
-from pdd.worker.slots import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ class OwnBlocks:
         engine,
         plane,
         drc: DecodeRadixCache,
-        first_slot: int,
-        num_slots: int,
         hashes: Callable[[list[int], str], list[BlockHash]],
     ) -> None:
         self._engine = engine
@@ -58,19 +56,14 @@ class OwnBlocks:
         self._drc = drc
         self._hashes = hashes
         self._block_size = drc.block_size
-        self._scratch = SlotPool(num_slots, first=first_slot)
         self._tasks: dict[asyncio.Task[None], BlockHash] = {}  # -> first block of its chain
-        self.stored_blocks = 0
-
-    @property
-    def slots_in_use(self) -> int:
-        return self._scratch.in_use
+        self.stored_blocks = 0  # blocks the engine copied into the DRC: new ones only
 
     def store(self, request_id: str, tokens: list[int], cache_salt: str = "") -> None:
         """Start storing the blocks of ``tokens`` the DRC lacks (background, best effort), in
         the prefix-cache namespace ``cache_salt``."""
         n = (len(tokens) - 1) // self._block_size
-        if n == 0 or n > self._scratch.num_slots:
+        if n == 0:
             return
         chain = self._hashes(tokens[: n * self._block_size], cache_salt)
         if self._drc.match(chain).cached_blocks >= n:
@@ -99,41 +92,31 @@ class OwnBlocks:
         owner = f"own:{request_id}"
         try:
             res = self._drc.reserve(owner, chain)
+            slots = self._drc.landing_slots(owner)  # chain[first:], written by the engine
         except PddError as exc:  # no room (CacheFullError) or a store already running
             log.debug("not storing %s: %s", request_id, exc.message)
             return
-        try:
-            scratch = self._scratch.allocate(owner, len(chain))
-        except PddError:
-            self._drc.release(owner)
-            return
+        first, landed = res.cached_blocks, set[BlockHash]()
         call = GenerateCall(f"{request_id}.own", prompt, GREEDY_ONE, cache_salt=cache_salt)
 
         def params(fence: FenceRef) -> dict:
-            return wrap(export=ExportParams(slots=scratch, fence=fence))
+            return wrap(export=ExportParams(slots=slots, first_block=first, fence=fence))
 
-        stream = run_with_kv(
-            self._engine, self._plane.fences, call, params, lambda: self._scratch.release(owner)
-        )
+        def release() -> None:  # the engine will not write the slots any more
+            for block_hash in res.receive:
+                if block_hash not in landed:
+                    self._drc.discard(owner, block_hash)
+            self._drc.release(owner)
+
+        stream = run_with_kv(self._engine, self._plane.fences, call, params, release)
         try:
             async with aclosing(stream):
                 async for delta in stream:
-                    if delta.finish_reason in REAL_FINISHES:
+                    if delta.finish_reason in REAL_FINISHES:  # every copy has run
                         done = exported_blocks(delta.kv_transfer_params)
-                        blocks = range(res.cached_blocks, done)
-                        await asyncio.to_thread(self._land, owner, chain, blocks, scratch)
+                        for block_hash in chain[first:done]:
+                            self._drc.land(owner, block_hash)
+                            landed.add(block_hash)
+                        self.stored_blocks += max(0, done - first)
         except PddError as exc:
             log.info("storing the blocks of %s failed: %s", request_id, exc.message)
-        finally:
-            self._drc.release(owner)
-
-    def _land(self, owner: str, chain: list[BlockHash], blocks: range, scratch: list[int]):
-        """Copy exported blocks from scratch into their DRC landing slots (a worker thread)."""
-        arena = self._plane.arena
-        for i in blocks:
-            buf = self._drc.landing_buffer(owner, chain[i])
-            if buf is None:
-                continue
-            buf[:] = arena.view(scratch[i])
-            self._drc.land(owner, chain[i])
-            self.stored_blocks += 1

@@ -173,6 +173,10 @@ WORKER_METRICS = (
     _m("pdd_worker_kv_in_waits_total", C, "requests", R, MAIN_DECODE,
        "Generate calls that found their inbound KV still on its way and waited for it (a "
        "request whose every block the DRC holds never does)."),
+    _m("pdd_worker_own_blocks_stored_total", C, "blocks", R, MAIN_DECODE,
+       "Blocks MD stored in its DRC after requests finished: the whole blocks of prompt + "
+       "output it computed itself and the DRC lacked (what the next turn will not need over "
+       "the WAN). The engine copies exactly these, straight into DRC landing slots."),
     _m("pdd_worker_kv_internal_errors_total", C, "transfers", R, {RELAY_DECODE, MAIN_DECODE},
        "Inbound KV transfers failed by a bug on this worker (logged with a traceback)."),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,

@@ -2,8 +2,8 @@
 
 Every KV role keeps blocks in fixed shared-memory arenas sized in GiB by its config: P's
 staging (``kv_staging_gib``: a prompt's blocks until they are sent), RLD's landing (the same
-setting: the blocks of a request it decodes), MD's DRC (``cache.host_capacity_gib``) and
-MD's scratch for its own blocks (``kv_staging_gib`` when ``kv_store_own_blocks``). A request
+setting: the blocks of a request it decodes) and MD's DRC (``cache.host_capacity_gib``; MD
+stores its own blocks straight into it, ``pdd.main_decode.store``). A request
 is refused by an arena that cannot hold its blocks, so an arena smaller than one request at
 ``max_model_len`` would refuse every long prompt for ever (a 429 the client retries): such a
 worker refuses to start instead, naming the setting and the size it needs. An arena that

@@ -109,6 +109,9 @@ def _kv_counters(kv: KvStats) -> list[tuple[str, str, float]]:
             ("pdd_drc_hit_tokens", "Of those, tokens the DRC held.", kv.drc_hit_tokens),
             ("pdd_worker_kv_in_waits", "Generate calls that waited for their inbound KV.",
              kv.kv_in_waits),
+            ("pdd_worker_own_blocks_stored", "Blocks MD's engine copied into the DRC after "
+             "requests finished (blocks it computed that the DRC lacked).",
+             kv.own_blocks_stored),
             ("pdd_drc_evicted_blocks", "Blocks evicted from the DRC (LRU).",
              kv.drc.evicted_blocks),
         ]  # fmt: skip

@@ -95,6 +95,7 @@ class KvStats:
     wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown)
     kv_refused_chunks: int = 0  # inbound chunks refused: other geometry (kv_wire) or landing key
     kv_in_waits: int = 0  # MD: Generate calls that waited for KV still on its way
+    own_blocks_stored: int = 0  # MD: blocks the engine copied into the DRC after requests
 
 
 # --- the KV RPCs' values (wire: pdd.worker.v1 messages of the same names) -----------------

@@ -179,12 +179,21 @@ def test_second_turn_sends_only_new_blocks(served, codec):
         {"role": "assistant", "content": body1["choices"][0]["message"]["content"]},
         {"role": "user", "content": "Now say it in five words."},
     ]
+    wait_until(lambda: stats(served, "md").pinned_slots == 0, 30, "MD stored turn 1's blocks")
+    stored_before = stats(served, "md").own_blocks_stored
     body2 = complete_chat(served.url, turn2, None)
     pd2 = body2["pdd"]
     assert pd2["md_cached_tokens"] >= (p1 // block) * block
     new_blocks = pd2["prompt_tokens"] // block - pd2["md_cached_tokens"] // block
     assert pd2["wan_kv_bytes"] == new_blocks * bytes_per_block
     assert pd2["wan_kv_bytes"] < (p1 // block) * bytes_per_block
+    # After turn 2, MD stores (its engine copies) only the blocks of its own output the DRC
+    # lacks; every block of turn 2's prompt is already there.
+    tokens = pd2["prompt_tokens"] + body2["usage"]["completion_tokens"]
+    own = (tokens - 1) // block - pd2["prompt_tokens"] // block
+    stored = lambda: stats(served, "md").own_blocks_stored - stored_before  # noqa: E731
+    wait_until(lambda: stored() == own and stats(served, "md").pinned_slots == 0, 30,
+               f"MD stores {own} blocks of its own")  # fmt: skip
 
 
 def _timeline(served, request_id: str) -> list[dict]:

@@ -179,6 +179,28 @@ def test_extend_recomputes_only_the_tail_and_the_new_tokens(loop, engines, shell
     wait_idle(loop, d)
 
 
+def test_an_export_from_a_first_block_copies_only_the_blocks_after_it(loop, engines, shell):
+    """MD storing its own blocks: its DRC holds the prompt's first 6 blocks, so it asks for
+    blocks 6..9 only, into 4 slots; they hold what a whole export put in slots 6..9."""
+    p, _ = engines
+    prompt = prompt_of(8, 330)  # 10 whole blocks + a 10-token tail
+    _, whole = export(loop, shell, p, "p-8", prompt, list(range(10)))
+    assert whole["num_blocks"] == 10
+    tail = [60, 61, 62, 63]
+    for slot in tail:
+        shell.arena.view(slot)[:] = bytes(shell.arena.slot_bytes)
+    fence = shell.fence(0)
+    params = wrap(export=ExportParams(slots=tail, first_block=6, fence=fence))
+    _, last = run(loop, p, "p-8-tail", prompt, 1, params)
+    shell.wait_fence(fence)
+    exported = last.kv_transfer_params["pdd"]["exported"]
+    assert (exported["num_blocks"], exported["complete"]) == (10, True)
+    got = [bytes(shell.arena.view(slot)) for slot in tail]
+    assert got == [bytes(shell.arena.view(slot)) for slot in range(6, 10)]
+    assert all(any(block) for block in got)
+    wait_idle(loop, p)
+
+
 def test_a_whole_block_prompt_leaves_its_last_token_to_compute(loop, engines, shell):
     p, d = engines
     prompt = prompt_of(4, 256)  # exactly 8 blocks
