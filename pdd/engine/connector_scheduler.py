@@ -12,7 +12,9 @@ its result says why.
 - load (consumer): ``get_num_new_matched_tokens`` answers (n, False): n tokens are available
   *synchronously*, so vLLM schedules the request at once and runs ``start_load_kv`` before the
   forward; the load job copies blocks [local hit, end) from their slots. At least one prompt
-  token is always left to compute (vLLM needs one to sample from).
+  token is always left to compute (vLLM needs one to sample from). A request loads once: its
+  slots are read in its first step only, so the shell may free them at its first token
+  (``kv_run.stream_loading``); preempted and scheduled again, it computes what it lost.
 - fence: in the first step scheduled after ``request_finished``, the worker posts it.
 """
 
@@ -73,8 +75,8 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Request, local_hit: int) -> tuple[int, bool]:
         rec = self._record(request)
-        if rec is None or rec.is_export or rec.error is not None:
-            return 0, False
+        if rec is None or rec.is_export or rec.error is not None or rec.loaded is not None:
+            return 0, False  # loaded once already: preempted and back, it computes
         rec.local_hit = local_hit
         end = min(len(rec.slots) * self._block_size, request.num_tokens - 1)
         if end <= local_hit:

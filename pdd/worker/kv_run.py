@@ -131,13 +131,25 @@ async def stream_loading(
     block_size: int,
     release: Callable[[], None],
 ) -> AsyncIterator[KvDelta]:
-    """Run ``call`` loading prompt block i from ``slots[i]``; ``release`` as in run_with_kv.
-    The first delta reports the tokens offered, the final one what the connector copied."""
+    """Run ``call`` loading prompt block i from ``slots[i]``; ``release`` as in run_with_kv,
+    or earlier: at the first delta with a token, since the connector reads the slots in the
+    request's first step only (it loads once). The first delta reports the tokens offered,
+    the final one what the connector copied."""
     offered = offered_tokens(len(slots), block_size, len(call.prompt))
-    stream = run_with_kv(engine, fences, call, load_params(slots), release)
+    released = False
+
+    def release_once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
+
+    stream = run_with_kv(engine, fences, call, load_params(slots), release_once)
     first = True
     async with aclosing(stream):
         async for delta in stream:
+            if delta.token_ids:  # the forward after the load ran: the slots are free
+                release_once()
             loaded = offered if first else 0
             if delta.finished:
                 loaded = loaded_tokens(delta, offered, block_size)

@@ -181,6 +181,33 @@ def test_load_covers_slotted_blocks_past_the_local_hit_and_leaves_one_token():
                                          "ok": True, "seconds": None, "error": None}}}  # fmt: skip
 
 
+def test_a_request_loads_once_and_computes_after_a_preemption():
+    """The shell frees the slots at the first token, so a preempted request scheduled again
+    must not read them: vLLM computes what it lost."""
+    s = _sched()
+    req = _request("d", 128, wrap(load=LoadParams(slots=[3, 2, 1, 0])))
+    assert s.get_num_new_matched_tokens(req, 0) == (127, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+    s.update_state_after_alloc(req, blocks, 127)
+    assert _step(s, req, 1).loads == [CopyJob("d", (10, 11, 12, 13), (3, 2, 1, 0))]
+    req.num_computed_tokens = 0  # preempted: its blocks are gone
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, blocks, 0)
+    assert _step(s, req, 128).loads == []
+
+
+def test_an_export_from_a_first_block_saves_only_the_blocks_after_it():
+    s = _sched()
+    req = _request("md", 200, wrap(export=ExportParams(slots=[9, 8, 7], first_block=3)))
+    s.bind(_Table({"md": [40, 41, 42, 43, 44, 45, 46]}))
+    assert s.get_num_new_matched_tokens(req, 192) == (0, False)
+    s.update_state_after_alloc(req, None, 0)
+    req.num_computed_tokens = 192  # vLLM's prefix cache held 6 blocks
+    assert _step(s, req, 8).saves == [CopyJob("md", (43, 44, 45), (9, 8, 7))]
+    assert s.request_finished(req)[1]["pdd"]["exported"] == {
+        "num_blocks": 6, "num_tokens": 192, "complete": True, "error": None}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("params", "producer", "error"),
     [

@@ -274,6 +274,32 @@ def test_cancel_mid_transfer_releases_everything(workers) -> None:
     assert "no staged KV" in again.details()
 
 
+def test_rld_gives_its_landing_slots_back_at_its_first_token_not_its_last(workers) -> None:
+    """RLD reads its landed KV in the request's first step only, so its landing slots are
+    free while it goes on decoding (another request's KV can land there); the text is the
+    single engine's."""
+    prompt = prompt_of(12, 300)  # 9 whole blocks
+
+    async def scenario(c: Client):
+        t1, _, prep_rld, _ = await p_stage(c, "early", prompt)
+        await c.stub["md"].CancelKv(pb.CancelKvRequest(kv_request_id="early"), timeout=10)
+        await send(c, "early", [(prep_rld.address, 0)])
+        req = pb.GenerateRequest(
+            request_id="early", prompt_token_ids=prompt + t1, sampling=greedy(48),
+            kv_in=kv_in(pb.KvIn.TRANSFER, "early"),
+        )  # fmt: skip
+        got, during = list(t1), None
+        async for resp in c.stub["rld"].Generate(req, timeout=120):
+            got += resp.token_ids
+            if during is None and len(got) >= 4:  # RLD is decoding
+                during = await c.stats("rld")
+        return got, during, await oracle(c, "early-oracle", prompt, 49)
+
+    got, during, want = run(workers, scenario)
+    assert got == want
+    assert during.running_requests == 1 and during.pinned_slots == 0
+
+
 def test_rld_generate_cancelled_before_its_first_delta_gives_its_slots_back(workers) -> None:
     """The One-Shot switch's cancel, right after RLD's Generate began (the unposted-fence bug,
     docs/notes/engine.md): RLD's KV landed, its Generate is cancelled 0-20 ms in, around
