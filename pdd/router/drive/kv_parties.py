@@ -157,7 +157,6 @@ class KvParties:
         computes what is missing) at the deadline or once computing is sooner. It raises
         what AwaitKv raised (a worker lost or cut off: ``RequestRun`` ends the Generate with
         it when no token came yet)."""
-
         return asyncio.get_running_loop().create_task(self.await_kv(worker_id, compute_sooner))
 
     async def give_up(self, worker_id: str, reason: str) -> None:

@@ -41,8 +41,8 @@ from pdd.router.types import GenerationRequest, KvIn, TokenEvent
 
 log = logging.getLogger(__name__)
 
-REAL_FINISHES = ("stop", "length")
-WATCH_GRACE_S = 1.0  # a finished request waits this long at most for its AwaitKv's answer  # a tier ended the request, as opposed to abort / error
+REAL_FINISHES = ("stop", "length")  # a tier ended the request, as opposed to abort / error
+WATCH_GRACE_S = 1.0  # a finished request waits this long at most for its AwaitKv's answer
 # What a takeover loads: MD whatever prefix its DRC holds, RLD a landing it may still hold for
 # the request (else it computes the prompt), P nothing (its prefix cache only).
 TAKEOVER_KV = {"md": "drc", "rld": "transfer", "p": None}
