@@ -82,10 +82,10 @@ class FakeEngine:
             return None
         bs, size = self.block_size, self.arena.slot_bytes
         if params.export is not None:
-            slots = params.export.slots
-            for i, slot in enumerate(slots):
+            slots, first = params.export.slots, params.export.first_block
+            for i, slot in enumerate(slots, start=first):  # block first + i -> slots[i]
                 self.arena.view(slot)[:] = block_bytes(prompt[: (i + 1) * bs], size)
-            n = len(slots)
+            n = first + len(slots)
             return wrap(exported=ExportResult(num_blocks=n, num_tokens=n * bs, complete=True))
         slots = params.load.slots
         ok = all(
