@@ -143,7 +143,9 @@ def test_a_pdd_request_loads_every_block_and_matches_one_engine() -> None:
     async def scenario():
         async with Topo() as topo:
             t = await turn(topo, "r1", prompt, k=3, m=5)
+            deadline = asyncio.get_running_loop().time() + 10
             while topo.roles["md"].drc.stats().committed_blocks < 6:  # MD stores its own
+                assert asyncio.get_running_loop().time() < deadline, "MD never stored its own"
                 await asyncio.sleep(0.005)
             return t, topo.engines["rld"].loads, topo.engines["md"].loads, await topo.idle()
 

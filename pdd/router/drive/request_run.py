@@ -123,10 +123,11 @@ class RequestRun:
         kv_in, watch = None, None
         if await_kv and self.req.await_kv_first:  # the older flow, kept for comparisons
             await self.kv.await_kv(worker_id, compute_sooner)
-        elif kv_source is not None and await_kv:  # the Generate waits for its KV on the worker
+            await_kv = False
+        if kv_source is not None and await_kv:  # the Generate waits for its KV on the worker
             kv_in = self.kv.waiting_kv_in(kv_source)
             watch = self.kv.watch(worker_id, compute_sooner)
-        if kv_source is not None and kv_in is None:
+        elif kv_source is not None:
             kv_in = self.kv.kv_in(kv_source)
         kv_id = self.kv.kv_id
         rid = kv_id if attempt == 0 else f"{kv_id}.takeover{attempt}"
