@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pdd.config.router import PddPolicyConfig
 from pdd.errors import InvalidRequestError, UnavailableError
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
+from pdd.router.decide.policy import md_computes_rest_sooner
 from pdd.router.decide.routing import Decision, FleetView, RouteRequest, WorkerView, choose
 
 P, RLD, MD = Role.PREFILL, Role.RELAY_DECODE, Role.MAIN_DECODE
@@ -118,6 +119,20 @@ def test_recompute_is_off_by_default_and_needs_a_missing_block():
                     req(40, {"md0": 0}, pipeline=Pipeline.P_RLD_MD))  # fmt: skip
     assert (forced.pipeline, forced.md_computes, forced.wan_bytes) == (
         Pipeline.P_RLD_MD, False, 10_000)  # fmt: skip
+
+
+def test_waiting_md_computes_the_rest_only_for_bytes_still_to_cross():
+    """Asked again while MD waits: a 40-token miss (10 blocks, 10 s over the WAN) against
+    MD's prefill of 0.25 s + tokens / 40. What landed or reached MD never crosses again."""
+    pw, mdw = p(), md(prefill_tokens_per_s=40.0, prefill_fixed_s=0.25, **GEOMETRY)
+    view = fleet(pw, rld(), mdw, policy=RECOMPUTE)
+    assert md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, view)  # 1.25 s against 10 s
+    assert md_computes_rest_sooner(pw, mdw, 0, 8, 0, 40, view)  # 0.45 s against 2 s
+    assert not md_computes_rest_sooner(pw, mdw, 0, 0, 9_500, 40, view)  # 1.25 s against 0.5 s
+    # the transfer ended, its blocks not yet committed: nothing is left to cross
+    assert not md_computes_rest_sooner(pw, mdw, 0, 0, 10_000, 40, view)
+    assert not md_computes_rest_sooner(pw, mdw, 40, 10, 0, 40, view)  # all cached
+    assert not md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, fleet(pw, rld(), mdw))  # off
 
 
 def test_partial_tail_block_is_never_sent_and_cache_is_clipped_to_the_prompt():

@@ -104,17 +104,34 @@ def md_compute_s(md: WorkerView, tokens: int) -> float:
 
 
 def md_computes_rest_sooner(
-    p: WorkerView, md: WorkerView, ready_tokens: int, prompt_tokens: int, view: FleetView
+    p: WorkerView,
+    md: WorkerView,
+    cached_tokens: int,
+    landed_blocks: int,
+    received_bytes: int,
+    prompt_tokens: int,
+    view: FleetView,
 ) -> bool:
-    """Recompute or wait, again, while MD waits for its KV: MD holds ``ready_tokens`` of the
-    prompt (its cache and what landed); True when computing the rest (MD's live prefill rate)
-    is sooner than the rest crossing at P's live WAN estimate. Never without md_recompute."""
+    """Recompute or wait, again, while MD waits for its KV. P sends MD the prompt's blocks past
+    ``cached_tokens``; ``landed_blocks`` of the prompt are loadable on MD now (its cache and
+    what landed) and ``received_bytes`` reached it (counted once a transfer ended, before its
+    blocks are committed). True when MD computing what has not landed (its live prefill
+    rate) is sooner than the bytes still to come crossing at P's live WAN estimate: bytes
+    already across never count again. Never without md_recompute."""
     if not view.policy.md_recompute:
         return False
-    rest = wan_estimate(p, md, ready_tokens, prompt_tokens, view)
-    if rest.missing_blocks == 0:
+    sent = wan_estimate(p, md, cached_tokens, prompt_tokens, view)
+    if sent.missing_blocks == 0:
         return False
-    return md_compute_s(md, prompt_tokens - ready_tokens) < rest.eta_s
+    landed_new = max(0, landed_blocks - sent.cached_blocks)
+    rest_bytes = sent.wan_bytes - max(received_bytes,
+                                      sent.wan_bytes * landed_new // sent.missing_blocks)  # fmt: skip
+    if rest_bytes <= 0:
+        return False
+    bandwidth = p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps
+    rest_s = (p.wan_rtt_s or view.policy.wan_rtt_s) / 2 + rest_bytes * 8 / bandwidth
+    landed = max(cached_tokens, landed_blocks * md.block_size)
+    return md_compute_s(md, prompt_tokens - landed) < rest_s
 
 
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:

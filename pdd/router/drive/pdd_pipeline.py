@@ -126,8 +126,9 @@ def _compute_sooner(
         p_view, md_view = workers.get(trace.p or ""), workers.get(md)
         if p_view is None or md_view is None:
             return False
-        ready = max(trace.md_cached_tokens, state.blocks_ready * md_view.block_size)
-        return md_computes_rest_sooner(p_view, md_view, ready, prompt_tokens, view)
+        return md_computes_rest_sooner(p_view, md_view, trace.md_cached_tokens,
+                                       state.blocks_ready, state.bytes_received,
+                                       prompt_tokens, view)  # fmt: skip
 
     return sooner
 
