@@ -2,7 +2,10 @@
 
 Bandwidth is the goodput of acknowledged bytes measured only while the link is busy (at least
 one chunk unacknowledged), over intervals of at least `interval_s`, smoothed with an EWMA:
-idle time never drags the estimate down. RTT is the kernel's minimum RTT of the streams
+idle time never drags the estimate down. A busy period's clock starts at its first ack, not
+its first send: the one-way trip before it delivers nothing, and counting it made the first
+sample of each transfer (which the EWMA keeps for several more) read low by up to an RTT per
+interval. RTT is the kernel's minimum RTT of the streams
 (TCP_INFO tcpi_min_rtt), so it excludes our own queueing. The router reads these through
 `TcpTransport.link_estimates()`.
 
@@ -55,18 +58,21 @@ class LinkEstimator:
         self._rtt_s = 0.0
         self._samples = 0
         self._inflight = 0
-        self._t0 = 0.0
+        self._t0: float | None = None  # when the busy period's measured interval began
         self._bytes = 0
 
     def on_send(self, nbytes: int, now: float) -> None:
         with self._lock:
-            if self._inflight == 0:  # a busy period starts
-                self._t0, self._bytes = now, 0
+            if self._inflight == 0:  # a busy period starts: its clock starts at its first ack
+                self._t0 = None
             self._inflight += max(nbytes, 1)
 
     def on_ack(self, nbytes: int, now: float) -> None:
         with self._lock:
             self._inflight = max(0, self._inflight - max(nbytes, 1))
+            if self._t0 is None:  # the first ack: before it the path delivered nothing yet
+                self._t0, self._bytes = now, 0
+                return
             self._bytes += nbytes
             elapsed = now - self._t0
             if elapsed >= self._interval or (self._inflight == 0 and elapsed > 0.005):

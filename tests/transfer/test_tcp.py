@@ -113,9 +113,13 @@ def test_chunk_size_policy():
 def test_estimator_measures_busy_time_only():
     est = LinkEstimator(alpha=1.0, interval_s=0.05)
     est.on_send(10_000_000, now=0.0)
-    est.on_ack(10_000_000, now=0.1)  # 10 MB in 0.1 s busy: 800 Mbit/s
+    est.on_send(10_000_000, now=0.0)
+    est.on_ack(10_000_000, now=0.02)  # the first ack starts the clock (the trip is not rate)
+    est.on_ack(10_000_000, now=0.12)  # 10 MB in 0.1 s busy: 800 Mbit/s
     est.on_send(10_000_000, now=5.0)  # 4.9 s idle in between: not counted
-    est.on_ack(10_000_000, now=5.1)
+    est.on_send(10_000_000, now=5.0)
+    est.on_ack(10_000_000, now=5.5)
+    est.on_ack(10_000_000, now=5.6)
     est.on_rtt(0.02)
     est.on_rtt(0.03)  # the minimum is the path's RTT
     got = est.estimate()
