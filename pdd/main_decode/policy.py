@@ -216,6 +216,8 @@ class MainDecodeRole:
         drc = self.drc.stats()
         return KvStats(
             pinned_slots=drc.pinned_blocks + drc.landing_blocks,
+            arena_blocks=drc.capacity_blocks,
+            free_blocks=drc.free_blocks + drc.evictable_blocks,
             open_transfers=self._plane.open_transfers(),
             drc=drc,
             drc_query_tokens=self._landing.query_tokens,

@@ -270,6 +270,8 @@ class PrefillRole:
         est = self._plane.wan_estimate()
         return KvStats(
             pinned_slots=self._pool.in_use,
+            arena_blocks=self._pool.num_slots,
+            free_blocks=self._pool.num_slots - self._pool.in_use,
             open_transfers=self._plane.open_transfers(),
             wan_bandwidth_bps=est.bandwidth_bps if est else 0.0,
             wan_rtt_s=est.rtt_s if est else 0.0,

@@ -212,6 +212,8 @@ class RelayDecodeRole:
     def kv_stats(self) -> KvStats:
         return KvStats(
             pinned_slots=self._pool.in_use,
+            arena_blocks=self._pool.num_slots,
+            free_blocks=self._pool.num_slots - self._pool.in_use,
             open_transfers=self._plane.open_transfers(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,

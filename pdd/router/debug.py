@@ -214,6 +214,7 @@ def workers_view(pool: WorkerPool) -> list[dict[str, object]]:
             row["kv_plane"] = {
                 "pinned_slots": stats.pinned_slots, "open_transfers": stats.open_transfers,
                 "bytes_sent": stats.kv_bytes_sent, "bytes_received": stats.kv_bytes_received,
+                "arena_blocks": stats.kv_arena_blocks, "free_blocks": stats.kv_free_blocks,
             }  # fmt: skip
         if w.role is Role.PREFILL:
             row["wan"] = {"bandwidth_bps": w.wan_bandwidth_bps, "rtt_s": w.wan_rtt_s}

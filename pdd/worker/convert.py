@@ -124,6 +124,8 @@ def stats_to_proto(
     resp.kv_refused_chunks = kv.kv_refused_chunks
     resp.kv_in_waits = kv.kv_in_waits
     resp.own_blocks_stored = kv.own_blocks_stored
+    resp.kv_arena_blocks = kv.arena_blocks
+    resp.kv_free_blocks = kv.free_blocks
     resp.drc_query_tokens = kv.drc_query_tokens
     resp.drc_hit_tokens = kv.drc_hit_tokens
     if kv.drc is not None:

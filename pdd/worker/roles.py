@@ -96,6 +96,8 @@ class KvStats:
     kv_refused_chunks: int = 0  # inbound chunks refused: other geometry (kv_wire) or landing key
     kv_in_waits: int = 0  # MD: Generate calls that waited for KV still on its way
     own_blocks_stored: int = 0  # MD: blocks the engine copied into the DRC after requests
+    arena_blocks: int = 0  # P: staging slots, RLD: landing slots, MD: DRC blocks (0: none)
+    free_blocks: int = 0  # of those, what a new request can have now (MD: evictable counts)
 
 
 # --- the KV RPCs' values (wire: pdd.worker.v1 messages of the same names) -----------------

@@ -334,6 +334,32 @@ def test_rld_generate_cancelled_before_its_first_delta_gives_its_slots_back(work
     assert got == [(f"cx{i}", 0, True) for i in range(5)]
 
 
+def test_each_worker_reports_the_kv_blocks_a_new_request_can_have(workers) -> None:
+    """Stats' kv_arena_blocks / kv_free_blocks (what the router routes by): idle, all of P's
+    staging and RLD's landing slots are free; a request staged on P and reserved on RLD and MD
+    holds its 9 blocks on each until it is given up, and then they are free again."""
+    prompt = prompt_of(13, 300)  # 9 whole blocks
+
+    async def scenario(c: Client):
+        idle = {w: await c.stats(w) for w in IDS}
+        _, staged, _, _ = await p_stage(c, "room", prompt)
+        held = {w: await c.stats(w) for w in IDS}
+        for w in IDS:
+            await c.stub[w].CancelKv(pb.CancelKvRequest(kv_request_id="room", reason="test"))
+        after = {w: await c.until_idle(w) for w in IDS}
+        return staged, idle, held, after
+
+    staged, idle, held, after = run(workers, scenario)
+    assert staged == 9
+    for w in IDS:
+        arena = idle[w].kv_arena_blocks
+        assert arena > 9, (w, idle[w])
+        if w != "md":  # MD's DRC may hold earlier tests' blocks: evictable, so they count free
+            assert idle[w].kv_free_blocks == arena, (w, idle[w])
+        assert held[w].kv_free_blocks == idle[w].kv_free_blocks - 9, (w, held[w])
+        assert after[w].kv_free_blocks == idle[w].kv_free_blocks, (w, after[w])
+
+
 def test_staged_kv_is_released_when_its_lease_expires(workers) -> None:
     async def scenario(c: Client):
         resps = await c.generate("p", "lease1", prompt_of(5, 100), 1, kv_stage=True)

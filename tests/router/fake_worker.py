@@ -63,6 +63,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.geometry: KvGeometry | None = None  # reported in Health when set (pdd.kv_geometry)
         self.stats_running = 0  # extra running requests reported in Stats (load scripting)
         self.wan_bandwidth_bps = 0.0
+        self.kv_arena_blocks = 0  # Stats: no arena reported (the router assumes room)
+        self.kv_free_blocks = 0
         self.prefill_tokens_per_s = 0.0  # MD: its measured prefill rate (0: none measured)
         self.script = Script()
         self.ready = True
@@ -228,6 +230,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             wan_bandwidth_bps=self.wan_bandwidth_bps,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             pinned_slots=len(self.kv.held()) if self.kv else 0,
+            kv_arena_blocks=self.kv_arena_blocks,
+            kv_free_blocks=self.kv_free_blocks,
         )
 
     # --- KV plane ---------------------------------------------------------------------------

@@ -159,6 +159,35 @@ def assert_handoff_stream(h, ids, body, rounds_at_least=1):
     assert rld_req.kv_in.source == 1  # TRANSFER
 
 
+def test_an_rld_without_room_for_the_kv_is_not_picked(pdd):
+    """A cold request would go p_rld_md (the fakes' WAN is slow), but RLD's Stats say its
+    landing arena has no room for the prompt's blocks: the router sends it p_md, and RLD is
+    never asked for a reservation it would refuse."""
+    ids = script(pdd, 6)
+    blocks = len(prompt_ids(pdd)) // BLOCK_SIZE
+    rld = pdd.by_id("rld0")
+    rld.kv_arena_blocks, rld.kv_free_blocks = blocks + 4, blocks - 1
+    workers_url = pdd.url.removesuffix("/v1") + "/debug/workers"
+
+    def seen() -> bool:
+        rows = httpx.get(workers_url, timeout=5).json()["workers"]
+        return any(w["id"] == "rld0" and w.get("kv_plane", {}).get("free_blocks") == blocks - 1
+                   for w in rows)  # fmt: skip
+
+    try:
+        wait_until(seen, "the router never saw RLD's Stats")
+        body = complete(pdd).json()
+        assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+        assert (body["pdd"]["pipeline"], body["pdd"]["rld"]) == ("p_md", None)
+        assert rld.kv.prepares == [] and gen_requests(pdd, "rld0") == []
+        rld.kv_free_blocks = blocks + 4  # room again: a cold request goes p_rld_md
+        wait_until(lambda: not seen(), "the router never saw RLD's room")
+        other = " ".join(reversed(PROMPT.split()))  # cold: MD holds the first prompt now
+        assert complete(pdd, prompt=other).json()["pdd"]["pipeline"] == "p_rld_md"
+    finally:
+        rld.kv_arena_blocks = rld.kv_free_blocks = 0
+
+
 def test_p_rld_md_one_shot(pdd):
     ids = script(pdd, 60)
     relay_timing(pdd)

@@ -135,6 +135,26 @@ def test_waiting_md_computes_the_rest_only_for_bytes_still_to_cross():
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, fleet(pw, rld(), mdw))  # off
 
 
+def test_routes_only_where_the_prompt_s_kv_fits():
+    """Each worker's Stats say how many KV blocks a new request can have. A 40-token prompt
+    (10 blocks) goes to the P and the MD with room for it; an RLD without room is not picked
+    (p_md instead); when no P has room the best P is chosen anyway (its refusal answers)."""
+    room = {"kv_arena_blocks": 16, "kv_free_blocks": 10}
+    tight = {"kv_arena_blocks": 16, "kv_free_blocks": 9}
+    d = choose(fleet(p("p0", **tight), p("p1", **room), rld(**GEOMETRY, **room),
+                     md("md0", **GEOMETRY, **tight), md("md1", **GEOMETRY, **room)), req(40))  # fmt: skip
+    assert dict(d.assignments) == {P: "p1", RLD: "rld0", MD: "md1"}
+    # md0 holds 8 of the tokens: it lacks 8 blocks, which fit
+    d = choose(fleet(p(), rld(), md("md0", **GEOMETRY, **tight), md("md1", **GEOMETRY, **room)),
+               req(40, {"md0": 8}))  # fmt: skip
+    assert d.worker(MD) == "md0"
+    d = choose(fleet(p(), rld(**GEOMETRY, **tight), md()), req(40))
+    assert (d.pipeline, d.maybe_worker(RLD)) == (Pipeline.P_MD, None)
+    d = choose(fleet(p("p0", **tight), p("p1", kv_arena_blocks=16, kv_free_blocks=0), rld(),
+                     md()), req(40))  # fmt: skip
+    assert d.worker(P) == "p0"
+
+
 def test_partial_tail_block_is_never_sent_and_cache_is_clipped_to_the_prompt():
     d = choose(fleet(p(), rld(), md()), req(10, {"md0": 8}))  # 2 whole blocks, both cached
     assert (d.pipeline, d.wan_bytes, d.md_cached_tokens) == (Pipeline.P_MD, 0, 8)

@@ -11,21 +11,26 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
          md_hit: the router's replica of MD's DRC (pdd.router.fleet.drc_views), or the prefix it
          recently routed to that MD (routed_prefixes), whichever is longer: the replica lags
          by up to one health poll. The WAN estimate below uses the replica only. Decode batches, so
-         load counts as a fraction of MD's sequence slots; MDs with no free slot are only
-         used when every MD is full. With the default 0.5 a follow-up turn stays on the MD
+         load counts as a fraction of MD's sequence slots; MDs with no free slot, or whose DRC
+         has no room for the blocks they lack, are only used when every MD is full. With the default 0.5 a follow-up turn stays on the MD
          holding its history unless that MD is far busier (a 50% hit difference is worth a
          full MD's load).
     ties (both): least loaded, lower KV usage, fewest requests served so far (idle workers
          take turns), then id: every choice is deterministic for one snapshot.
-    RLD  among RLDs with a free sequence slot, the most free slots (max_num_seqs - load);
-         ties: lower load fraction, fewest served, id.
+    RLD  among RLDs with a free sequence slot and room to land the prompt's KV, the most free
+         slots (max_num_seqs - load); ties: lower load fraction, fewest served, id.
+    room (KV capacity): each worker's Stats report its arena and the blocks a new request can
+         have (``kv_free_blocks``; MD: free + evictable DRC blocks). P is chosen among the Ps
+         with room for the prompt's whole blocks when any has it (else the chosen P's own
+         refusal answers: 429 with Retry-After, or 400 when it can never fit); an RLD without
+         room is not picked (p_md instead). Stats lag by up to one poll.
     WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes * ratio
          (ratio: P's learned wire/raw ratio of its WAN codec, 1 when raw or unknown)
          eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)
     compute   = fixed + (prompt - MD's cached tokens) / rate   (MD's measured prefill; inf
               when MD reported none or router.pdd.md_recompute is off, or MD lacks no block)
     ready     = min(eta, compute): recompute or wait, when MD can start
-    p_md      when ready <= ttft_budget_s, or no RLD has a free sequence slot (graceful
+    p_md      when ready <= ttft_budget_s, or no RLD has a free sequence slot and room (graceful
               degradation: a longer TTFT on MD instead of overloading RLD); MD computes the
               blocks it lacks itself (no KV crosses) when compute < eta, else waits for them
     p_rld_md  otherwise (the WAN carries MD's KV while RLD streams)
@@ -142,12 +147,17 @@ def _tie(w: WorkerView) -> tuple[int, float, int, str]:
 def _md_key(
     cached: Mapping[str, int], prompt_tokens: int, weight: float, w: WorkerView
 ) -> tuple[bool, float, int, float, int, str]:
-    """MD's order: full MDs last, then -md_score, then the tie-break. The one place the score is
-    computed; choose runs it for every MD of every request, so it calls nothing but `load`."""
+    """MD's order: full MDs last (no free sequence, or no room in its DRC for the blocks it
+    lacks), then -md_score, then the tie-break. The one place the score is computed; choose
+    runs it for every MD of every request, so it calls nothing but `load`."""
     load, cap = w.load, w.max_num_seqs
     hit = cached.get(w.id, 0)
-    frac = (hit if hit < prompt_tokens else prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
-    return (cap > 0 and load >= cap, weight * (load / cap if cap > 0 else 0.0) - frac,
+    if hit > prompt_tokens:
+        hit = prompt_tokens
+    frac = hit / prompt_tokens if prompt_tokens else 0.0
+    bs = w.block_size
+    no_room = w.kv_arena_blocks > 0 and bs > 0 and (prompt_tokens - hit) // bs > w.kv_free_blocks
+    return (no_room or (cap > 0 and load >= cap), weight * (load / cap if cap > 0 else 0.0) - frac,
             load, w.kv_cache_usage, w.served, w.id)  # fmt: skip
 
 
@@ -196,9 +206,10 @@ def pick_p(
     return min(ps, key=partial(_p_key, cached, prompt_tokens, weight))
 
 
-def pick_rld(rlds: list[WorkerView]) -> WorkerView | None:
-    """The RLD with the most free sequence slots; None when no RLD has one."""
-    free = [w for w in rlds if w.has_capacity]
+def pick_rld(rlds: list[WorkerView], prompt_tokens: int = 0) -> WorkerView | None:
+    """The RLD with the most free sequence slots among those with a free slot and room to land
+    the prompt's KV; None when no RLD has both."""
+    free = [w for w in rlds if w.has_capacity and w.fits(prompt_tokens)]
     if not free:
         return None
     return min(free, key=lambda w: (-w.free_slots, w.load_fraction, w.served, w.id))
@@ -219,6 +230,7 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     policy, n = view.policy, request.prompt_tokens
     all_mds = view.healthy(Role.MAIN_DECODE)
     ps = _senders(view.healthy(Role.PREFILL), all_mds)
+    ps = [w for w in ps if w.fits(n)] or ps  # none has room now: the chosen P's refusal says so
     p = _need(view, Role.PREFILL, pick_p(ps, request.p_cached_tokens, n, policy.p_load_weight))
     if policy.test_policy == "p_rld_only":
         return _p_rld_only(view, p)
@@ -233,10 +245,10 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
         rlds = _receivers(p, view.healthy(Role.RELAY_DECODE), Role.RELAY_DECODE)
-        rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds) or least_loaded(rlds))
+        rld = _need(view, Role.RELAY_DECODE, pick_rld(rlds, n) or least_loaded(rlds))
     elif request.pipeline is None and ready_s > policy.ttft_budget_s:
         rlds = [w for w in view.healthy(Role.RELAY_DECODE) if kv_conflict(p, w) is None]
-        rld = pick_rld(rlds)  # None: no RLD capacity left -> degrade to p_md
+        rld = pick_rld(rlds, n)  # None: no RLD has a slot and room -> degrade to p_md
     roles = [(Role.PREFILL, p.id)]
     if rld is None:
         pipeline, handoff = Pipeline.P_MD, HandoffMode.NONE

@@ -41,6 +41,8 @@ class WorkerView:
     source: str = "config"  # config | registered | dns:NAME
     restarts: int = 0  # times the router saw the worker come back as a new process
     geometry: KvGeometry | None = None  # its KV geometry (None: not reported)
+    kv_arena_blocks: int = 0  # its KV arena (P: staging, RLD: landing, MD: DRC; 0: unknown)
+    kv_free_blocks: int = 0  # of those, what a new request could have at its last Stats
 
     @property
     def free_slots(self) -> float:
@@ -57,6 +59,13 @@ class WorkerView:
     def load_fraction(self) -> float:
         """load / max_num_seqs (0 when the capacity is unknown)."""
         return self.load / self.max_num_seqs if self.max_num_seqs > 0 else 0.0
+
+    def fits(self, tokens: int) -> bool:
+        """Room in its KV arena for ``tokens``' whole blocks at its last Stats (always, when it
+        reported no arena). Stats lag by up to one poll: the worker's own refusal backs this."""
+        if self.kv_arena_blocks <= 0 or self.block_size <= 0:
+            return True
+        return tokens // self.block_size <= self.kv_free_blocks
 
     @property
     def has_capacity(self) -> bool:

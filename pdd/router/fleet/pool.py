@@ -216,4 +216,6 @@ def _worker_view(st: WorkerState) -> WorkerView:
         source=st.source,
         restarts=st.restarts,
         geometry=st.geometry,
+        kv_arena_blocks=stats.kv_arena_blocks,
+        kv_free_blocks=stats.kv_free_blocks,
     )
