@@ -10,11 +10,11 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
     MD   score(md) = md_hit(md) - md_load_weight * load(md) / max_num_seqs(md)
          md_hit: the router's replica of MD's DRC (pdd.router.fleet.drc_views), or the prefix it
          recently routed to that MD (routed_prefixes), whichever is longer: the replica lags
-         by up to one health poll. The WAN estimate below uses the replica only. Decode batches, so
-         load counts as a fraction of MD's sequence slots; MDs with no free slot, or whose DRC
-         has no room for the blocks they lack, are only used when every MD is full. With the default 0.5 a follow-up turn stays on the MD
-         holding its history unless that MD is far busier (a 50% hit difference is worth a
-         full MD's load).
+         by up to one health poll. The WAN estimate below uses the replica only. Decode
+         batches, so load counts as a fraction of MD's sequence slots; MDs with no free slot,
+         or whose DRC has no room for the blocks they lack, are only used when every MD is
+         full. With the default 0.5 a follow-up turn stays on the MD holding its history
+         unless that MD is far busier (a 50% hit difference is worth a full MD's load).
     ties (both): least loaded, lower KV usage, fewest requests served so far (idle workers
          take turns), then id: every choice is deterministic for one snapshot.
     RLD  among RLDs with a free sequence slot and room to land the prompt's KV, the most free
