@@ -6,8 +6,7 @@ idle time never drags the estimate down. A busy period's clock starts at its fir
 its first send: the trip before it delivers nothing, and counting it made the first sample of
 each transfer (which the EWMA keeps for several more) read low by up to an RTT per interval.
 RTT is the kernel's minimum RTT of the streams (TCP_INFO tcpi_min_rtt), so it excludes our
-own queueing. The router reads these through
-`TcpTransport.link_estimates()`.
+own queueing. The router reads these through `TcpTransport.link_estimates()`.
 
 The plan of a WAN link (``plan_flow``, pure): how many streams, what chunk size and how many
 unacknowledged chunks per stream, so the bytes in flight cover the path's bandwidth-delay
