@@ -23,7 +23,8 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
          have (``kv_free_blocks``; MD: free + evictable DRC blocks). P is chosen among the Ps
          with room for the prompt's whole blocks when any has it (else the chosen P's own
          refusal answers: 429 with Retry-After, or 400 when it can never fit); an RLD without
-         room is not picked (p_md instead). Stats lag by up to one poll.
+         room is not picked (p_md instead). Between polls the pool takes what it routed off
+         each worker's room (``WorkerPool.note_routed``).
     WAN  wan_bytes = (prompt whole blocks - MD's cached blocks) * kv_block_bytes * ratio
          (ratio: P's learned wire/raw ratio of its WAN codec, 1 when raw or unknown)
          eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)

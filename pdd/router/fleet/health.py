@@ -113,6 +113,7 @@ class HealthPoller:
                 self._set_health(st, False, refused)
                 return
             st.stats = await client.stats()
+            st.routed_blocks = 0  # what was routed before is in these figures (or released)
         except PddError as exc:
             self._missed(st, exc)
             return

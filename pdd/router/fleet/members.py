@@ -49,6 +49,7 @@ class WorkerState:
     restarts: int = 0  # instance id changes seen: the worker restarted (crash, OOM, redeploy)
     geometry: KvGeometry | None = None  # from its last Health (or its registration)
     refused: str | None = None  # why its KV geometry is not admitted (None: admitted)
+    routed_blocks: int = 0  # KV blocks routed to it since its last Stats (taken before it says)
 
 
 class Members:

@@ -152,12 +152,18 @@ class WorkerPool:
     def note_routed(
         self, decision: Decision, prompt_token_ids: Sequence[int], cache_salt: str = ""
     ) -> None:
-        """After a decision: count it per worker; remember the prompt on its P and MD."""
+        """After a decision: count it per worker, and the KV blocks it will hold there until
+        the worker's next Stats say so (P stages the prompt, RLD lands it, MD stores what it
+        lacks); remember the prompt on its P and MD."""
+        n = len(prompt_token_ids)
         for role, worker_id in decision.assignments:
             st = self._members.states.get(worker_id)
             if st is None:
                 continue
             st.served += 1
+            if st.stats is not None and st.stats.block_size > 0:
+                lacks = n - decision.md_cached_tokens if role is Role.MAIN_DECODE else n
+                st.routed_blocks += lacks // st.stats.block_size
             remembered = role is Role.PREFILL or (role is Role.MAIN_DECODE and self.drc)
             if remembered and st.stats is not None:
                 self.routed.record(worker_id, prompt_token_ids, st.stats.block_size, cache_salt)
@@ -217,5 +223,5 @@ def _worker_view(st: WorkerState) -> WorkerView:
         restarts=st.restarts,
         geometry=st.geometry,
         kv_arena_blocks=stats.kv_arena_blocks,
-        kv_free_blocks=stats.kv_free_blocks,
+        kv_free_blocks=max(0, stats.kv_free_blocks - st.routed_blocks),
     )
