@@ -95,10 +95,15 @@ def wan_estimate(
     raw_bytes = (blocks - cached) * block_bytes
     ratio = p.wan_wire_ratio if 0 < p.wan_wire_ratio <= 1.0 else 1.0
     wan_bytes = round(raw_bytes * ratio)
-    bandwidth = p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps
-    rtt = p.wan_rtt_s or view.policy.wan_rtt_s
+    bandwidth, rtt = _link(p, view)
     eta = rtt + wan_bytes * 8 / bandwidth
     return WanEstimate(cached, blocks - cached, wan_bytes, eta, raw_bytes)
+
+
+def _link(p: WorkerView, view: FleetView) -> tuple[float, float]:
+    """(bandwidth bit/s, RTT s) of P's WAN: its live estimate, else the router's config."""
+    return (p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps,
+            p.wan_rtt_s or view.policy.wan_rtt_s)  # fmt: skip
 
 
 def md_compute_s(md: WorkerView, tokens: int) -> float:
@@ -134,8 +139,8 @@ def md_computes_rest_sooner(
                                       sent.wan_bytes * landed_new // sent.missing_blocks)  # fmt: skip
     if rest_bytes <= 0:
         return False
-    bandwidth = p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps
-    rest_s = (p.wan_rtt_s or view.policy.wan_rtt_s) / 2 + rest_bytes * 8 / bandwidth
+    bandwidth, rtt = _link(p, view)
+    rest_s = rtt / 2 + rest_bytes * 8 / bandwidth
     landed = max(cached_tokens, landed_blocks * md.block_size)
     return md_compute_s(md, prompt_tokens - landed) < rest_s
 
