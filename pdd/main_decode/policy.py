@@ -197,6 +197,8 @@ class MainDecodeRole:
         return await self._landing.await_kv(call.kv_request_id, call.timeout_s)
 
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
+        if call.background:  # the request ended without it; the prefix still lands
+            return CancelKvResult(self._landing.keep(call.kv_request_id, call.reason))
         return CancelKvResult(self._landing.cancel(call.kv_request_id, call.reason))
 
     async def drc_events(self, call: DrcEventsCall) -> DrcEventsResult:

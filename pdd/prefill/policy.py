@@ -13,6 +13,8 @@ a Generate(kv_stage) and the sends reading them. Lifecycle of one stage::
     SendKv              one transfer per destination, in parallel (UCX to a relay_decode, TCP
                         to a main_decode: PeerAddress.transport), each from its first_block;
                         the lease is extended to the send deadline
+    CancelKv(background) the request no longer waits: its open sends are deferred (they go
+                        when no other transfer has a chunk waiting) and end as ever
     release             every send terminal (done, failed, cancelled), or CancelKv, or the
                         lease expired (open sends are cancelled first; the slots come back
                         once the transport let go of them), or the Generate did not finish
@@ -212,11 +214,15 @@ class PrefillRole:
 
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
         kv_id = call.kv_request_id
+        stage = self._stages.get(kv_id)
+        if call.background and stage is not None and stage.closed is None:
+            for handle in stage.sends.values():  # released as ever, when they end
+                handle.defer()
+            return CancelKvResult(True)
         found = False
         if kv_id in self._generating:
             self._generating[kv_id] = call.reason or "cancelled"
             found = True
-        stage = self._stages.get(kv_id)
         if stage is not None:
             self._close(stage, f"cancelled: {call.reason or 'CancelKv'}")
             found = True

@@ -214,12 +214,14 @@ class AwaitKvResponse(_message.Message):
     def __init__(self, state: _Optional[str] = ..., bytes_received: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CancelKvRequest(_message.Message):
-    __slots__ = ("kv_request_id", "reason")
+    __slots__ = ("kv_request_id", "reason", "background")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     reason: str
-    def __init__(self, kv_request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    background: bool
+    def __init__(self, kv_request_id: _Optional[str] = ..., reason: _Optional[str] = ..., background: _Optional[bool] = ...) -> None: ...
 
 class CancelKvResponse(_message.Message):
     __slots__ = ("found",)

@@ -132,7 +132,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelKv(self, request, context):
-        """P/RLD/MD: drop everything held for a request's KV (outbound sends, landing slots, leases).
+        """P/RLD/MD: drop everything held for a request's KV (outbound sends, landing slots, leases),
+        or, with background, only the request's claim on it (see CancelKvRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

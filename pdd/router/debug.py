@@ -185,6 +185,7 @@ def request_view(record: RequestRecord, sla: tuple[float, float]) -> dict[str, o
             "tokens_by_tier": dict(t.tokens),
             "kv_state": t.kv_state or None,
             "kv_reason": t.kv_reason or None,
+            "kv_deferred": t.kv_deferred,
             "handoff_stall_ms": _ms(t.handoff_stall_s),
         },
         "timeline": [_entry(record, e) for e in events],

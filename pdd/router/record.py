@@ -65,6 +65,7 @@ class PddTrace:
     handoff_stall_s: float | None = None  # last RLD token -> first MD token at the switch
     kv_state: str = ""  # AwaitKv's final state on MD (or D), "" when not awaited
     kv_reason: str = ""  # why it ended so, when it did not end done
+    kv_deferred: bool = False  # rld_finished: MD's KV still lands, in the background
     d_is_rld: bool = False  # D is a relay_decode worker: its tokens count as RLD's
     md_computed: bool = False  # MD computed the blocks it lacked (recompute, or no room)
 

@@ -74,6 +74,7 @@ class GenerationRequest:
     cache_salt: str = ""  # prefix-cache namespace of the caller's tenant ("": the shared one)
     constraint: Constraint | None = None  # structured output; None: free text
     await_kv_first: bool = False  # "pdd": {"kv_wait": "await_first"}: AwaitKv, then Generate
+    one_off: bool = False  # "pdd": {"one_off": true}: its prefix will not be reused
 
 
 @dataclass(frozen=True, slots=True)

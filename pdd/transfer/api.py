@@ -198,6 +198,9 @@ class TransferHandle:
     def cancel(self) -> None:
         self.transport.cancel(self.transfer_id)
 
+    def defer(self) -> None:
+        self.transport.defer(self.transfer_id)
+
     def wait(self, timeout_s: float) -> TransferStatus:
         """Block until terminal or timeout (tests and benchmarks; the connector polls)."""
         return self.transport.wait(self.transfer_id, timeout_s)
@@ -232,6 +235,12 @@ class Transport(ABC):
     @abstractmethod
     def cancel(self, transfer_id: int) -> None:
         """Ask to stop; the state becomes CANCELLED once no thread touches the buffers."""
+
+    @abstractmethod
+    def defer(self, transfer_id: int) -> None:
+        """Send the rest of this transfer only when no other transfer to its peer has a chunk
+        waiting (it is still wanted, but nobody waits for it). A transport whose transfers do
+        not share a link in turn (UCX, in-process) may send it as before."""
 
     @abstractmethod
     def wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:

@@ -185,6 +185,11 @@ class BaseTransport(Transport):
     def cancel(self, transfer_id: int) -> None:
         self._abort(transfer_id, TransferState.CANCELLED, "cancelled by owner")
 
+    def defer(self, transfer_id: int) -> None:
+        rec = self.outbound.get(transfer_id)
+        if rec is not None:
+            rec.background = True  # read by the sender's scheduler (TCP: PeerLink.take)
+
     def _abort(self, transfer_id: int, state: TransferState, reason: str) -> None:
         """Stop one transfer and tell the peer, so both sides release promptly."""
         rec = self.outbound.get(transfer_id)

@@ -52,6 +52,7 @@ class OutRecord:
     busy: int = 0
     stop_state: TransferState | None = None
     first_send: float = 0.0
+    background: bool = False  # deferred: its chunks go when no other transfer has one waiting
 
     def status(self) -> TransferStatus:
         return TransferStatus(

@@ -10,6 +10,9 @@ TLS socket is never used by two threads. Its loop:
 Open transfers share the link chunk by chunk (round robin: a chunk's successor goes to the
 back of the queue), so a two-block transfer submitted behind a 1 GiB one waits for one chunk
 per transfer ahead of it, not for the gigabyte; a lone transfer has every stream to itself.
+A deferred transfer (``Transport.defer``: nobody waits for it) moves to a second queue that is
+served only while the first is empty, so it takes what the link has left; what it already has
+in flight (at most the window) is all a new transfer finds ahead of it.
 Within a transfer chunks leave in block order, so they land in prefix order. The link follows
 its `FlowPlan` (`pdd.transfer.estimate.plan_flow`, re-planned at most every RTT_REFRESH_S
 from its estimate): at most `plan.window_chunks` chunks per stream are unacknowledged, and a
@@ -68,6 +71,7 @@ class PeerLink:
         self.estimator = LinkEstimator()
         self._lock = threading.Lock()
         self._work: deque[tuple[OutRecord, int]] = deque()
+        self._deferred: deque[tuple[OutRecord, int]] = deque()  # served when _work is empty
         self._control: deque[bytes] = deque()
         self.broken: str | None = None
         self.plan = plan_flow(None, transport.config, transport.socket_bytes)
@@ -133,17 +137,22 @@ class PeerLink:
         self._wake_all()
 
     def take(self) -> bytes | tuple[OutRecord, int] | None:
-        """Next thing to send: a control frame first, else the oldest transfer's next chunk."""
+        """Next thing to send: a control frame first, else the next chunk of the transfer whose
+        turn it is (deferred transfers only when no other has a chunk waiting)."""
         with self._lock:
             if self._control:
                 return self._control.popleft()
-            while self._work:
-                rec, index = self._work.popleft()
-                if rec.stop_state is not None:  # a hint; begin_chunk decides under its lock
-                    continue
-                if index + 1 < len(rec.chunks):  # round robin among open transfers
-                    self._work.append((rec, index + 1))
-                return rec, index
+            for queue in (self._work, self._deferred):
+                while queue:
+                    rec, index = queue.popleft()
+                    if rec.stop_state is not None:  # a hint; begin_chunk decides under its lock
+                        continue
+                    if rec.background and queue is self._work:
+                        self._deferred.append((rec, index))
+                        continue
+                    if index + 1 < len(rec.chunks):  # round robin among open transfers
+                        queue.append((rec, index + 1))
+                    return rec, index
         return None
 
     def fail(self, reason: str) -> None:
@@ -153,6 +162,7 @@ class PeerLink:
                 return
             self.broken = reason
             self._work.clear()
+            self._deferred.clear()
         self.transport.outbound.stop_where(
             lambda r: r.peer == self.key, TransferState.FAILED, reason
         )

@@ -208,7 +208,7 @@ def await_kv_response(r: AwaitKvResult) -> pb.AwaitKvResponse:
 
 
 def cancel_kv_call(req: pb.CancelKvRequest) -> CancelKvCall:
-    return CancelKvCall(req.kv_request_id, req.reason)
+    return CancelKvCall(req.kv_request_id, req.reason, req.background)
 
 
 def cancel_kv_response(r: CancelKvResult) -> pb.CancelKvResponse:

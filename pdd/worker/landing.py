@@ -18,6 +18,8 @@ conversion and per-chunk commit). Lifecycle of one landing::
     consume / take         a Generate took the KV: no chunk lands under it afterwards (unless
                            the source caches); one that never saw a transfer gives up now
     cancel / lease expiry  given up (a cache keeps what already fully arrived)
+    keep                   CancelKv(background): no Generate will come, but a cache goes on
+                           landing what arrives (as if consumed); any other source: a cancel
     release                given up, or consumed and terminal (or nothing was to come), no
                            Generate reading it (``take``) and -- unless the source caches,
                            whose open write buffers outlive a release -- no transfer open:
@@ -316,6 +318,22 @@ class Landings(Generic[S]):
             if rec is None:
                 return False
             self._give_up(rec, reason or "cancelled")
+        self.waiters.notify(kv_id)
+        self.settle(rec)
+        return True
+
+    def keep(self, kv_id: str, reason: str) -> bool:
+        """No Generate will read the request's KV, but what lands is worth keeping
+        (CancelKv(background)): a caching source goes on landing it and releases when the
+        transfer ends or the lease does; any other source gives it up. False: none here."""
+        with self._lock:
+            rec = self._recs.get(kv_id)
+            if rec is None:
+                return False
+            if self._source.caches:
+                rec.consumed = True  # released once settled in (``_releasable``)
+            else:
+                self._give_up(rec, reason or "cancelled")
         self.waiters.notify(kv_id)
         self.settle(rec)
         return True

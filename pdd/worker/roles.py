@@ -176,6 +176,7 @@ class AwaitKvResult:
 class CancelKvCall:
     kv_request_id: str
     reason: str = ""
+    background: bool = False  # only the request's claim goes: the KV still lands (proto)
 
 
 @dataclass(frozen=True)

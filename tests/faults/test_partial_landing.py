@@ -159,3 +159,48 @@ def test_a_repeated_half_chunk_does_not_complete_its_block():
     land.verified(second_half)
     assert drc.ready("kv").cached_blocks == 1  # committed while the transfer still runs
     land.release_all()
+
+
+def test_a_landing_kept_without_a_generate_lands_whole_then_releases_itself():
+    """CancelKv(background) on MD (RLD ended the request first): no Generate will read the
+    KV, yet every block still lands in the DRC (the next turn's cached prefix), the transfer
+    sent after the keep included, and the reservation lets go of every pin by itself."""
+    block_bytes = CHUNK
+    cfg = CacheConfig(host_capacity_gib=4 * N_BLOCKS * block_bytes / GIB)
+    drc = DecodeRadixCache(cfg, block_bytes, BLOCK_SIZE)
+    land = DrcLanding(drc, block_bytes, default_lease_s=60)
+    net = TransferConfig(deadline_s=10, chunk_bytes=CHUNK, min_chunk_bytes=CHUNK)
+
+    async def run():
+        land.waiters.bind(asyncio.get_running_loop())
+        hooks = ReceiverHooks(land.allocate, on_received=land.received, on_verified=land.verified)
+        receiver = create_transport("tcp", net, hooks=hooks)
+        sender = create_transport("tcp", net)
+        receiver.start()
+        sender.start()
+        try:
+            land.prepare("kv", chain(N_BLOCKS), N_BLOCKS * BLOCK_SIZE, lease_s=60)
+            assert land.keep("kv", "rld_finished")  # before any chunk arrived
+            assert not land.keep("unknown", "rld_finished")
+            segs = [
+                KVSegment(block_data(i, block_bytes), i, i + 1, 0, 1, "uint8", (block_bytes,))
+                for i in range(N_BLOCKS)
+            ]
+            handle = sender.send(receiver.address, SendRequest("kv", segs))
+            handle.defer()
+            status = await asyncio.to_thread(handle.wait, 20)
+            assert status.state is TransferState.DONE, status
+            for _ in range(200):  # the settle runs on the loop
+                if land.open_records == 0:
+                    break
+                await asyncio.sleep(0.02)
+            for t in (sender, receiver):
+                wait_for(lambda t=t: idle(t), 10, "transport to release everything")
+        finally:
+            sender.close()
+            receiver.close()
+
+    asyncio.run(run())
+    stats = drc.stats()
+    assert (stats.pinned_blocks, stats.landing_blocks, land.open_records) == (0, 0, 0)
+    assert committed(drc, N_BLOCKS) == [bytes(block_data(i, CHUNK)) for i in range(N_BLOCKS)]

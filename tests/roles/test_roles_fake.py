@@ -252,6 +252,31 @@ def test_cancel_releases_p_and_the_receivers() -> None:
     assert all(state in ("cancelled", "done", "failed") for state in states)
 
 
+def test_a_background_cancel_lets_md_s_kv_land_and_releases_everything_after() -> None:
+    """RLD ended the request before MD's KV landed: CancelKv(background) on P and MD. The
+    transfer goes on (deferred on P's link), MD's DRC gets every block although no Generate
+    reads them, and P's staging and MD's reservation are released by themselves."""
+    prompt = list(range(500, 540))  # 10 blocks
+
+    async def scenario():
+        async with Topo() as topo:
+            md_prep = await prepare(topo, "md", "d1", prompt)
+            await topo.generate("p", "d1", prompt, 1, stage=True)
+            await send(topo, "d1", [(md_prep.address, 0)])
+            keep = CancelKvCall(kv_request_id="d1", reason="rld_finished", background=True)
+            found = [(await topo.roles[w].cancel_kv(keep)).found for w in ("p", "md")]
+            stats = await topo.idle()
+            nxt = await prepare(topo, "md", "d2", prompt + [1, 2, 3, 4])
+            await topo.roles["md"].cancel_kv(CancelKvCall(kv_request_id="d2"))
+            state = await topo.roles["md"].await_kv(AwaitKvCall(kv_request_id="d1", timeout_s=1))
+            return found, stats, nxt.cached_blocks, state.state
+
+    found, stats, cached, state = asyncio.run(scenario())
+    assert found == [True, True]
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+    assert (cached, state) == (10, "done")
+
+
 def test_rld_keeps_slots_a_running_generate_reads_even_after_cancel() -> None:
     prompt = list(range(300, 316))  # 4 blocks
 

@@ -8,7 +8,7 @@ Ownership mirrors the design note, so tests can assert that nothing is left held
   P     staged blocks from its kv_stage Generate until every send ended, or CancelKv
   RLD   a PrepareKv lease until its Generate loaded the blocks (or ended), or CancelKv
   MD    a PrepareKv lease (landing slots, then DRC pins) until a Generate with kv_in=DRC
-        ended, or CancelKv. Landed blocks are committed to its DRC set (BlockStored events).
+        ended, or CancelKv, or (CancelKv(background)) the landing ended. Landed blocks are committed to its DRC set (BlockStored events).
 Landing takes ``land_delay_s`` (scripted per destination). Everything runs on the harness's
 event loop; tests only read the state (``held()``) and set attributes between requests.
 """
@@ -43,6 +43,7 @@ class Lease:
     state: str = "reserved"
     landed: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    kept: bool = False  # CancelKv(background): released when it lands, no Generate comes
 
 
 class FakeKvPlane:
@@ -84,6 +85,7 @@ class FakeKvNode:
         self.prepares: list[str] = []
         self.sends: list[tuple[str, list[tuple[str, int]]]] = []
         self.cancels: list[tuple[str, str]] = []
+        self.deferred: list[str] = []  # CancelKv(background) calls
         self.awaits: list[str] = []
         self.waits: list[str] = []  # Generates that found their KV still on its way
 
@@ -165,6 +167,8 @@ class FakeKvNode:
             self._commit(lease.hashes)
         lease.landed.set()
         source.send_ended(kv_id, self.worker_id)
+        if lease.kept:
+            self.release(kv_id, lease.state)
 
     async def await_kv(self, kv_id: str, timeout: float) -> worker_pb2.AwaitKvResponse:
         self.awaits.append(kv_id)
@@ -245,7 +249,15 @@ class FakeKvNode:
             del self.outbound[kv_id]
             self.staged.pop(kv_id, None)
 
-    def cancel(self, kv_id: str, reason: str) -> bool:
+    def cancel(self, kv_id: str, reason: str, background: bool = False) -> bool:
+        if background:  # P: its sends go on; MD: the landing goes on, released when it ends
+            self.deferred.append(kv_id)
+            lease = self.leases.get(kv_id)
+            if lease is not None:
+                lease.kept = True
+                if lease.state not in ("reserved", "landing"):
+                    self.release(kv_id, lease.state)
+            return kv_id in self.staged or lease is not None
         self.cancels.append((kv_id, reason))
         found = kv_id in self.staged or kv_id in self.outbound
         for dest in self.outbound.pop(kv_id, set()):

@@ -263,7 +263,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return await self._node().await_kv(request.kv_request_id, request.timeout_s)
 
     async def CancelKv(self, request, context):  # noqa: N802
-        found = self._node().cancel(request.kv_request_id, request.reason)
+        found = self._node().cancel(request.kv_request_id, request.reason, request.background)
         return worker_pb2.CancelKvResponse(found=found)
 
     async def DrcEvents(self, request, context):  # noqa: N802

@@ -230,9 +230,13 @@ def test_p_rld_md_catch_up_rounds(pdd):
     assert gap < 4 or len(warm) == 8
 
 
-def test_anomaly_rld_finishes_first_cancels_the_wan_transfer(pdd):
+def test_anomaly_rld_finishes_first_and_md_s_kv_still_lands_for_the_next_turn(pdd):
+    """RLD ends the request before MD's KV landed: the client has every token from RLD, and
+    the WAN transfer is not cut but left to finish in the background (CancelKv(background)
+    on P and MD), so MD's DRC holds the prompt when the transfer ends and releases its
+    reservation by itself."""
     ids = script(pdd, 6)
-    relay_timing(pdd, rld_step=0.001, md_land=30.0)
+    relay_timing(pdd, rld_step=0.001, md_land=1.0)
     body = complete(pdd, "p_rld_md", "one_shot").json()
     pd = body["pdd"]
     assert (pd["handoff"], pd["handoff_rounds"], pd["rld_tokens"]) == (
@@ -242,15 +246,57 @@ def test_anomaly_rld_finishes_first_cancels_the_wan_transfer(pdd):
     assert body["choices"][0]["finish_reason"] == "stop"
     rid = gen_requests(pdd, "p0")[0].request_id
     assert gen_requests(pdd, "md0") == []
+    md = pdd.by_id("md0").kv
+    for wid in ("p0", "md0"):
+        wait_until(lambda w=wid: rid in pdd.by_id(w).kv.deferred, f"no deferral on {wid}")
+        assert pdd.by_id(wid).kv.cancels == []
+    wait_until(lambda: md.final_states.get(rid) == "done", "MD's KV never landed")
+    blocks = len(prompt_ids(pdd)) // BLOCK_SIZE
+    assert len(md.drc) == blocks
+    record = httpx.get(f"{pdd.url.removesuffix('/v1')}/debug/requests/{body['id']}").json()
+    assert record["pdd"]["kv_deferred"] is True
+
+
+def test_a_one_off_request_cuts_the_wan_transfer_when_rld_finishes_first(pdd):
+    """A request marked "pdd": {"one_off": true} (any key may send it): its prefix will not be reused, so
+    RLD finishing first cancels MD's transfer on P and MD."""
+    ids = script(pdd, 6)
+    relay_timing(pdd, rld_step=0.001, md_land=30.0)
+    body = complete(pdd, "p_rld_md", "one_shot", pdd={"pipeline": "p_rld_md",
+                                                      "one_off": True}).json()  # fmt: skip
+    assert (body["pdd"]["handoff"], body["pdd"]["rld_tokens"]) == ("rld_finished", len(ids) - 1)
+    rid = gen_requests(pdd, "p0")[0].request_id
     for wid in ("p0", "md0"):
         wait_until(lambda w=wid: (rid, "rld_finished") in pdd.by_id(w).kv.cancels,
                    f"no CancelKv on {wid}")  # fmt: skip
+        assert pdd.by_id(wid).kv.deferred == []
+    assert pdd.by_id("md0").kv.final_states[rid] == "cancelled"
+
+
+def test_the_next_turn_to_md_supersedes_a_transfer_still_landing_in_the_background(pdd):
+    """A deferred transfer still on its way when a request extending its prompt reaches the
+    same MD is cancelled (on P and MD) before that request's PrepareKv: the new transfer
+    carries the blocks, so they do not cross twice."""
+    script(pdd, 6)
+    relay_timing(pdd, rld_step=0.001, md_land=30.0)
+    first = complete(pdd, "p_rld_md", "one_shot").json()
+    assert first["pdd"]["handoff"] == "rld_finished"
+    rid = gen_requests(pdd, "p0")[0].request_id
+    wait_until(lambda: rid in pdd.by_id("md0").kv.deferred, "no deferral on md0")
+    relay_timing(pdd, rld_step=0.001, md_land=0.05)
+    longer = PROMPT + " and then it rested for a while under the old oak tree"
+    second = complete(pdd, "p_md", prompt=longer).json()
+    assert second["pdd"]["pipeline"] == "p_md"
+    why = f"superseded by request {gen_requests(pdd, 'p0')[1].request_id}"
+    for wid in ("p0", "md0"):
+        wait_until(lambda w=wid: (rid, why) in pdd.by_id(w).kv.cancels,
+                   f"{wid}: the deferred transfer was not cancelled")  # fmt: skip
     assert pdd.by_id("md0").kv.final_states[rid] == "cancelled"
 
 
 def test_anomaly_by_max_tokens(pdd):
     ids = script(pdd, 40)
-    relay_timing(pdd, rld_step=0.001, md_land=30.0)
+    relay_timing(pdd, rld_step=0.001, md_land=1.0)
     body = complete(pdd, "p_rld_md", max_tokens=5).json()
     assert body["choices"][0]["text"] == pdd.codec.decode(ids[:5])
     assert body["choices"][0]["finish_reason"] == "length"

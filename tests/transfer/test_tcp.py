@@ -230,6 +230,45 @@ def test_transfers_share_a_link_chunk_by_chunk():
     assert order[4:] == [(big, 3), (big, 4)]
 
 
+def test_a_deferred_transfer_takes_only_what_the_others_leave():
+    """A deferred transfer (nobody waits for it: MD's prefix after RLD ended the request)
+    sends nothing while another transfer has a chunk waiting, and goes on once the link is
+    free again; its own chunks still leave in order."""
+    from types import SimpleNamespace
+
+    from pdd.transfer.ledger import OutRecord
+    from pdd.transfer.tcp_send import PeerLink
+
+    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
+    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1))
+    try:
+        rest = OutRecord(1, "rest", link.key, list(range(8)), [], 1e9, 32 * MiB)
+        link.submit(rest)
+        assert link.take() == (rest, 0)
+        rest.background = True  # Transport.defer
+        turn = OutRecord(2, "next-turn", link.key, [0, 1, 2], [], 1e9, 12 * MiB)
+        link.submit(turn)
+        order = [link.take() for _ in range(6)]
+    finally:
+        for s in link.streams:
+            s.close_pipe()
+    assert order == [(turn, 0), (turn, 1), (turn, 2), (rest, 1), (rest, 2), (rest, 3)]
+
+
+def test_a_deferred_transfer_still_lands_whole(make_pair):
+    """Deferring changes when chunks leave, not what arrives: a deferred 8 MiB transfer and a
+    small one sent after it both land byte-exact."""
+    a, b = make_pair("tcp", **SMALL), make_pair("tcp", **SMALL)
+    big, small = pattern(8, MiB), pattern(1, MiB)
+    rest = a.sender.send(b.receiver.address, SendRequest("rest", [KVSegment(big)]))
+    rest.defer()
+    turn = a.sender.send(b.receiver.address, SendRequest("turn", [KVSegment(small)]))
+    assert turn.wait(20).state is TransferState.DONE
+    assert rest.wait(20).state is TransferState.DONE
+    assert crc_of(b.zone.take(turn.transfer_id)[0]) == crc_of(small)
+    assert crc_of(b.zone.take(rest.transfer_id)[0]) == crc_of(big)
+
+
 def test_a_receiver_id_served_from_another_address_gets_its_kv_there(make_pair):
     """A worker id that now answers at another address (an MD restarted elsewhere): the
     sender's cached link under that id is retired, so the KV reaches the new address and not

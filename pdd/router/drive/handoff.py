@@ -16,8 +16,12 @@ ends on MD, unless RLD finishes it first (the anomaly: then the WAN transfer is 
       |-- Generate(prompt+[t1..tk], max_tokens=1) (warm-up; its token dropped) -> |
       |<- t(k+1) .. t(k+j) from RLD meanwhile |
       |   ... next warm-up with [t1..t(k+j)]; then the One-Shot switch (a small gap)
-    Anomaly: RLD ends the request (EOS, stop, length) before AwaitKv says done:
-      CancelKv on P (the WAN send stops) and MD (its reservation goes); rld_finished.
+    Anomaly: RLD ends the request (EOS, stop, length) before AwaitKv says done: rld_finished.
+      MD's KV still lands, for the conversation's next turn: CancelKv(background) on P (the
+      rest is sent behind every other transfer) and MD (it lands into the DRC, no Generate
+      comes); the next request to MD that extends this prompt cancels it, its own transfer
+      carrying those blocks (``fleet.deferred``). A request marked one_off (the body's
+      "pdd": {"one_off": true}) cuts it instead: CancelKv on P and MD (what landed stays).
 
 Everything runs in tasks that feed one queue (RLD events, the KV state, warm-up ends); the
 generator consumes it in order, so the decision point is exact: RLD tokens queued before the
@@ -121,6 +125,8 @@ class RelayHandoff:
             self._trace.handoff_rounds = self._rounds  # warm-ups done before RLD ended
             if not self._kv_ready:
                 self._trace.handoff = HandoffMode.RLD_FINISHED
+                if self._md_kv and not (self._kv_failed or self._md_lost or self._run.req.one_off):
+                    self._defer_md_kv()
             self._kv.release("rld_finished")
             return out, _Next.DONE
         if event.finish_reason is not None:  # abort / error: RLD is gone, MD takes over
@@ -157,6 +163,19 @@ class RelayHandoff:
         if isinstance(payload, PddError) and is_worker_loss(payload):
             return self._md_gone(payload)
         return _Next.SWITCH
+
+    def _defer_md_kv(self) -> None:
+        """RLD ended the request before MD's KV landed: the rest still crosses, behind every
+        other transfer, so that MD holds the prefix the conversation's next turn starts with
+        (``fleet.deferred``; a request marked ``one_off`` cuts it instead)."""
+        p, req = self._trace.p, self._run.req
+        if p is None:
+            return
+        self._kv.defer(
+            [p, self._md], "rld_finished: the rest of the prefix lands in the background"
+        )
+        self._pool.defer_kv(self._md, self._kv.kv_id, p, req.prompt_token_ids, req.cache_salt)
+        self._trace.kv_deferred = True
 
     def _md_gone(self, exc: PddError) -> _Next:
         """MD was lost before the switch: RLD, if it still streams, finishes the request;

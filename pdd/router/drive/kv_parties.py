@@ -13,6 +13,7 @@ runs it beside the destination's own Generate, which waits for its KV itself (``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -56,9 +57,16 @@ class KvParties:
         return KvIn(source, self.kv_id, max(0.0, left) + GENERATE_WAIT_MARGIN_S)
 
     def prepare(self, worker_id: str) -> asyncio.Task[Prepared]:
-        """PrepareKv on a destination, in the background; it is a KV party from now on."""
+        """PrepareKv on a destination, in the background; it is a KV party from now on.
+        Deferred transfers to it that this prompt extends are cancelled first: this
+        request's transfer carries their blocks (``fleet.deferred``)."""
         client = self._pool.client(worker_id)
         req = self._req
+        for old in self._pool.superseded_kv(worker_id, req.prompt_token_ids, req.cache_salt):
+            why = f"superseded by request {self.kv_id}"
+            for wid in (old.p, worker_id):  # P stops sending; MD keeps what landed
+                with contextlib.suppress(UnavailableError):  # P left: its sends went with it
+                    self._pool.client(wid).cancel_kv_in_background(old.kv_id, why)
         coro = client.prepare_kv(
             self.kv_id, req.prompt_token_ids, self._policy.kv_lease_s, req.cache_salt
         )
@@ -83,6 +91,16 @@ class KvParties:
                 continue
             after = self._parties.pop(wid)
             self._pool.client(wid).cancel_kv_in_background(self.kv_id, reason, after)
+
+    def defer(self, worker_ids: list[str], reason: str) -> None:
+        """CancelKv(background) on these parties: the request stops waiting for the KV, which
+        still lands (P sends it behind every other transfer; MD keeps it in its DRC)."""
+        for wid in worker_ids:
+            if wid in self._parties:
+                after = self._parties.pop(wid)
+                self._pool.client(wid).cancel_kv_in_background(
+                    self.kv_id, reason, after, background=True
+                )
 
     def settle(self) -> None:
         """Clean end: every party releases its KV by itself."""

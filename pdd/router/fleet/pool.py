@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 
 from pdd.config import PddConfig, WorkerConfig
@@ -25,6 +26,7 @@ from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2
 from pdd.protocol import Role, RouterMode
 from pdd.router.decide.view import Decision, FleetView, WorkerView
+from pdd.router.fleet.deferred import Deferred, DeferredKv
 from pdd.router.fleet.drc_views import DrcViews
 from pdd.router.fleet.health import HealthPoller
 from pdd.router.fleet.members import Members, WorkerState
@@ -45,6 +47,7 @@ class WorkerPool:
         if cfg.router.mode is RouterMode.PDD:
             self.drc = DrcViews(mds, cfg.model)
         self.routed = RoutedPrefixes(cfg.model, cfg.router.pdd.routed_prefix_blocks)
+        self._deferred = DeferredKv(cfg.model, cfg.router.pdd.send_kv_deadline_s)
         self._health = HealthPoller(self._members, cfg.router, self.drc)
 
     async def start(self) -> None:
@@ -86,6 +89,7 @@ class WorkerPool:
         if self.drc is not None and st.config.role is Role.MAIN_DECODE:
             self.drc.remove(worker_id)
         self.routed.forget(worker_id)
+        self._deferred.forget(worker_id)
         log.warning("worker %s left the fleet: %s", worker_id, reason)
         return True
 
@@ -144,6 +148,24 @@ class WorkerPool:
         """Per Prefill, prompt tokens of the prefix the router recently sent it."""
         sizes = self._block_sizes(Role.PREFILL)
         return self.routed.cached_tokens(prompt_token_ids, sizes, cache_salt)
+
+    # KV on its way to an MD that no request waits for (``deferred``).
+
+    def defer_kv(self, md: str, kv_id: str, p: str, prompt_token_ids: Sequence[int],
+                 cache_salt: str = "") -> None:  # fmt: skip
+        self._deferred.add(md, kv_id, p, prompt_token_ids, self._block_size(md), cache_salt,
+                           time.monotonic())  # fmt: skip
+
+    def superseded_kv(self, md: str, prompt_token_ids: Sequence[int],
+                      cache_salt: str = "") -> list[Deferred]:  # fmt: skip
+        """The deferred transfers to ``md`` that a request with this prompt makes redundant
+        (forgotten here; the caller cancels them)."""
+        return self._deferred.superseded_by(md, prompt_token_ids, self._block_size(md),
+                                            cache_salt, time.monotonic())  # fmt: skip
+
+    def _block_size(self, worker_id: str) -> int:
+        st = self._members.states.get(worker_id)
+        return st.stats.block_size if st is not None and st.stats is not None else 0
 
     def _block_sizes(self, role: Role) -> dict[str, int]:
         return {i: st.stats.block_size if st.stats else 0 for i, st in self._members.states.items()

@@ -192,8 +192,12 @@ class WorkerClient:
         )
         return KvState(resp.state, resp.bytes_received, resp.blocks_ready, resp.reason)
 
-    async def cancel_kv(self, kv_request_id: str, reason: str) -> bool:
-        msg = worker_pb2.CancelKvRequest(kv_request_id=kv_request_id, reason=reason)
+    async def cancel_kv(self, kv_request_id: str, reason: str, background: bool = False) -> bool:
+        """CancelKv; ``background``: only the request's claim goes, the KV still lands (P and
+        MD finish the transfer behind every other, ``worker.proto``)."""
+        msg = worker_pb2.CancelKvRequest(
+            kv_request_id=kv_request_id, reason=reason, background=background
+        )
         return (await self._call(self._stub.CancelKv, msg, "CancelKv")).found
 
     async def drc_events(self, since: int) -> worker_pb2.DrcEventsResponse:
@@ -207,15 +211,16 @@ class WorkerClient:
             raise rpc_error(exc, self.id, name) from None
 
     def cancel_kv_in_background(
-        self, kv_request_id: str, reason: str, after: Awaitable[object] | None = None
-    ) -> None:
+        self, kv_request_id: str, reason: str, after: Awaitable[object] | None = None,
+        background: bool = False,
+    ) -> None:  # fmt: skip
         """CancelKv without waiting, after ``after`` (the PrepareKv in flight) settles, so the
         cancel never overtakes the reservation it must release."""
 
         async def cancel() -> bool:
             if after is not None:
                 await asyncio.gather(after, return_exceptions=True)
-            return await self.cancel_kv(kv_request_id, reason)
+            return await self.cancel_kv(kv_request_id, reason, background)
 
         self._in_background(cancel(), "CancelKv")
 

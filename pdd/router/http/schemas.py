@@ -71,7 +71,8 @@ class NamedToolChoice(_Body):
 
 
 class PddOptions(BaseModel):
-    """Extension: per-request routing overrides (``"pdd": {...}``), mainly for tests."""
+    """Extension: per-request routing overrides (``"pdd": {...}``, an admin key's, mainly for
+    tests) and hints (``CLIENT_HINTS``: any key's)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -82,6 +83,12 @@ class PddOptions(BaseModel):
         description="in_generate (the default: the last tier's Generate is sent at once and "
         "waits on the worker for its KV) | await_first (AwaitKv answers, then the Generate "
         "is sent: one WAN round trip more; for comparisons).",
+    )
+    one_off: bool | None = Field(
+        None,
+        description="true: this prompt's prefix will not be sent again, so when RLD ends the "
+        "request before MD's KV landed the rest is not sent to MD (by default it still "
+        "crosses, behind every other transfer, for the next turn). A hint any key may give.",
     )
 
 

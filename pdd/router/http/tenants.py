@@ -104,9 +104,13 @@ def denied(what: str) -> PermissionDeniedError:
     return PermissionDeniedError(f"{what} needs an admin API key; this key is not one.")
 
 
+CLIENT_HINTS = frozenset({"one_off"})  # "pdd" fields any key may set: they only save work
+
+
 def check_overrides(options: object | None, scope: Scope) -> None:
-    """The ``pdd`` routing overrides of a request body need an admin key (PermissionDenied)."""
+    """The ``pdd`` routing overrides of a request body need an admin key (PermissionDenied);
+    its hints (``CLIENT_HINTS``) do not."""
     if options is None or grant_of(scope).admin:
         return
-    if any(v is not None for v in vars(options).values()):
+    if any(v is not None for k, v in vars(options).items() if k not in CLIENT_HINTS):
         raise denied('The "pdd" routing overrides')

@@ -207,7 +207,7 @@ def _build(
     pipeline, handoff, await_kv_first = pdd_overrides(body.pdd)
     return GenerationRequest(
         request_id, tuple(prompt_ids), sampling, text, arrival, pipeline, handoff,
-        await_kv_first=await_kv_first,
+        await_kv_first=await_kv_first, one_off=bool(body.pdd and body.pdd.one_off),
     )  # fmt: skip
 
 
