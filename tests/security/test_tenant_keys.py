@@ -134,6 +134,12 @@ def test_routing_overrides_need_an_admin_key(served):
     _assert_error(r, 403, "permission_error", "permission_denied")
     plain = httpx.post(served.url + "/completions", json=BODY, headers=bearer(OTHER), timeout=30)
     assert plain.status_code == 200, plain.text
+    hint = {**BODY, "pdd": {"one_off": True}}  # a hint that only saves work: any key's
+    r = httpx.post(served.url + "/completions", json=hint, headers=bearer(OTHER), timeout=30)
+    assert r.status_code == 200, r.text
+    both = {**BODY, "pdd": {"one_off": True, "pipeline": "p_md"}}
+    r = httpx.post(served.url + "/completions", json=both, headers=bearer(OTHER), timeout=30)
+    _assert_error(r, 403, "permission_error", "permission_denied")
     admin = httpx.post(served.url + "/completions", json={**BODY, "pdd": {}}, headers=bearer(ADMIN),
                        timeout=30)  # fmt: skip
     assert admin.status_code == 200, admin.text
