@@ -14,7 +14,8 @@ a Generate(kv_stage) and the sends reading them. Lifecycle of one stage::
                         to a main_decode: PeerAddress.transport), each from its first_block;
                         the lease is extended to the send deadline
     CancelKv(background) the request no longer waits: its open sends are deferred (they go
-                        when no other transfer has a chunk waiting) and end as ever
+                        when no other transfer has a chunk waiting) and end as ever; a
+                        Generate that finds the arena full cancels deferred stages first
     release             every send terminal (done, failed, cancelled), or CancelKv, or the
                         lease expired (open sends are cancelled first; the slots come back
                         once the transport let go of them), or the Generate did not finish
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.connector_params import ExportParams, FenceRef, wrap
-from pdd.errors import CacheError, ContextLengthError, InvalidRequestError
+from pdd.errors import CacheError, ContextLengthError, InvalidRequestError, OverloadedError
 from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
 from pdd.worker.capacity import ArenaSize, setting_of
 from pdd.worker.kv_plane import PlaneSpec
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.25
 SEND_GRACE_S = 5.0  # lease slack past a send's own deadline
+FREE_WAIT_S = 1.0  # how long a new stage waits for the slots of deferred sends it cancelled
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Stage:
     deadline: float
     sends: dict[int, TransferHandle] = field(default_factory=dict)  # open, by transfer id
     closed: str | None = None  # why no more sends may start (cancelled, lease expired)
+    deferred: bool = False  # CancelKv(background): nobody waits; first to go when full
 
 
 class PrefillRole:
@@ -133,7 +136,7 @@ class PrefillRole:
                 f"(workers[].kv_staging_gib={self._worker.kv_staging_gib:g})",
                 param="prompt",
             )
-        slots = self._pool.allocate(kv_id, blocks)  # OverloadedError: the arena is full now
+        slots = await self._allocate(kv_id, blocks)  # OverloadedError: the arena is full now
         self._generating[kv_id] = None
         staged = False
 
@@ -154,6 +157,30 @@ class PrefillRole:
                 n = exported_blocks(delta.kv_transfer_params)
                 staged = self._stage(kv_id, slots, n, delta.finish_reason)
                 yield KvDelta(delta, staged_blocks=n if staged else 0)
+
+    async def _allocate(self, kv_id: str, blocks: int) -> list[int]:
+        """Slots for a new stage. A full arena first gives up deferred stages, oldest first
+        (nobody waits for them; this request's client does), and waits a moment for their
+        transports to let go of the slots."""
+        try:
+            return self._pool.allocate(kv_id, blocks)
+        except OverloadedError:
+            room = self._pool.num_slots - self._pool.in_use
+            for stage in [st for st in self._stages.values() if st.deferred]:
+                if room >= blocks:
+                    break
+                room += len(stage.slots)
+                self._close(stage, "arena full: a deferred send gives way to a new request")
+            if room < blocks:
+                raise
+        deadline = time.monotonic() + FREE_WAIT_S
+        while True:
+            try:
+                return self._pool.allocate(kv_id, blocks)
+            except OverloadedError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.005)
 
     def _stage(self, kv_id: str, slots: list[int], n: int, finish: str | None) -> bool:
         """Lease the exported blocks for SendKv; False when there is nothing to hold."""
@@ -215,7 +242,8 @@ class PrefillRole:
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
         kv_id = call.kv_request_id
         stage = self._stages.get(kv_id)
-        if call.background and stage is not None and stage.closed is None:
+        if call.background and stage is not None and stage.closed is None and stage.sends:
+            stage.deferred = True
             for handle in stage.sends.values():  # released as ever, when they end
                 handle.defer()
             return CancelKvResult(True)
@@ -277,7 +305,11 @@ class PrefillRole:
         return KvStats(
             pinned_slots=self._pool.in_use,
             arena_blocks=self._pool.num_slots,
-            free_blocks=self._pool.num_slots - self._pool.in_use,
+            free_blocks=self._pool.num_slots
+            - self._pool.in_use
+            + sum(
+                len(st.slots) for st in self._stages.values() if st.deferred
+            ),  # a deferred stage gives way to a new request (``_allocate``)
             open_transfers=self._plane.open_transfers(),
             wan_bandwidth_bps=est.bandwidth_bps if est else 0.0,
             wan_rtt_s=est.rtt_s if est else 0.0,

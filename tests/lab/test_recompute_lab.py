@@ -60,10 +60,11 @@ def _seen_below(url: str, bps: float, within_s: float) -> bool:
     return False
 
 
-def ask(url: str, tenant: str, pipeline: str, max_tokens: int, salt: str = "") -> dict:
+def ask(url: str, tenant: str, pipeline: str, max_tokens: int, salt: str = "",
+        one_off: bool = False) -> dict:  # fmt: skip
     body = {"model": load_config("configs/lab.yaml").model.name, "prompt": salt + PROMPT,
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "pdd": {"pipeline": pipeline}}  # fmt: skip
+            "pdd": {"pipeline": pipeline, "one_off": one_off}}  # fmt: skip
     r = httpx.post(f"{url}/completions", json=body, timeout=300,
                    headers={"Authorization": f"Bearer sk-{tenant}"})  # fmt: skip
     assert r.status_code == 200, r.text
@@ -108,11 +109,11 @@ def test_the_link_decides_whether_md_waits_for_its_kv_or_computes_it(fleet):
         assert why["kv_reason"] == "router: computing the rest is sooner than its transfer", why
 
     # 10 Mbit/s: cold p_rld_md requests let P measure the slower link (RLD's 24 tokens end
-    # each; the router then cuts its WAN transfer), until the router sees under 30 Mbit/s;
-    # then the same prompt again
+    # each; one-off, so the router then cuts its WAN transfer), until the router sees under
+    # 30 Mbit/s; then the same prompt again
     lab.set_rate(10)
     for i in range(6):
-        probe = ask(s.url, "probe", "p_rld_md", 24, salt=f"Probe {i}. ")
+        probe = ask(s.url, "probe", "p_rld_md", 24, salt=f"Probe {i}. ", one_off=True)
         assert probe["pdd"]["handoff"] == "rld_finished", probe["pdd"]
         if _seen_below(s.url, 30e6, within_s=5):
             break

@@ -172,24 +172,62 @@ def block_bytes() -> int:
     return kv_block_bytes(30, 3, 64, 32, itemsize)
 
 
-def test_lab_anomaly_long_prompt_short_output_finishes_on_rld(pdd_lab):
-    """Long input, max_tokens=8 on p_rld_md: RLD finishes before the WAN transfer, so the
-    transfer to MD is cut off before it completed and every reservation is released.
+def ask(url: str, prompt: str, max_tokens: int, **pdd: object) -> dict:
+    body = {"model": model_name(), "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "pdd": pdd}  # fmt: skip
+    r = httpx.post(url + "/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
 
-    No bound on how far the transfer got: that depends on the machine's decode speed. What
-    holds everywhere: the whole prompt's KV (~92 MB in float32, ~7 s on the 100 Mbit/s link)
-    never crossed, because the router cancelled it when RLD's last token came (the request
-    would have been handed to MD otherwise), and nothing stays pinned or open on any worker."""
+
+def debug_record(url: str, request_id: str) -> dict:
+    return httpx.get(url.removesuffix("/v1") + f"/debug/requests/{request_id}", timeout=10).json()
+
+
+def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
+    """An agent's conversation (issue 16, item 6): a cold ~2,000-token prompt, then 4 turns
+    that each re-send the history with the 24-token answer and ~64 new tokens. RLD ends the
+    cold turn (its 24 tokens take less than the ~7 s its KV needs on the 100 Mbit/s link),
+    and MD's KV is not cut but keeps crossing behind other transfers; each turn routed to MD
+    while the previous turn's KV is still on its way takes it over (its own transfer carries
+    those blocks). So, whatever this machine's speed: nothing crosses twice (the WAN carries
+    at most 1.3x the final prompt's KV), and once the link is quiet MD holds the whole
+    conversation: repeating its last prompt sends no KV. Per-turn pipelines and RLD's share
+    depend on how fast the link drains against the turns: printed, and in the closing note."""
+    s, _ = pdd_lab
+    before = settled_kv(s.url)["md"]["bytes_received"]
+    prompts, turns = [" ".join(f"a{i}" for i in range(560))], []  # ~2,000 tokens
+    for k in range(5):
+        turns.append(ask(s.url, prompts[-1], 24))
+        more = " ".join(f"t{k}x{j}" for j in range(20))  # ~64 tokens: a tool call's result
+        prompts.append(prompts[-1] + turns[-1]["choices"][0]["text"] + " " + more)
+    first = turns[0]["pdd"]
+    assert (first["pipeline"], first["handoff"]) == ("p_rld_md", "rld_finished"), first
+    assert debug_record(s.url, turns[0]["id"])["pdd"]["kv_deferred"] is True
+    for t in turns:
+        print(f"turn: prompt {t['usage']['prompt_tokens']} tokens, {t['pdd']['pipeline']}, "
+              f"md_cached {t['pdd']['md_cached_tokens']}, rld_tokens {t['pdd']['rld_tokens']}, "
+              f"handoff {t['pdd']['handoff']}")  # fmt: skip
+    cached = [t["pdd"]["md_cached_tokens"] for t in turns]
+    assert cached == sorted(cached), cached  # MD only learns
+    landed = settled_kv(s.url)["md"]["bytes_received"] - before
+    final_kv = (turns[-1]["usage"]["prompt_tokens"] // 32) * block_bytes()
+    assert landed <= 1.3 * final_kv, (landed, final_kv)
+    again = ask(s.url, prompts[-2], 4)  # the last turn's prompt
+    assert again["pdd"]["pipeline"] == "p_md", again["pdd"]
+    assert again["pdd"]["md_cached_tokens"] == (again["usage"]["prompt_tokens"] // 32) * 32
+    assert again["pdd"]["wan_kv_bytes"] == 0
+
+
+def test_lab_a_one_off_request_that_rld_finishes_cuts_md_s_transfer(pdd_lab):
+    """The same cold shape marked "pdd": {"one_off": true}: RLD finishes first and the
+    router cancels MD's transfer, so the whole prompt's KV (~92 MB in float32, ~7 s on the
+    link) never crosses, and nothing stays pinned or open on any worker. No bound on how far
+    it got: that depends on the machine's decode speed."""
     s, _ = pdd_lab
     before = settled_kv(s.url)["md"]["bytes_received"]
     words = " ".join(f"v{i}" for i in range(560))  # ~2,000 tokens
-    body = {
-        "model": model_name(), "prompt": words, "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True, "pdd": {"pipeline": "p_rld_md"},
-    }  # fmt: skip
-    r = httpx.post(s.url + "/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = ask(s.url, words, 8, pipeline="p_rld_md", one_off=True)
     assert out["usage"]["completion_tokens"] == 8
     assert (out["pdd"]["pipeline"], out["pdd"]["handoff"]) == ("p_rld_md", "rld_finished")
     assert out["pdd"]["rld_tokens"] == 7  # P emitted the first token, RLD the rest
@@ -197,6 +235,7 @@ def test_lab_anomaly_long_prompt_short_output_finishes_on_rld(pdd_lab):
     assert out["pdd"]["wan_kv_bytes"] == prompt_kv  # a cold prompt: every whole block was due
     landed = settled_kv(s.url)["md"]["bytes_received"] - before  # also: no pins, no transfers
     assert landed < prompt_kv, (landed, prompt_kv)
+    assert debug_record(s.url, out["id"])["pdd"]["kv_deferred"] is False
 
 
 def test_lab_sigterm_removes_every_process_and_the_lab(pdd_lab):

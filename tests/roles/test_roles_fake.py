@@ -277,6 +277,37 @@ def test_a_background_cancel_lets_md_s_kv_land_and_releases_everything_after() -
     assert (cached, state) == (10, "done")
 
 
+def test_a_full_staging_arena_gives_a_deferred_send_up_for_a_new_request() -> None:
+    """P's arena (32 slots) holds a deferred send of 20 blocks that is going nowhere (its
+    receiver never reads): P reports those slots as free, and a new 20-block request is
+    staged at once, the deferred send cancelled to make room, instead of a 429."""
+    import socket
+
+    from pdd.worker.roles import KvAddress
+
+    sink = socket.create_server(("127.0.0.1", 0))  # accepts no connection, reads nothing
+    nowhere = KvAddress("tcp", "127.0.0.1", sink.getsockname()[1])
+
+    async def scenario():
+        async with Topo() as topo:
+            p = topo.roles["p"]
+            await topo.generate("p", "old", list(range(20 * BS)), 1, stage=True)
+            await send(topo, "old", [(nowhere, 0)])
+            keep = CancelKvCall(kv_request_id="old", reason="rld_finished", background=True)
+            assert (await p.cancel_kv(keep)).found
+            during = p.kv_stats()
+            await topo.generate("p", "new", list(range(100, 100 + 20 * BS)), 1, stage=True)
+            await p.cancel_kv(CancelKvCall(kv_request_id="new"))
+            return during, await topo.idle()
+
+    try:
+        during, stats = asyncio.run(scenario())
+    finally:
+        sink.close()
+    assert (during.pinned_slots, during.free_blocks) == (20, 32)
+    assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
+
+
 def test_rld_keeps_slots_a_running_generate_reads_even_after_cancel() -> None:
     prompt = list(range(300, 316))  # 4 blocks
 
