@@ -8,7 +8,10 @@ Steps of one request, after ``routing.choose`` picked the pipeline, workers and 
                md_computes (router.pdd.md_recompute): no transfer; MD's warm-up prefills
                what its DRC lacks while P prefills; after t1 + one RTT MD extends tail + 1.
     p_rld_md:  landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes
-               the rest; RLD ends first -> CancelKv (anomaly filter), handoff rld_finished.
+               the rest; RLD ends first -> handoff rld_finished, and the transfer goes on
+               behind every other (``Simulation.defer``): MD's cache gets the prompt when it
+               lands; the conversation's next request to that MD cuts it (``supersede``),
+               MD keeping the blocks that crossed.
     end:       MD's DRC stores prompt + answer (what MD re-exports when a request ends).
 """
 
@@ -29,6 +32,7 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     p, md = sim.workers[d.worker(Role.PREFILL)], sim.workers[d.worker(Role.MAIN_DECODE)]
     rld_id = d.maybe_worker(Role.RELAY_DECODE)
     env, n, out = sim.env, turn.prompt_tokens, turn.output_tokens
+    sim.supersede(md, conv)
     if d.md_computes:
         yield from _md_computes(sim, p, md, conv, turn, rec)
         return
@@ -55,12 +59,12 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     seq = Seq(float(out - 1), n + 1, env.event())
     rld.decode.add(seq, rld.profile.extend_s(tail + 1))
     yield transfer.landed | seq.done
-    if seq.done.triggered:  # RLD finished before MD's KV: cut the WAN transfer
-        sim.link.cancel(transfer)
+    if seq.done.triggered:  # RLD finished before MD's KV: the rest crosses in the background
         rec.wan_bytes = int(transfer.sent)
         rec.rld_tokens = out - 1
         rec.handoff = HandoffMode.RLD_FINISHED.value
         sim.release(rec, rld)
+        sim.defer(md, conv, have, n, transfer, rec)
         return
     rec.wan_bytes = nbytes
     pin = _land(md, conv, n)

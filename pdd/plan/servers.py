@@ -11,7 +11,8 @@ and their whole final context fits the device KV.
 ``Link`` shares its rate like pdd's TCP sender, which takes chunks from the open transfers in
 turn (round robin, ``pdd.transfer.tcp_send``): n open transfers each get 1/n of the link, so
 a small p_md transfer is never stuck behind a multi-GB cold one; a transfer lands half an RTT
-after its last byte left; ``cancel`` cuts one and gives its share to the rest.
+after its last byte left; ``cancel`` cuts one and gives its share to the rest; ``defer``
+moves one behind the others (it is carried only while no other transfer is open).
 Everything runs on simpy event callbacks, no process per server.
 """
 
@@ -254,6 +255,8 @@ class Transfer:
     landed: Landing
     sent: float = 0.0  # bytes that crossed (less than nbytes if cancelled)
     cancelled: bool = False
+    background: bool = False  # deferred: shares the link only when no other transfer is open
+    started: float = 0.0  # when it was sent
 
 
 @dataclass(eq=False)
@@ -272,7 +275,7 @@ class Link:
 
     def send(self, nbytes: int) -> Transfer:
         """Open a transfer of ``nbytes``; ``landed`` fires when the last byte arrived."""
-        t = Transfer(nbytes, Landing(self.env))
+        t = Transfer(nbytes, Landing(self.env), started=self.env.now)
         if nbytes <= 0:
             t.landed.arm(self.rtt_s / 2)
             return t
@@ -292,35 +295,57 @@ class Link:
             self.open.remove(t)
             self._schedule()
 
+    @property
+    def last_change(self) -> float:
+        """When the set of open transfers last changed (its bytes are counted up to then)."""
+        return self._since
+
+    def defer(self, t: Transfer) -> None:
+        """Nobody waits for it any more: from now on it shares the link only while no other
+        transfer is open (pdd's sender serves deferred transfers from a second queue)."""
+        if t.landed.triggered or t.cancelled or t.background:
+            return
+        self._advance()
+        t.background = True
+        self._schedule()
+
+    def _sharing(self) -> list[Transfer]:
+        """The transfers the link carries now: the foreground ones, else the deferred ones."""
+        fore = [t for t in self.open if not t.background]
+        return fore or self.open
+
     def _advance(self) -> None:
-        """Credit every open transfer its share of the bytes since ``_since``."""
+        """Credit every transfer carried its share of the bytes since ``_since``."""
         now = self.env.now
         dt, self._since = now - self._since, now
         if not self.open or dt <= 0:
             return
         self.busy_s += dt
-        share = dt * self.bandwidth_bps / 8 / len(self.open)
-        for t in self.open:
+        sharing = self._sharing()
+        share = dt * self.bandwidth_bps / 8 / len(sharing)
+        for t in sharing:
             step = min(share, t.nbytes - t.sent)
             t.sent += step
             self.bytes_sent += step
 
     def _schedule(self) -> None:
-        """One timer: when the open transfer with the fewest bytes left will finish."""
+        """One timer: when the carried transfer with the fewest bytes left will finish."""
         self._gen += 1
         if not self.open:
             return
-        left = min(t.nbytes - t.sent for t in self.open)
+        sharing = self._sharing()
+        left = min(t.nbytes - t.sent for t in sharing)
         gen = self._gen
-        ev = self.env.timeout(max(left, 0.0) * 8 * len(self.open) / self.bandwidth_bps)
+        ev = self.env.timeout(max(left, 0.0) * 8 * len(sharing) / self.bandwidth_bps)
         ev.callbacks.append(lambda _e: self._done(gen))
 
     def _done(self, gen: int) -> None:
         if gen != self._gen:
             return  # the set of open transfers changed since this timer was set
         self._advance()
-        least = min(t.nbytes - t.sent for t in self.open)
-        for t in [t for t in self.open if t.nbytes - t.sent <= least + _BYTE_EPS]:
+        sharing = self._sharing()
+        least = min(t.nbytes - t.sent for t in sharing)
+        for t in [t for t in sharing if t.nbytes - t.sent <= least + _BYTE_EPS]:
             self.bytes_sent += t.nbytes - t.sent
             t.sent = t.nbytes
             self.open.remove(t)

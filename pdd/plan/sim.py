@@ -11,7 +11,8 @@ router's decisions. The simulator only plays out what the drivers then do:
               decodes; when the WAN KV landed, One-Shot (RLD stops, MD extends all emitted
               tokens) or Catch-Up (MD extends what RLD emitted, in rounds, while RLD goes on, until
               fewer than catch_up_threshold_tokens are missing or max_catch_up_rounds). RLD
-              finishing first cancels the WAN transfer (anomaly filter) and MD learns nothing.
+              finishing first leaves the WAN transfer to finish behind every other; the
+              conversation's next request to that MD cuts it (pdd.plan.pipeline).
               MD's DRC (host tier, LRU) stores prompt and answer when the request ends.
     pd_wan    P prefills, every block crosses the WAN, D decodes every token (TTFT on D).
     pd_local  the same over the local link.
@@ -34,7 +35,7 @@ from pdd.plan.cache import Holders, PrefixCache, make_cache, rebase
 from pdd.plan.fleet import Fleet
 from pdd.plan.pipeline import run_pdd
 from pdd.plan.profile import ChipProfile
-from pdd.plan.servers import DecodeServer, Link, PrefillQueue, Seq
+from pdd.plan.servers import DecodeServer, Link, PrefillQueue, Seq, Transfer
 from pdd.plan.stats import RequestLog, SimResult, Sla, summarize
 from pdd.plan.workload import Conversation, Turn, Workload
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
@@ -107,8 +108,11 @@ class Simulation:
         self.link = Link(self.env, wan.bandwidth_bps, wan.rtt_s)
         self.log = RequestLog()
         self.starved = 0
+        self.last_end = 0.0  # when the last request ended
         self.conversation_spans: list[float] = []  # first arrival -> last turn's end
         self.workers: dict[str, Worker] = {}
+        # (MD, conversation) -> the transfer still crossing after RLD ended its request
+        self.deferred: dict[tuple[str, int], _Deferred] = {}
         self._views: dict[str, WorkerView] = {}
         # who holds each conversation, per role (the O(1) caches; None: exact caches)
         self.holders: dict[Role, Holders] | None = (
@@ -280,7 +284,8 @@ class Simulation:
         for w in rec.workers:
             if w.in_flight and rec.released.get(w.id) is None:
                 self._bump(w, -1)
-        self.log.add(rec.arrival, rec.first_at, self.env.now, turn.output_tokens,
+        self.last_end = self.env.now
+        rec.log_index = self.log.add(rec.arrival, rec.first_at, self.env.now, turn.output_tokens,
                      rec.pipeline, rec.rld_tokens, rec.wan_bytes, rec.handoff, rec.p_wait,
                      turn.measured)  # fmt: skip
 
@@ -345,6 +350,51 @@ class Simulation:
         yield seq.done
         rec.first_at = seq.first_at
 
+    # --- KV still crossing after RLD ended its request (pdd.router.fleet.deferred) ----------
+
+    def defer(self, md: Worker, conv: int, have: int, tokens: int, t: Transfer,
+              rec: Record) -> None:  # fmt: skip
+        """``t`` (MD's KV of ``tokens`` prompt tokens, ``have`` of them cached when it
+        started) goes on behind every other transfer until P's send deadline; MD's cache gets
+        the prompt when it lands. Its bytes are the request's, added when it ends."""
+        self.link.defer(t)
+        key = (md.id, conv)
+        d = self.deferred[key] = _Deferred(md, conv, t, have, t.sent, rec)
+
+        def landed(_e: object) -> None:
+            if self.deferred.get(key) is d:
+                del self.deferred[key]
+            assert md.cache is not None
+            md.cache.store(conv, tokens)
+            self.log.wan[rec.log_index] += t.nbytes - d.sent_then
+
+        t.landed.callbacks.append(landed)
+        left = t.started + self.settings.policy.send_kv_deadline_s - self.env.now
+        self.env.timeout(max(left, 0.0)).callbacks.append(lambda _e: self._cut(key, d))
+
+    def supersede(self, md: Worker, conv: int) -> None:
+        """A request of the conversation reached ``md``: its own transfer (or computation)
+        covers what a deferred one still carries, so that one is cut."""
+        key = (md.id, conv)
+        d = self.deferred.get(key)
+        if d is not None:
+            self._cut(key, d)
+
+    def _cut(self, key: tuple[str, int], d: _Deferred) -> None:
+        """Cut a deferred transfer still crossing; MD keeps the whole blocks that crossed
+        (partial landing)."""
+        t = d.transfer
+        if self.deferred.get(key) is not d or t.landed.triggered:
+            return  # it ended already, or its last byte left: it lands
+        del self.deferred[key]
+        self.link.cancel(t)
+        bs, kvb = d.md.profile.block_size, d.md.profile.kv_bytes_per_token
+        crossed = int(t.sent // (bs * kvb)) * bs
+        if crossed:
+            assert d.md.cache is not None
+            d.md.cache.store(d.conv, d.have + crossed)
+        self.log.wan[d.rec.log_index] += t.sent - d.sent_then
+
     def local_s(self, nbytes: int) -> float:
         return self.settings.local_rtt_s / 2 + nbytes * 8 / self.settings.local_bandwidth_bps
 
@@ -360,10 +410,21 @@ class Record:
     p_wait: float = 0.0
     handoff: str = HandoffMode.NONE.value
     released: dict[str, float] = field(default_factory=dict)
+    log_index: int = -1  # its row in the RequestLog, once it ended
 
     @property
     def pipeline(self) -> str:
         return self.decision.pipeline.value
+
+
+@dataclass(eq=False, slots=True)
+class _Deferred:
+    md: Worker
+    conv: int
+    transfer: Transfer
+    have: int  # prompt tokens MD held when it started
+    sent_then: float  # bytes the request was credited with when RLD ended it
+    rec: Record
 
 
 _AFFINE = (Pipeline.PD, Pipeline.COLOCATED)

@@ -71,7 +71,8 @@ class RequestLog:
 
     def add(self, arrival: float, first: float | None, end: float | None, out: int,
             pipeline: str, rld: int = 0, wan: int = 0, handoff: str = "none",
-            p_wait: float = 0.0, measured: bool = True) -> None:  # fmt: skip
+            p_wait: float = 0.0, measured: bool = True) -> int:  # fmt: skip
+        """Log one request; returns its row."""
         if not measured:
             self.warmup.append(len(self.arrival))
         self.arrival.append(arrival)
@@ -83,6 +84,7 @@ class RequestLog:
         self.handoff.append(_HANDOFF[handoff])
         self.wan.append(wan)
         self.p_wait.append(p_wait)
+        return len(self.arrival) - 1
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,9 @@ def summarize(sim: Simulation, wall_s: float, cpu_s: float = 0.0) -> SimResult:
         bad_tpot += tp > sla.tpot_s + 1e-12
         good += t <= sla.ttft_s and tp <= sla.tpot_s + 1e-12
     measured = len(idx)
-    duration = max(env.now, 1e-9)
+    # the run ends with its last request or the link's last byte (deferred KV), not with
+    # the last stale timer (a changed link or batch leaves its earlier timer to fire idle)
+    duration = max(sim.last_end, sim.link.last_change, 1e-9)
     hw = sim.fleet.cost_per_hour({g.chip: sim.profile_price(g.chip) for g in sim.fleet.groups})
     wan_gb_h = sim.link.bytes_sent / 1e9 / duration * 3600
     cost = hw + wan_gb_h * sim.wan.price_per_gb

@@ -3,7 +3,11 @@
 ``data/sim_golden.json`` holds what the simulator computed for the cases of
 ``tests/plan/sim_cases.py`` (every pipeline, handoff and baseline, the exact RadixIndex cache,
 a trace) when its WAN link became fair-shared like pdd's TCP sender (it was first-in-first-out
-until then; every other figure had been pinned since commit 78cb16e). Counts must match
+until then; every other figure had been pinned since commit 78cb16e), and, for
+``pdd_rld_finished``, when RLD finishing first stopped cutting MD's transfer (issue 16, item 6:
+it finishes behind every other, until P's send deadline), and, for ``pdd_relay`` and
+``pdd_rld_finished``, when a run's duration became its last request's end or the link's last
+byte instead of the time a stale timer of the link fired (utilisations). Counts must match
 exactly; times and byte sums to 1e-9. Regenerate with ``python -m tests.plan.sim_cases`` only
 for a change of the model, never of speed.
 """

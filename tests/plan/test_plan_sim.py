@@ -8,7 +8,7 @@ from pdd.config.router import PddPolicyConfig
 from pdd.plan.fleet import Fleet, Group
 from pdd.plan.sim import SimSettings, Simulation, Wan
 from pdd.plan.stats import Sla
-from pdd.plan.workload import AgenticWorkload, agentic
+from pdd.plan.workload import AgenticWorkload, Conversation, Turn, Workload, agentic
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
 from pdd.router.decide import policy as router_policy
 from pdd.router.decide import routing
@@ -70,15 +70,41 @@ def _fields(request) -> dict:
     return {f: getattr(request, f) for f in request.__dataclass_fields__}
 
 
-def test_rld_finishing_first_cancels_the_wan_transfer(profiles) -> None:
-    """Short answers on a slow link: RLD ends before the KV lands (the anomaly filter)."""
+def test_rld_finishing_first_leaves_md_s_transfer_to_p_s_send_deadline(profiles) -> None:
+    """Short answers of one-turn conversations on a slow link: RLD ends before the KV lands,
+    and each transfer goes on behind the others, cut at P's send deadline (120 s): the link
+    carries more than the crossed part alone, never more than it can in the run."""
     slow = Wan(0.2e9, 0.04)
     work = _work(requests=30, hit_rate=0.0, output_tokens=8, context_tokens=32768)
     res = Simulation(_pdd(rld=2), profiles, slow, work, SLA,
                      SimSettings(policy=PddPolicyConfig(ttft_budget_s=0.01))).run()  # fmt: skip
     assert res.handoffs.get("rld_finished", 0) > 20
     full = 30 * (32768 // 128 * 128) * 57344 / 1e9
-    assert res.wan_gb < 0.5 * full  # cut transfers carry only what crossed
+    assert res.wan_gb < full  # cut at the deadline: not every prompt's KV crossed
+    assert res.wan_utilisation > 0.9  # the link stayed busy with what was still worth having
+
+
+def _two_turns(think_s: float) -> Workload:
+    """One agent conversation: a cold 8,192-token prompt with an 8-token answer, then the
+    history plus 64 new tokens after ``think_s``."""
+    turns = (Turn(8192, 8), Turn(8192 + 8 + 64, 8, think_s=think_s))
+    return Workload("two-turns", (Conversation(0, 0.0, turns),))
+
+
+@pytest.mark.parametrize("think_s", [30.0, 0.5])
+def test_md_learns_the_prefix_of_a_turn_rld_finished(profiles, think_s: float) -> None:
+    """At 1 Gbit/s the cold prompt's KV takes ~3.8 s, RLD's 8 tokens much less: the first
+    turn ends on RLD. Its KV still reaches MD: after 30 s of thinking the next turn finds
+    the prefix on MD and goes p_md; after 0.5 s it cuts the first transfer and carries the
+    rest itself. Either way the prompt's KV crosses once, not twice."""
+    wan = Wan(1e9, 0.04)
+    res = Simulation(_pdd(p=1, rld=1, md=1), profiles, wan, _two_turns(think_s), SLA,
+                     SimSettings(warmup_fraction=0.0)).run()  # fmt: skip
+    assert res.handoffs.get("rld_finished", 0) >= 1
+    once = (8192 + 8 + 64) // 128 * 128 * 57344 / 1e9
+    assert res.wan_gb <= 1.05 * once, (res.wan_gb, once)
+    if think_s > 10:
+        assert res.pipelines == {"p_rld_md": 1, "p_md": 1}
 
 
 @pytest.mark.parametrize("mode", [RouterMode.PD_LOCAL, RouterMode.PD_WAN, RouterMode.COLOCATED])
