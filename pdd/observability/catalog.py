@@ -100,6 +100,9 @@ ROUTER_METRICS = (
        "Requests routed, by the pipeline chosen."),
     _m("pdd_handoffs_total", C, "handoffs", ("mode",), ROUTER,
        "Finished p_rld_md requests by handoff mode (one_shot, catch_up, rld_finished)."),
+    _m("pdd_kv_deferred_total", C, "requests", (), ROUTER,
+       "rld_finished requests whose KV to MD was left to land in the background (the next "
+       "turn's prefix) instead of being cut."),
     _m("pdd_handoff_rounds", H, "rounds", ("mode",), ROUTER,
        "MD Generate calls per handoff (Catch-Up warm-ups + the switch)."),
     _m("pdd_handoff_stall_seconds", H, "seconds", ("mode",), ROUTER,

@@ -130,6 +130,10 @@ class RouterMetrics:
             "pdd_handoffs", "Finished p_rld_md requests by handoff mode "
             "(one_shot | catch_up | rld_finished).", ["mode"], registry=r,
         )  # fmt: skip
+        self.kv_deferred = Counter(
+            "pdd_kv_deferred", "rld_finished requests whose KV to MD was left to land in the "
+            "background (the next turn's prefix) instead of being cut.", registry=r,
+        )  # fmt: skip
         self.handoff_rounds = Histogram(
             "pdd_handoff_rounds", "MD Generate calls per handoff (warm-ups + the switch).",
             ["mode"], buckets=ROUNDS_BUCKETS, registry=r,
@@ -177,6 +181,8 @@ class RouterMetrics:
         if t.wan_kv_bytes:
             self.wan_kv_bytes.labels(t.pipeline.value).inc(t.wan_kv_bytes)
             self.wan_kv_raw_bytes.labels(t.pipeline.value).inc(t.wan_kv_raw_bytes)
+        if t.kv_deferred:
+            self.kv_deferred.inc()
         happened = t.handoff_rounds > 0 or t.handoff is HandoffMode.RLD_FINISHED
         if t.handoff is HandoffMode.NONE or not happened:
             return

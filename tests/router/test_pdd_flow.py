@@ -7,6 +7,8 @@ anything or holds KV. Token streams are compared exactly: no repeats, no gaps.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -253,8 +255,10 @@ def test_anomaly_rld_finishes_first_and_md_s_kv_still_lands_for_the_next_turn(pd
     wait_until(lambda: md.final_states.get(rid) == "done", "MD's KV never landed")
     blocks = len(prompt_ids(pdd)) // BLOCK_SIZE
     assert len(md.drc) == blocks
-    record = httpx.get(f"{pdd.url.removesuffix('/v1')}/debug/requests/{body['id']}").json()
-    assert record["pdd"]["kv_deferred"] is True
+    root = pdd.url.removesuffix("/v1")
+    assert httpx.get(f"{root}/debug/requests/{body['id']}").json()["pdd"]["kv_deferred"] is True
+    deferred = re.search(r"^pdd_kv_deferred_total (\S+)$", httpx.get(f"{root}/metrics").text, re.M)
+    assert deferred is not None and float(deferred.group(1)) >= 1
 
 
 def test_a_one_off_request_cuts_the_wan_transfer_when_rld_finishes_first(pdd):

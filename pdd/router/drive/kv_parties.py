@@ -56,17 +56,22 @@ class KvParties:
         left = self._deadline()[0] - asyncio.get_running_loop().time()
         return KvIn(source, self.kv_id, max(0.0, left) + GENERATE_WAIT_MARGIN_S)
 
-    def prepare(self, worker_id: str) -> asyncio.Task[Prepared]:
-        """PrepareKv on a destination, in the background; it is a KV party from now on.
-        Deferred transfers to it that this prompt extends are cancelled first: this
-        request's transfer carries their blocks (``fleet.deferred``)."""
-        client = self._pool.client(worker_id)
+    def supersede(self, md: str) -> None:
+        """Cancel the deferred transfers to ``md`` that this prompt extends: this request's
+        own transfer (or MD's own computation) covers their blocks (``fleet.deferred``)."""
         req = self._req
-        for old in self._pool.superseded_kv(worker_id, req.prompt_token_ids, req.cache_salt):
+        for old in self._pool.superseded_kv(md, req.prompt_token_ids, req.cache_salt):
             why = f"superseded by request {self.kv_id}"
-            for wid in (old.p, worker_id):  # P stops sending; MD keeps what landed
+            for wid in (old.p, md):  # P stops sending; MD keeps what landed
                 with contextlib.suppress(UnavailableError):  # P left: its sends went with it
                     self._pool.client(wid).cancel_kv_in_background(old.kv_id, why)
+
+    def prepare(self, worker_id: str) -> asyncio.Task[Prepared]:
+        """PrepareKv on a destination, in the background; it is a KV party from now on
+        (``supersede`` first)."""
+        self.supersede(worker_id)
+        client = self._pool.client(worker_id)
+        req = self._req
         coro = client.prepare_kv(
             self.kv_id, req.prompt_token_ids, self._policy.kv_lease_s, req.cache_salt
         )

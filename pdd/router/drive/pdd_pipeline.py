@@ -75,6 +75,7 @@ class PddPipeline:
             rld = decision.maybe_worker(Role.RELAY_DECODE)
             targets = [Target(rld)] if rld is not None else []
             if decision.md_computes:  # no KV crosses: MD computes the prompt while P prefills
+                run.kv.supersede(md)
                 warm = asyncio.get_running_loop().create_task(_warm_md(run, md))
             else:
                 targets.append(Target(md, from_cache=True, recorded=True))
