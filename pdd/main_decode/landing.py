@@ -51,7 +51,13 @@ from dataclasses import dataclass, field
 from pdd.cache.drc import DecodeRadixCache
 from pdd.cache.drc import Reservation as DrcReservation
 from pdd.cache.hashing import BlockHash
-from pdd.errors import CacheError, ConfigError, InvalidRequestError, TransferError
+from pdd.errors import (
+    CacheError,
+    CacheFullError,
+    ConfigError,
+    InvalidRequestError,
+    TransferError,
+)
 from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
 from pdd.protocol import Role
 from pdd.transfer import ChunkHeader
@@ -275,14 +281,19 @@ class DrcLanding(Landings[DrcSlots]):
     def prepare(
         self, kv_id: str, chain: list[BlockHash], n_tokens: int, lease_s: float, keyed: bool = False
     ) -> DrcReservation:
-        """drc.reserve for the prompt; returns it (CacheFullError when there is no room;
-        InvalidRequestError when it is prepared already). ``keyed``: the reservation gets a
-        landing key its chunks must carry."""
+        """drc.reserve for the prompt; returns it (CacheFullError when there is no room, even
+        once the kept landings gave theirs up; InvalidRequestError when it is prepared
+        already). ``keyed``: the reservation gets a landing key its chunks must carry."""
 
         def take(held: DrcSlots | None, lease: float) -> DrcSlots:
             return self._drc_source.reserve(kv_id, held, chain, n_tokens, lease)
 
-        res = self.reserve(kv_id, lease_s, keyed, take).slots.reservation
+        try:
+            res = self.reserve(kv_id, lease_s, keyed, take).slots.reservation
+        except CacheFullError:  # landings kept for later turns give way to this request
+            if not self.give_up_kept(f"the DRC's room went to request {kv_id}"):
+                raise
+            res = self.reserve(kv_id, lease_s, keyed, take).slots.reservation
         self.query_tokens += n_tokens
         self.hit_tokens += res.cached_tokens
         return res

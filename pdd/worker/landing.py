@@ -87,6 +87,7 @@ class Landing(Generic[S]):
     consumed: bool = False  # a Generate took it (or it expired)
     held: bool = True  # the source still holds its slots (False: released)
     committing: bool = False  # its transfer ended and the source is still committing it
+    kept: bool = False  # no Generate will read it; it lands for a later request (``keep``)
 
     @property
     def nothing_to_come(self) -> bool:
@@ -331,12 +332,24 @@ class Landings(Generic[S]):
             if rec is None:
                 return False
             if self._source.caches:
-                rec.consumed = True  # released once settled in (``_releasable``)
+                rec.consumed = rec.kept = True  # released once settled in (``_releasable``)
             else:
                 self._give_up(rec, reason or "cancelled")
         self.waiters.notify(kv_id)
         self.settle(rec)
         return True
+
+    def give_up_kept(self, why: str) -> int:
+        """Give up every kept landing still open (a new request needs their slots more than
+        a later one needs their KV); what already landed stays. Returns how many."""
+        with self._lock:
+            kept = [r for r in self._recs.values() if r.kept and r.held]
+            for rec in kept:
+                self._give_up(rec, why)
+        for rec in kept:
+            self.waiters.notify(rec.kv_id)
+            self.settle(rec)
+        return len(kept)
 
     def _give_up(self, rec: Landing[S], why: str) -> None:
         """(Under the lock.) A cache keeps KV that all arrived: only the rest is cancelled."""

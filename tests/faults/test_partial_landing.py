@@ -204,3 +204,27 @@ def test_a_landing_kept_without_a_generate_lands_whole_then_releases_itself():
     stats = drc.stats()
     assert (stats.pinned_blocks, stats.landing_blocks, land.open_records) == (0, 0, 0)
     assert committed(drc, N_BLOCKS) == [bytes(block_data(i, CHUNK)) for i in range(N_BLOCKS)]
+
+
+def test_a_kept_landing_gives_its_room_up_to_a_new_request():
+    """A DRC of 8 blocks, all reserved by a kept landing (its KV still on its way for a later
+    turn): a new request's PrepareKv for 8 other blocks takes the room instead of a refusal,
+    and the kept landing ends cancelled."""
+    block_bytes = CHUNK
+    cfg = CacheConfig(host_capacity_gib=N_BLOCKS * block_bytes / GIB)
+    drc = DecodeRadixCache(cfg, block_bytes, BLOCK_SIZE)
+    land = DrcLanding(drc, block_bytes, default_lease_s=60)
+    other = block_hashes(list(range(1000, 1000 + N_BLOCKS * BLOCK_SIZE)), BLOCK_SIZE,
+                         model_salt("m", "f", BLOCK_SIZE))  # fmt: skip
+
+    async def run():
+        land.waiters.bind(asyncio.get_running_loop())
+        land.prepare("kept", chain(N_BLOCKS), N_BLOCKS * BLOCK_SIZE, lease_s=60)
+        assert land.keep("kept", "rld_finished")
+        res = land.prepare("new", other, N_BLOCKS * BLOCK_SIZE, lease_s=60)
+        state = await land.await_kv("kept", 1)
+        land.cancel("new", "test over")
+        return len(res.receive), state.state
+
+    assert asyncio.run(run()) == (N_BLOCKS, "cancelled")
+    assert (drc.stats().pinned_blocks, drc.stats().landing_blocks, land.open_records) == (0, 0, 0)
