@@ -165,14 +165,14 @@ class PrefillRole:
         try:
             return self._pool.allocate(kv_id, blocks)
         except OverloadedError:
+            if self._pool.num_slots - self._pool.in_use + self._deferred_slots() < blocks:
+                raise
             room = self._pool.num_slots - self._pool.in_use
             for stage in [st for st in self._stages.values() if st.deferred]:
                 if room >= blocks:
                     break
                 room += len(stage.slots)
                 self._close(stage, "arena full: a deferred send gives way to a new request")
-            if room < blocks:
-                raise
         deadline = time.monotonic() + FREE_WAIT_S
         while True:
             try:
@@ -181,6 +181,10 @@ class PrefillRole:
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.005)
+
+    def _deferred_slots(self) -> int:
+        """Slots of deferred stages: a new request can have them (``_allocate``)."""
+        return sum(len(st.slots) for st in self._stages.values() if st.deferred)
 
     def _stage(self, kv_id: str, slots: list[int], n: int, finish: str | None) -> bool:
         """Lease the exported blocks for SendKv; False when there is nothing to hold."""
@@ -305,11 +309,7 @@ class PrefillRole:
         return KvStats(
             pinned_slots=self._pool.in_use,
             arena_blocks=self._pool.num_slots,
-            free_blocks=self._pool.num_slots
-            - self._pool.in_use
-            + sum(
-                len(st.slots) for st in self._stages.values() if st.deferred
-            ),  # a deferred stage gives way to a new request (``_allocate``)
+            free_blocks=self._pool.num_slots - self._pool.in_use + self._deferred_slots(),
             open_transfers=self._plane.open_transfers(),
             wan_bandwidth_bps=est.bandwidth_bps if est else 0.0,
             wan_rtt_s=est.rtt_s if est else 0.0,

@@ -34,7 +34,7 @@ class Deferred:
     p: str  # the P sending it
     blocks: int  # whole blocks of its prompt at MD's block size
     last: BlockHash  # chain hash of the last of them
-    until: float  # loop time its send deadline passes
+    until: float  # when (time.monotonic) its send deadline passes
 
 
 class DeferredKv:
@@ -73,9 +73,6 @@ class DeferredKv:
     def forget(self, md: str) -> None:
         """``md`` left the fleet."""
         self._by_md.pop(md, None)
-
-    def __len__(self) -> int:
-        return sum(len(e) for e in self._by_md.values())
 
     def _hashes(self, prompt: Sequence[int], block_size: int, cache_salt: str) -> list[BlockHash]:
         if block_size <= 0:
