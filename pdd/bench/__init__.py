@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "handoff-gap": ("pdd.bench.handoff_gap", "stalls around One-Shot / Catch-Up handoffs"),
     "recompute": ("pdd.bench.recompute", "MD computing a miss or waiting for it, per WAN rate"),
     "kv-wait": ("pdd.bench.kv_wait", "p_md: MD's Generate waiting for its KV vs AwaitKv first"),
+    "agent-turns": ("pdd.bench.agent_turns", "short agent turns: MD learning the prefix"),
     "soak": ("pdd.bench.soak", "mixed traffic + paused workers: leaks, memory, failures"),
     "chaos-soak": (
         "pdd.bench.chaos_soak",

@@ -24,12 +24,15 @@ import httpx
 
 
 def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
-                 pipeline: str = "p_rld_md", kv_wait: str | None = None) -> dict:  # fmt: skip
+                 pipeline: str = "p_rld_md", kv_wait: str | None = None,
+                 one_off: bool = False) -> dict:  # fmt: skip
     """One streamed greedy request (ignore_eos): when each text chunk came, the record, and
     the gaps (the switch: RLD's last token to MD's first)."""
-    pdd = {"pipeline": pipeline, "handoff": handoff}
+    pdd: dict[str, object] = {"pipeline": pipeline, "handoff": handoff}
     if kv_wait is not None:
         pdd["kv_wait"] = kv_wait
+    if one_off:
+        pdd["one_off"] = True
     body = {
         "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "pdd": pdd,

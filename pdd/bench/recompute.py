@@ -7,8 +7,8 @@ WAN link changes under a running fleet.
         --rates 1000,100,10
 
 For each rate (each at most the rate the lab was built with; set with ``Lab.set_rate``): one
-cold p_rld_md request of --probe-tokens lets P measure the link (its WAN transfer is cut when
-RLD ends), then --repeats cold prompts of --prompt-words words (~3.6 tokens a word) forced
+cold p_rld_md request of --probe-tokens lets P measure the link (one-off: its WAN transfer is
+cut when RLD ends), then --repeats cold prompts of --prompt-words words (~3.6 tokens a word) forced
 p_md stream --tokens tokens each. Per request: TTFT (P's prefill), MD's first token (the second
 token), whether MD computed the prompt, the WAN KV bytes and the route's figures. The bound
 issue 16 sets, at the slow rate: MD's first token within a colocated prefill of the prompt +
@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rate in (float(r) for r in args.rates.split(",")):
         lab.set_rate(rate)
-        # P measures the link on a cold p_rld_md request (cut when RLD ends)
-        stream_times(args.url, args.model, _cold(args.prompt_words), args.probe_tokens, "auto")
+        # P measures the link on a cold p_rld_md request (one-off: cut when RLD ends)
+        stream_times(args.url, args.model, _cold(args.prompt_words), args.probe_tokens, "auto",
+                     one_off=True)  # fmt: skip
         time.sleep(2.5)  # the router's next Stats polls carry P's estimate
         bandwidth = _p_bandwidth(args.url)
         for _ in range(args.repeats):

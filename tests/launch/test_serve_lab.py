@@ -10,6 +10,7 @@ Each uses its own lab prefix and subnet (pdtserve, 10.77.2.0/28), never a user's
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import httpx
@@ -17,6 +18,7 @@ import openai
 import pytest
 import yaml
 
+from pdd.bench import agent_turns
 from pdd.cache.host_tier import kv_block_bytes
 from pdd.config import load_config
 from pdd.config.lab import LabConfig
@@ -185,35 +187,28 @@ def debug_record(url: str, request_id: str) -> dict:
 
 
 def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
-    """An agent's conversation (issue 16, item 6): a cold ~2,000-token prompt, then 4 turns
-    that each re-send the history with the 24-token answer and ~64 new tokens. RLD ends the
-    cold turn (its 24 tokens take less than the ~7 s its KV needs on the 100 Mbit/s link),
-    and MD's KV is not cut but keeps crossing behind other transfers; each turn routed to MD
-    while the previous turn's KV is still on its way takes it over (its own transfer carries
-    those blocks). So, whatever this machine's speed: nothing crosses twice (the WAN carries
-    at most 1.3x the final prompt's KV), and once the link is quiet MD holds the whole
-    conversation: repeating its last prompt sends no KV. Per-turn pipelines and RLD's share
-    depend on how fast the link drains against the turns: printed, and in the closing note."""
+    """An agent's conversation (issue 16, item 6; `pdd bench agent-turns`): a cold ~2,000-token
+    prompt, then 4 turns that each re-send the history with the 24-token answer and ~64 new
+    tokens. RLD ends the cold turn (its 24 tokens take less than the ~7 s its KV needs on the
+    100 Mbit/s link), and MD's KV is not cut but keeps crossing behind other transfers; a turn
+    routed to MD while the previous turn's KV is still on its way takes it over (its own
+    transfer carries those blocks). So, whatever this machine's speed: nothing crosses twice
+    (the WAN carries at most 1.3x the final prompt's KV), and once the link is quiet MD holds
+    the whole conversation: repeating its last prompt sends no KV. Per-turn pipelines and
+    RLD's share depend on how fast the link drains against the turns: printed, and measured
+    by the benchmark."""
     s, _ = pdd_lab
-    before = settled_kv(s.url)["md"]["bytes_received"]
-    prompts, turns = [" ".join(f"a{i}" for i in range(560))], []  # ~2,000 tokens
-    for k in range(5):
-        turns.append(ask(s.url, prompts[-1], 24))
-        more = " ".join(f"t{k}x{j}" for j in range(20))  # ~64 tokens: a tool call's result
-        prompts.append(prompts[-1] + turns[-1]["choices"][0]["text"] + " " + more)
-    first = turns[0]["pdd"]
+    args = argparse.Namespace(url=s.url, model=model_name(), turns=5, cold_words=560,
+                              new_words=20, tokens=24, block_size=32, one_off=False)  # fmt: skip
+    run = agent_turns.conversation(args)
+    first = run["turns"][0]
     assert (first["pipeline"], first["handoff"]) == ("p_rld_md", "rld_finished"), first
-    assert debug_record(s.url, turns[0]["id"])["pdd"]["kv_deferred"] is True
-    for t in turns:
-        print(f"turn: prompt {t['usage']['prompt_tokens']} tokens, {t['pdd']['pipeline']}, "
-              f"md_cached {t['pdd']['md_cached_tokens']}, rld_tokens {t['pdd']['rld_tokens']}, "
-              f"handoff {t['pdd']['handoff']}")  # fmt: skip
-    cached = [t["pdd"]["md_cached_tokens"] for t in turns]
+    assert debug_record(s.url, first["id"])["pdd"]["kv_deferred"] is True
+    print({k: run[k] for k in ("rld_token_share", "wan_over_final_kv")})
+    cached = [t["md_cached_tokens"] for t in run["turns"]]
     assert cached == sorted(cached), cached  # MD only learns
-    landed = settled_kv(s.url)["md"]["bytes_received"] - before
-    final_kv = (turns[-1]["usage"]["prompt_tokens"] // 32) * block_bytes()
-    assert landed <= 1.3 * final_kv, (landed, final_kv)
-    again = ask(s.url, prompts[-2], 4)  # the last turn's prompt
+    assert run["wan_over_final_kv"] <= 1.3, run
+    again = ask(s.url, run["last_prompt"], 4)
     assert again["pdd"]["pipeline"] == "p_md", again["pdd"]
     assert again["pdd"]["md_cached_tokens"] == (again["usage"]["prompt_tokens"] // 32) * 32
     assert again["pdd"]["wan_kv_bytes"] == 0
