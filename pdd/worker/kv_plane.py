@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import Counter, Histogram
 
@@ -157,7 +157,9 @@ class KvPlane:
         """Start the fence poller and the transports (on the event loop's thread).
 
         ``hooks.on_received`` and ``on_sent`` run on transport threads, after the plane
-        counted the bytes. Raises TransferError / ConfigError when a transport cannot start.
+        counted the bytes; the other hooks (``allocate``, ``on_verified``: partial landing)
+        go to the receiver as they are. Raises TransferError / ConfigError when a transport
+        cannot start.
         """
         self.fences.start()
         self._on_sent = on_sent
@@ -165,7 +167,7 @@ class KvPlane:
             if self.spec.receiver is not None:
                 assert hooks is not None, "a receiving plane needs the role's hooks"
                 self._on_received = hooks.on_received
-                wrapped = ReceiverHooks(hooks.allocate, on_received=self._received)
+                wrapped = replace(hooks, on_received=self._received)
                 self.receiver = self._make(self.spec.receiver, wrapped)
             for kind in self.spec.senders:
                 self._senders[kind] = self._make(kind, None)

@@ -14,6 +14,7 @@ from contextlib import aclosing
 import pytest
 
 from pdd.config import CacheConfig, PddConfig, TransferConfig, WorkerConfig
+from pdd.config.faults import FaultsConfig, KvChunkFault
 from pdd.engine.types import SamplingSpec
 from pdd.errors import CacheError, ContextLengthError, OverloadedError
 from pdd.main_decode import MainDecodeRole
@@ -46,9 +47,11 @@ def worker(wid: str, role: str, slots: int, **kw) -> WorkerConfig:
 class Topo:
     """P (inproc + TCP senders), RLD (inproc receiver), MD (TCP receiver, DRC of 64 blocks)."""
 
-    def __init__(self, p_lease_s: float = 30.0) -> None:
+    def __init__(self, p_lease_s: float = 30.0, p_faults: FaultsConfig | None = None) -> None:
         self.workers = {
-            "p": worker("p", "prefill", 32, kv_stage_lease_s=p_lease_s),
+            "p": worker(
+                "p", "prefill", 32, kv_stage_lease_s=p_lease_s, faults=p_faults or FaultsConfig()
+            ),  # fmt: skip
             "rld": worker("rld", "relay_decode", 32, kv_transport="inproc"),
             "md": worker("md", "main_decode", 16),
         }
@@ -275,6 +278,30 @@ def test_a_background_cancel_lets_md_s_kv_land_and_releases_everything_after() -
     assert found == [True, True]
     assert all((s.pinned_slots, s.open_transfers) == (0, 0) for s in stats.values())
     assert (cached, state) == (10, "done")
+
+
+def test_md_commits_each_block_as_it_arrives_not_when_the_transfer_ends() -> None:
+    """Partial landing through the worker's own KV plane: P holds chunk 5 of a 10-block send
+    back for 3 s; meanwhile MD's DRC already holds blocks 0-4 (what a cancelled or cut
+    transfer leaves, and what the next turn finds cached), and no block after the gap."""
+    prompt = list(range(600, 640))  # 10 blocks
+    held = FaultsConfig(kv_send=[KvChunkFault(action="delay", chunks=[5], delay_s=3.0)])
+
+    async def scenario():
+        async with Topo(p_faults=held) as topo:
+            md = topo.roles["md"]
+            md_prep = await prepare(topo, "md", "pl", prompt)
+            await topo.generate("p", "pl", prompt, 1, stage=True)
+            await send(topo, "pl", [(md_prep.address, 0)])
+            chain = md.hashes(prompt, "")
+            deadline = time.monotonic() + 2.0
+            while md.drc.match(chain).cached_blocks < 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            early = md.drc.match(chain).cached_blocks
+            await topo.idle()
+            return early, md.drc.match(chain).cached_blocks
+
+    assert asyncio.run(scenario()) == (5, 10)
 
 
 def test_a_full_staging_arena_gives_a_deferred_send_up_for_a_new_request() -> None:
