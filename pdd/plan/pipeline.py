@@ -48,10 +48,10 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     if rld_id is None or out <= 1:
         yield transfer.landed
         rec.wan_bytes = nbytes
-        pin = _land(md, conv, n)
+        pin = land(md, conv, n)
         yield env.timeout(sim.wan.rtt_s)  # the router's Generate reaches MD
         yield from sim.decode(md, n + 1, out - 1, md.profile.extend_s(tail + 1))
-        _finish(md, conv, n + out, pin)
+        finish(md, conv, n + out, pin)
         return
     rld = sim.workers[rld_id]
     assert rld.decode is not None
@@ -67,7 +67,7 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
         sim.defer(md, conv, have, n, transfer, rec)
         return
     rec.wan_bytes = nbytes
-    pin = _land(md, conv, n)
+    pin = land(md, conv, n)
     yield env.timeout(sim.wan.rtt_s)
     known = 0
     if d.handoff is HandoffMode.CATCH_UP:
@@ -79,7 +79,7 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     left = out - 1 - emitted
     extend = md.profile.extend_s(tail + 1 + emitted - known)
     yield from sim.decode(md, n + 1 + emitted, left, extend)
-    _finish(md, conv, n + out, pin)
+    finish(md, conv, n + out, pin)
 
 
 def _md_computes(sim: Simulation, p: Worker, md: Worker, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
@@ -98,7 +98,7 @@ def _md_computes(sim: Simulation, p: Worker, md: Worker, conv: int, turn: Turn, 
     yield env.timeout(max(sim.wan.rtt_s, warm_end - env.now))  # and MD's Generate reaches it
     tail = n % md.profile.block_size
     yield from sim.decode(md, n + 1, out - 1, md.profile.extend_s(tail + 1))
-    _finish(md, conv, n + out, pin)
+    finish(md, conv, n + out, pin)
 
 
 def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: Record):  # noqa: ANN202
@@ -117,14 +117,14 @@ def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: Record): 
     return known
 
 
-def _land(md: Worker, conv: int, tokens: int) -> object:
+def land(md: Worker, conv: int, tokens: int) -> object:
     """The WAN blocks committed into MD's DRC; the request's lease pins its prefix."""
     assert md.cache is not None
     md.cache.store(conv, tokens)
     return md.cache.pin(conv, tokens)
 
 
-def _finish(md: Worker, conv: int, tokens: int, pin: object) -> None:
+def finish(md: Worker, conv: int, tokens: int, pin: object) -> None:
     assert md.cache is not None
     md.cache.unpin(pin)
     md.cache.store(conv, tokens)

@@ -14,7 +14,9 @@ router's decisions. The simulator only plays out what the drivers then do:
               finishing first leaves the WAN transfer to finish behind every other; the
               conversation's next request to that MD cuts it (pdd.plan.pipeline).
               MD's DRC (host tier, LRU) stores prompt and answer when the request ends.
-    pd_wan    P prefills, every block crosses the WAN, D decodes every token (TTFT on D).
+    pd_wan    P prefills, the blocks D's DRC lacks cross the WAN (as vLLM's decoder pulls
+              only what its prefix cache lacks), D decodes every token (TTFT on D) and stores
+              prompt and answer when the request ends.
     pd_local  the same over the local link.
     colocated one worker prefills (stalling its decode batch) and decodes.
 
@@ -33,7 +35,7 @@ from pdd.config.router import PddPolicyConfig
 from pdd.errors import UnavailableError
 from pdd.plan.cache import Holders, PrefixCache, make_cache, rebase
 from pdd.plan.fleet import Fleet
-from pdd.plan.pipeline import run_pdd
+from pdd.plan.pipeline import finish, land, run_pdd
 from pdd.plan.profile import ChipProfile
 from pdd.plan.servers import DecodeServer, Link, PrefillQueue, Seq, Transfer
 from pdd.plan.stats import RequestLog, SimResult, Sla, summarize
@@ -134,7 +136,7 @@ class Simulation:
         capacity = {
             Role.PREFILL: mem.kv_capacity_tokens,
             Role.COLOCATED: mem.kv_capacity_tokens,
-            Role.MAIN_DECODE: mem.host_cache_tokens if self.fleet.mode is RouterMode.PDD else None,
+            Role.MAIN_DECODE: mem.host_cache_tokens,  # its DRC (the baselines' D too)
             Role.RELAY_DECODE: None,
         }[role]  # fmt: skip
         cache = (None if capacity is None
@@ -330,25 +332,28 @@ class Simulation:
         return seq
 
     def _pd(self, conv: int, turn: Turn, rec: Record):  # noqa: ANN202
-        """pd_wan / pd_local: every block to D, D emits every token."""
+        """pd_wan / pd_local: the blocks D's DRC lacks to D, D emits every token."""
         p = self.workers[rec.decision.worker(Role.PREFILL)]
         d = self.workers[rec.decision.decoder]
+        assert d.cache is not None and d.decode is not None
         yield from self.prefill_stage(p, conv, turn, rec)
         self.release(rec, p)
-        n, prof = turn.prompt_tokens, p.profile
-        nbytes = n // prof.block_size * prof.block_size * prof.kv_bytes_per_token
+        n, prof = turn.prompt_tokens, d.profile
+        have = d.cache.cached_tokens(conv, n)  # what D holds when the send starts
+        nbytes = (n // prof.block_size * prof.block_size - have) * prof.kv_bytes_per_token
         if self.fleet.mode is RouterMode.PD_WAN:
             t = self.link.send(nbytes)
             yield t.landed
             rec.wan_bytes = nbytes
         else:
             yield self.env.timeout(self.local_s(nbytes))
+        pin = land(d, conv, n)
         tail = d.profile.extend_s(n % prof.block_size) if n % prof.block_size else 0.0
-        assert d.decode is not None
         seq = Seq(float(turn.output_tokens), n, self.env.event())
         d.decode.add(seq, tail)
         yield seq.done
         rec.first_at = seq.first_at
+        finish(d, conv, n + turn.output_tokens, pin)
 
     # --- KV still crossing after RLD ended its request (pdd.router.fleet.deferred) ----------
 

@@ -166,6 +166,12 @@ def test_baselines_equal_single_engine(baselines, codec, prompts, oracle, mode):
         assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), mode
         assert body["pdd"]["pipeline"] == "pd"
         assert body["pdd"]["rld_tokens"] == 0
+    if mode == "pd_wan":  # D's own DRC, as vLLM's decoder: a prompt it holds sends no KV
+        block = load_config(CONFIG).engine.block_size
+        body = complete(baselines[mode], prompts[0])
+        assert body["choices"][0]["text"] == codec.decode(oracle[0]["token_ids"])
+        assert body["pdd"]["md_cached_tokens"] == len(prompts[0]) // block * block
+        assert body["pdd"]["wan_kv_bytes"] == 0
 
 
 def test_second_turn_sends_only_new_blocks(served, codec):

@@ -7,7 +7,9 @@ until then; every other figure had been pinned since commit 78cb16e), and, for
 ``pdd_rld_finished``, when RLD finishing first stopped cutting MD's transfer (issue 16, item 6:
 it finishes behind every other, until P's send deadline), and, for ``pdd_relay`` and
 ``pdd_rld_finished``, when a run's duration became its last request's end or the link's last
-byte instead of the time a stale timer of the link fired (utilisations). Counts must match
+byte instead of the time a stale timer of the link fired (utilisations), and, for
+``pd_wan`` and ``pd_local``, when the baselines' D began to get only the blocks its DRC lacks
+(issue 16, item 8: vLLM's decoder pulls only what its prefix cache lacks). Counts must match
 exactly; times and byte sums to 1e-9. Regenerate with ``python -m tests.plan.sim_cases`` only
 for a change of the model, never of speed.
 """

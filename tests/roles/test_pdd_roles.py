@@ -216,9 +216,10 @@ async def until_drc_holds(c: Client, wid: str, blocks: int, timeout_s: float = 3
         await asyncio.sleep(0.05)
 
 
-def test_pd_baselines_send_every_block_and_the_decoder_samples_every_token(workers) -> None:
+def test_pd_baselines_send_what_the_decoder_lacks_and_it_samples_every_token(workers) -> None:
     """pd_wan (D = MD over TCP) and pd_local (D = RLD over UCX): P's token is not used, D
-    continues the prompt itself; P sends every block, even those MD's DRC already holds."""
+    continues the prompt itself. As vLLM's decoder pulls only what its prefix cache lacks,
+    MD gets the blocks its DRC lacks and loads the rest from it; RLD gets every block."""
     base = prompt_of(6, 200)
     longer = base + prompt_of(7, 70)  # shares base's 6 whole blocks
 
@@ -227,9 +228,10 @@ def test_pd_baselines_send_every_block_and_the_decoder_samples_every_token(worke
         prep = prep_md if d == "md" else prep_rld
         cancel = pb.CancelKvRequest(kv_request_id=rid, reason="not this decoder")
         await c.stub["rld" if d == "md" else "md"].CancelKv(cancel)
-        sent = await send(c, rid, [(prep.address, 0)])
+        first, source = (prep.cached_blocks, pb.KvIn.DRC) if d == "md" else (0, pb.KvIn.TRANSFER)
+        sent = await send(c, rid, [(prep.address, first)])
         state = await c.stub[d].AwaitKv(pb.AwaitKvRequest(kv_request_id=rid, timeout_s=30))
-        outs = await c.generate(d, rid, prompt, 8, kv_in=kv_in(pb.KvIn.TRANSFER, rid))
+        outs = await c.generate(d, rid, prompt, 8, kv_in=kv_in(source, rid))
         return staged, prep.cached_blocks, list(sent.bytes_per_destination), state.state, outs
 
     async def scenario(c: Client):
@@ -244,7 +246,7 @@ def test_pd_baselines_send_every_block_and_the_decoder_samples_every_token(worke
     runs, (want_base, want_longer), p_stats = run(workers, scenario)
     (s1, c1, b1, st1, o1), (s2, c2, b2, st2, o2), (s3, c3, b3, st3, o3) = runs
     assert (s1, c1, b1, st1, tokens(o1)) == (6, 0, [6 * BLOCK_BYTES], "done", want_base)
-    assert (s2, c2, b2, st2, tokens(o2)) == (8, 6, [8 * BLOCK_BYTES], "done", want_longer)
+    assert (s2, c2, b2, st2, tokens(o2)) == (8, 6, [2 * BLOCK_BYTES], "done", want_longer)
     assert (s3, c3, b3, st3, tokens(o3)) == (8, 0, [8 * BLOCK_BYTES], "done", want_longer)
     assert [o[0].kv_loaded_tokens for o in (o1, o2, o3)] == [192, 256, 256]
     assert p_stats.wan_rtt_s > 0  # P measured its TCP path to MD

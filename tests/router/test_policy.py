@@ -251,13 +251,15 @@ def test_pdd_without_p_or_md_is_unavailable(workers, message):
     assert info.value.message == message
 
 
-def test_pd_wan_sends_every_block_to_a_remote_md():
+def test_pd_wan_sends_a_remote_md_the_blocks_its_drc_lacks():
     local = md("dl0", datacenter="dc-a")
     view = fleet(p(), rld(), local, md("md0", running=3), mode=RouterMode.PD_WAN)
-    d = choose(view, req(41, {"md0": 40}))
+    d = choose(view, req(41, {"md0": 20}))  # 5 of the prompt's 10 whole blocks
     assert d == Decision(
-        Pipeline.PD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 0, 10_000, 10.0, 4
+        Pipeline.PD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 20, 5_000, 5.0, 4
     )
+    cold = choose(view, req(41))
+    assert (cold.md_cached_tokens, cold.wan_bytes, cold.eta_s) == (0, 10_000, 10.0)
     assert d.decoder == "md0"
     assert choose(fleet(p(), local, mode=RouterMode.PD_WAN), req(40)).decoder == "dl0"
 
@@ -267,8 +269,9 @@ def test_pd_local_prefers_a_main_decode_in_p_datacenter_then_its_relay():
         p(), rld(), md("dl0", datacenter="dc-a", running=5), md(), mode=RouterMode.PD_LOCAL
     )
     assert choose(view, req(40)).assignments == ((P, "p0"), (MD, "dl0"))
-    d = choose(fleet(p(), rld(), md(), mode=RouterMode.PD_LOCAL), req(40))
+    d = choose(fleet(p(), rld(), md(), mode=RouterMode.PD_LOCAL), req(40, {"rld0": 40}))
     assert (d.assignments, d.decoder) == (((P, "p0"), (RLD, "rld0")), "rld0")
+    assert d.md_cached_tokens == 0  # an RLD keeps no prefix across requests: every block
     with pytest.raises(UnavailableError) as info:
         choose(fleet(p(), md(), mode=RouterMode.PD_LOCAL), req(40))
     assert "no healthy main_decode or relay_decode worker in P's datacenter 'dc-a'" in str(

@@ -49,9 +49,12 @@ MD and RLD among the workers that can take P's KV (``view.kv_conflict``); when e
 forced RLD) differs in a field no receiver converts, the request is refused (503) with a
 message naming P, that worker and the field. Never routed between them.
 
-Baselines (P sends every block to D, D emits every token):
+Baselines (the standard PD flow: P prefills, D emits every token, P's token included):
     pd_wan    D = least loaded main_decode in another datacenter than P (else any main_decode)
     pd_local  D = least loaded main_decode in P's datacenter, else relay_decode there
+    D's own cache counts, as in vLLM's disaggregated flow, where the decoder pulls only the
+    blocks its prefix cache lacks: a main_decode D gets the blocks its DRC lacks and loads the
+    rest from it; an RLD (it keeps no prefix across requests) gets every block.
 """
 
 from __future__ import annotations
@@ -287,7 +290,7 @@ def _p_rld_only(view: FleetView, p: WorkerView) -> Decision:
 
 
 def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
-    """Baselines pd_wan / pd_local: P and one decoder that receives every block."""
+    """Baselines pd_wan / pd_local: P and one decoder that receives what its cache lacks."""
     decoders = view.healthy(Role.MAIN_DECODE, Role.RELAY_DECODE)
     p = _need(view, Role.PREFILL, least_loaded(_senders(view.healthy(Role.PREFILL), decoders)))
     mds = [w for w in view.healthy(Role.MAIN_DECODE) if kv_conflict(p, w) is None]
@@ -304,11 +307,21 @@ def choose_pd(view: FleetView, request: RouteRequest) -> Decision:
                 f"pd_local: no healthy main_decode or relay_decode worker in P's datacenter "
                 f"{p.datacenter!r}; retry later"
             )
-    est = wan_estimate(p, d, 0, request.prompt_tokens, view)
+    cached = own_cache_tokens(d, request)
+    est = wan_estimate(p, d, cached, request.prompt_tokens, view)
     return Decision(
-        Pipeline.PD, ((Role.PREFILL, p.id), (d.role, d.id)), HandoffMode.NONE, 0,
+        Pipeline.PD, ((Role.PREFILL, p.id), (d.role, d.id)), HandoffMode.NONE, cached,
         est.wan_bytes, est.eta_s, p.block_size or d.block_size,
     )  # fmt: skip
+
+
+def own_cache_tokens(d: WorkerView, request: RouteRequest) -> int:
+    """The prompt tokens a baseline's D holds in its own prefix cache, as vLLM's decoder
+    pulls only the blocks its cache lacks: a main_decode's DRC (the router's replica); an
+    RLD keeps no prefix across requests, so it gets every block."""
+    if d.role is not Role.MAIN_DECODE:
+        return 0
+    return min(request.md_cached_tokens.get(d.id, 0), request.prompt_tokens)
 
 
 def _senders(ps: list[WorkerView], receivers: list[WorkerView]) -> list[WorkerView]:

@@ -16,8 +16,9 @@ p_rld_md:
     -> RelayHandoff (pdd.router.drive.handoff): RLD streams, MD takes over (One-Shot / Catch-Up),
        or RLD finishes first (anomaly: the WAN transfer is cancelled)
 pd_wan / pd_local (the standard PD flow):
-    P stage with D (every block, from 0; D's cached blocks are ignored) -> t1 NOT emitted
-    -> D.Generate(prompt, kv_in=TRANSFER), waiting on D for the KV: D samples every token
+    P stage with D (a main_decode D: the blocks its DRC lacks, as vLLM's decoder pulls only
+    what its prefix cache lacks; an RLD: every block) -> t1 NOT emitted
+    -> D.Generate(prompt, kv_in=DRC or TRANSFER), waiting on D for the KV: D samples every token
 
 A P lost before its token is replaced by another P (``prefill``, every pipeline); after it,
 P only sends KV, and a failed send makes the destinations recompute (``PStage.send``); a
@@ -177,7 +178,8 @@ async def prefill(
 
 
 class PdPipeline:
-    """The pd_wan / pd_local baselines: P prefills, D gets every block and emits every token."""
+    """The pd_wan / pd_local baselines: P prefills, D gets what its cache lacks and emits every
+    token."""
 
     kind = Pipeline.PD
 
@@ -191,10 +193,12 @@ class PdPipeline:
         run = RequestRun(self._pool, req, trace, self._policy)
         try:
             d = decision.decoder
+            own_cache = decision.maybe_worker(Role.MAIN_DECODE) == d  # its DRC (policy)
+            target = Target(d, from_cache=own_cache, recorded=True)
             # t1 is not emitted: D samples it again from the prompt
-            stage, _ = await prefill(self._pool, run, decision, [Target(d, recorded=True)])
+            stage, _ = await prefill(self._pool, run, decision, [target])
             sent = await stage.send()
-            source = "transfer" if d in sent else None
+            source = "drc" if own_cache else "transfer" if d in sent else None
             async for event in run.finish_on(d, "d", kv_source=source, await_kv=d in sent):
                 yield event
         finally:
