@@ -255,9 +255,7 @@ def test_pd_wan_sends_a_remote_md_the_blocks_its_drc_lacks():
     local = md("dl0", datacenter="dc-a")
     view = fleet(p(), rld(), local, md("md0", running=3), mode=RouterMode.PD_WAN)
     d = choose(view, req(41, {"md0": 20}))  # 5 of the prompt's 10 whole blocks
-    assert d == Decision(
-        Pipeline.PD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 20, 5_000, 5.0, 4
-    )
+    assert d == Decision(Pipeline.PD, ((P, "p0"), (MD, "md0")), HandoffMode.NONE, 20, 5_000, 5.0, 4)
     cold = choose(view, req(41))
     assert (cold.md_cached_tokens, cold.wan_bytes, cold.eta_s) == (0, 10_000, 10.0)
     assert d.decoder == "md0"
