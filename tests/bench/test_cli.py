@@ -31,6 +31,15 @@ def test_example_config_loads_and_fits_its_context():
     assert cfg.sweep.prompt_tokens + cfg.sweep.output_tokens <= 8192
 
 
+@pytest.mark.parametrize("path", sorted(Path(REPO).joinpath("configs/bench").glob("*.yaml")),
+                         ids=lambda p: p.name)  # fmt: skip
+def test_every_shipped_bench_config_loads_and_its_topologies_exist(path):
+    cfg = load_bench_config(path)
+    for m in cfg.modes:
+        assert m.config is None or Path(REPO, m.config).is_file(), (m.name, m.config)
+    assert cfg.modes
+
+
 def test_short_profile_then_user_overrides():
     cfg = _cfg("--short", "--set", "agentic.requests=5", "--set", "sla.ttft_s=0.5")
     assert (cfg.agentic.requests, cfg.agentic.conversations) == (5, 3)
