@@ -5,8 +5,8 @@ For one mode and one chip per role:
 
   1. Bounds no fleet size can move (``bounds``): the share of requests whose TTFT or TPOT is
      over the limit even on an idle instance with a perfect prefix cache (prefill of the turn's
-     new tokens, one decode step at batch 1), and the WAN the mode needs (pd_wan: every prompt
-     block; pdd: at least the blocks no cache can hold, the new tokens) against its bandwidth.
+     new tokens, one decode step at batch 1), and the WAN the mode needs (pd_wan and pdd: at
+     least the blocks no decoder's cache can hold, the new tokens) against its bandwidth.
      Over the SLA's allowance: infeasible, that resource named.
   2. Grow: from one instance per role, simulate; while the SLA is missed, grow the role that
      binds (the most loaded of the roles on the failing metric: TTFT -> P (pd: P or D),
@@ -59,8 +59,7 @@ def bounds(mode: RouterMode, chips: dict[Role, str], profiles: dict[str, ChipPro
             cached = min(prev, n) // pre.block_size * pre.block_size
             slow_ttft += pre.prefill_s(n - cached, cached) > sla.ttft_s
             slow_tpot += dec.decode_step_s(1, n) > sla.tpot_s
-            blocks = n // dec.block_size * dec.block_size
-            new = blocks if mode is RouterMode.PD_WAN else max(0, n - prev - turn.output_tokens)
+            new = max(0, n - prev - turn.output_tokens)  # what no decoder's cache can hold
             if mode in (RouterMode.PD_WAN, RouterMode.PDD):
                 need_bits += new * dec.kv_bytes_per_token * 8
             prev = n + turn.output_tokens

@@ -53,7 +53,8 @@ def test_a_tpot_below_one_decode_step_names_the_decode_chip(profiles) -> None:
 
 
 def test_pd_wan_over_a_thin_link_names_the_wan(profiles) -> None:
-    res = _searcher(profiles, Sla(5.0, 0.05), Wan(0.5e9, 0.04)).search(
+    # D's DRC holds the history: the link must carry each turn's new tokens (0.3 Gbit/s here)
+    res = _searcher(profiles, Sla(5.0, 0.05), Wan(0.1e9, 0.04)).search(
         RouterMode.PD_WAN, {Role.PREFILL: "A", Role.MAIN_DECODE: "A"})  # fmt: skip
     assert res.best is None and "WAN bandwidth" in (res.infeasible or "")
 
