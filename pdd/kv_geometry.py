@@ -13,10 +13,10 @@ Fields split in two (``IDENTITY`` / ``LANDING``):
     landing   kv_dtype, block_size, layout, kv_head_start/kv_head_end: KV can in principle be
               converted; a pair is routed only when the receiver converts every landing field
               that differs, between those two values (``converts``, ``convertible``:
-              MainDecode converts the dtype and the layout between the values in
-              ``CONVERSIONS``, and any pair of block sizes, as long as both layouts are ones
-              it knows; RelayDecode converts nothing, its UCX receiver lands bytes where they
-              are used). Anything else would be refused chunk by chunk and recomputed.
+              MainDecode and RelayDecode each convert the dtype and the layout between the
+              values in ``CONVERSIONS``, and any pair of block sizes, as long as both layouts
+              are ones it knows). Anything else would be refused chunk by chunk and
+              recomputed.
 
 The model fingerprint comes from the model folder, not its name (``model_fingerprint``): the
 config (without its dtype), every tensor's name and shape from the safetensors headers, and a
@@ -65,7 +65,7 @@ CONVERSIONS: dict[str, frozenset[str]] = {
 # What each receiving role converts on landing (the rest of LANDING must match).
 RECEIVER_CONVERTS: dict[Role, frozenset[str]] = {
     Role.MAIN_DECODE: frozenset({"kv_dtype", "layout", "block_size"}),
-    Role.RELAY_DECODE: frozenset(),
+    Role.RELAY_DECODE: frozenset({"kv_dtype", "layout", "block_size"}),
 }
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -61,7 +61,7 @@ from pdd.errors import (
 from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
 from pdd.protocol import Role
 from pdd.transfer import ChunkHeader
-from pdd.worker.kv_convert import Regroup
+from pdd.worker.kv_convert import Regroup, Scratch, covers
 from pdd.worker.kv_wire import KvWireCheck
 from pdd.worker.landing import Landing, Landings, Later
 
@@ -75,9 +75,7 @@ class _Converting:
     """A reservation's KV that P sends in another dtype, layout or block size: P's blocks in
     scratch until verified, then regrouped into MD's blocks (``kv_convert.Regroup``)."""
 
-    regroup: Regroup  # P's geometry -> MD's
-    bufs: dict[int, bytearray] = field(default_factory=dict)  # P's block -> its bytes
-    parts: dict[int, dict[int, int]] = field(default_factory=dict)  # P's block -> verified
+    scratch: Scratch  # P's blocks until verified; its regroup: P's geometry -> MD's
     slots: dict[int, memoryview] = field(default_factory=dict)  # MD's block -> its DRC slot
 
 
@@ -163,7 +161,7 @@ class DrcSource:
             return None  # a throw-away buffer (already cached), or a duplicate
         parts = s.verified.setdefault(i, {})
         parts[header.offset] = header.nbytes
-        if not rec.held or not _covers(parts, self._slot_bytes):
+        if not rec.held or not covers(parts, self._slot_bytes):
             return None  # more chunks of the block to come (or the lease ended: discarded)
         s.landed.add(i)
         block_hash = s.written[i]
@@ -175,10 +173,9 @@ class DrcSource:
         s, conv, ready = rec.slots, rec.slots.converting, []
         if conv is not None:
             if done:  # every byte arrived: the blocks not distributed yet are whole
-                for i in sorted(conv.bufs):
+                for i in sorted(conv.scratch.bufs):
                     ready += self._distribute(rec, conv, i)
-            conv.bufs.clear()
-            conv.parts.clear()
+            conv.scratch.clear()
             conv.slots.clear()
         pending = [s.written[i] for i in sorted(s.written) if i not in s.landed]
         s.written.clear()
@@ -201,17 +198,17 @@ class DrcSource:
             own = self._geometry()
             assert own is not None, "a converted chunk passed the check of a known geometry"
             try:
-                conv = rec.slots.converting = _Converting(Regroup(src, own))
+                conv = rec.slots.converting = _Converting(Scratch(Regroup(src, own)))
             except ConfigError as exc:
                 raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
-        elif conv.regroup.src != src:
+        elif conv.scratch.regroup.src != src:
             raise TransferError(f"KV of {rec.kv_id!r}: chunks in two KV geometries")
         return conv
 
     def _converted_buffer(self, rec: Rec, conv: _Converting, header: ChunkHeader):
         """The scratch of P's block; DRC slots for the blocks it fills."""
         s, i = rec.slots, header.block_start
-        want = [j for j in conv.regroup.targets(i) if j < len(s.chain)]
+        want = [j for j in conv.scratch.regroup.targets(i) if j < len(s.chain)]
         if not want:  # tokens past the prompt's last whole block here: read and drop
             return memoryview(bytearray(header.nbytes))
         for j in want:
@@ -221,26 +218,20 @@ class DrcSource:
             if slot is not None:
                 s.written[j] = s.chain[j]
                 conv.slots[j] = slot
-        buf = conv.bufs.setdefault(i, bytearray(conv.regroup.src.block_bytes))
-        return memoryview(buf)[header.offset : header.offset + header.nbytes]
+        return conv.scratch.view(i, header.offset, header.nbytes)
 
     def _verified_converted(self, rec: Rec, conv: _Converting, header: ChunkHeader) -> Ready:
         i = header.block_start
-        if i not in conv.bufs:
-            return []  # a throw-away buffer, or a duplicate
-        parts = conv.parts.setdefault(i, {})
-        parts[header.offset] = header.nbytes
-        if not rec.held or not _covers(parts, conv.regroup.src.block_bytes):
+        if not conv.scratch.verify(i, header.offset, header.nbytes) or not rec.held:
             return []
         return self._distribute(rec, conv, i)
 
     def _distribute(self, rec: Rec, conv: _Converting, i: int) -> Ready:
         """P's block ``i`` is whole: its tokens go into the DRC blocks it overlaps; the
         blocks that became whole, as (hash, bytes in MD's geometry, DRC slot)."""
-        s, data = rec.slots, conv.bufs.pop(i)
-        conv.parts.pop(i, None)
-        wanted = [j for j in conv.regroup.targets(i) if j in s.written and j not in s.landed]
-        done = conv.regroup.put(i, data, wanted) if wanted else {}
+        s, data, regroup = rec.slots, conv.scratch.pop(i), conv.scratch.regroup
+        wanted = [j for j in regroup.targets(i) if j in s.written and j not in s.landed]
+        done = regroup.put(i, data, wanted) if wanted else {}
         s.landed.update(done)
         return [(s.written[j], block, conv.slots.pop(j)) for j, block in done.items()]
 
@@ -308,13 +299,3 @@ def _write(data: bytes, slot: memoryview) -> bool:
         log.warning("KV block not converted (%s): discarded", exc)
         return False
     return True
-
-
-def _covers(parts: dict[int, int], size: int) -> bool:
-    """Whether the verified byte ranges ``{offset: nbytes}`` tile ``[0, size)`` exactly."""
-    end = 0
-    for offset in sorted(parts):
-        if offset != end:
-            return False
-        end += parts[offset]
-    return end == size

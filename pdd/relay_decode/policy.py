@@ -9,7 +9,9 @@ Its inbound KV runs the shell's landing state machine (``pdd.worker.landing.Land
                                      fleet credentials: a fresh landing key the router hands only
                                      to the P it chose, and no landing without a PrepareKv
     chunks land                      the view of block block_start's slot (a slot taken on the
-                                     first chunk of a block nobody reserved)
+                                     first chunk of a block nobody reserved); KV in another
+                                     dtype, layout or block size: P's block in scratch, then
+                                     regrouped into RLD's slots (``PoolSource``)
     Generate(kv_in)                  waits up to kv_in.wait_s for the transfer to be DONE, then
                                      loads the landed prefix (LoadParams); otherwise computes
                                      the prompt (still correct). Later chunks are refused.
@@ -25,16 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pdd.cache.arena import SlotArena
 from pdd.config import PddConfig, WorkerConfig
-from pdd.kv_geometry import KvGeometry
+from pdd.errors import ConfigError, OverloadedError, TransferError
+from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
+from pdd.protocol import Role
 from pdd.transfer import ChunkHeader, ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
 from pdd.worker.capacity import ArenaSize, setting_of
+from pdd.worker.kv_convert import Regroup, Scratch
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import plain, stream_loading
 from pdd.worker.kv_wire import KvWireCheck
@@ -66,25 +71,38 @@ class PoolSlots:
 
     slots: dict[int, int] = field(default_factory=dict)
     expected: int | None = None  # RLD takes whatever P sends
+    scratch: Scratch | None = None  # P sends KV in another geometry (``PoolSource``)
+    converted: set[int] = field(default_factory=set)  # then: RLD's blocks whole in their slots
 
     def loadable(self, whole_blocks: int) -> list[int]:
-        """Slots of the landed prefix [0, k), k <= whole_blocks."""
-        out = []
-        while len(out) < whole_blocks and len(out) in self.slots:
+        """Slots of the landed prefix [0, k), k <= whole_blocks (converted: the blocks every
+        token of which came; P's whole blocks may not cover the last one)."""
+        out: list[int] = []
+        landed = self.converted if self.scratch is not None else self.slots
+        while len(out) < whole_blocks and len(out) in landed:
             out.append(self.slots[len(out)])
         return out
 
 
 class PoolSource:
-    """RLD's slot source: its staging pool over the arena the connector loads from."""
+    """RLD's slot source: its staging pool over the arena the connector loads from.
+
+    KV that P sends in another dtype, layout or block size (``KvWireCheck`` names it) lands
+    block by block in a scratch buffer; once one of P's blocks is verified, its tokens go into
+    RLD's blocks (``kv_convert.Regroup``), and each RLD block every token of which came is
+    written into its slot. One that P's whole blocks do not cover never is: RLD computes it.
+    """
 
     noun = "landing"
     caches = False  # a released slot is reused at once
     opens_on_chunk = True  # a fleet without credentials may send before PrepareKv
 
-    def __init__(self, pool: SlotPool, arena: SlotArena) -> None:
+    def __init__(
+        self, pool: SlotPool, arena: SlotArena, geometry: Callable[[], KvGeometry | None]
+    ) -> None:
         self._pool = pool
         self._arena = arena
+        self._geometry = geometry  # RLD's own (the engine's)
 
     def open(self, kv_id: str) -> PoolSlots:
         return PoolSlots()
@@ -101,6 +119,8 @@ class PoolSource:
         self, rec: Landing[PoolSlots], header: ChunkHeader, src: KvGeometry | None
     ) -> memoryview:
         block, slots = header.block_start, rec.slots.slots
+        if src is not None:
+            return self._scratch(rec, src).view(block, header.offset, header.nbytes)
         slot = slots.get(block)
         if slot is None:
             slot = slots[block] = self._pool.allocate(rec.kv_id, 1)[0]
@@ -108,10 +128,52 @@ class PoolSource:
         return view[header.offset : header.offset + header.nbytes]
 
     def verified(self, rec: Landing[PoolSlots], header: ChunkHeader) -> Later:
-        return None  # the Generate loads after the whole transfer is DONE
+        """The Generate loads after the whole transfer is DONE; a converted block of P's is
+        regrouped into RLD's slots as soon as it is whole (its scratch freed)."""
+        scratch, i = rec.slots.scratch, header.block_start
+        if scratch is not None and rec.held and scratch.verify(i, header.offset, header.nbytes):
+            self._distribute(rec, scratch, i)
+        return None
 
     def received(self, rec: Landing[PoolSlots], done: bool) -> Later:
+        scratch = rec.slots.scratch
+        if scratch is not None:
+            if done and rec.held:  # every byte arrived: the blocks not regrouped yet are whole
+                for i in sorted(scratch.bufs):
+                    self._distribute(rec, scratch, i)
+            scratch.clear()
         return None
+
+    def _scratch(self, rec: Landing[PoolSlots], src: KvGeometry) -> Scratch:
+        """The landing's conversion from ``src``; TransferError for a second geometry."""
+        scratch = rec.slots.scratch
+        if scratch is None:
+            own = self._geometry()
+            assert own is not None, "a converted chunk passed the check of a known geometry"
+            try:
+                scratch = rec.slots.scratch = Scratch(Regroup(src, own))
+            except ConfigError as exc:
+                raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
+        elif scratch.regroup.src != src:
+            raise TransferError(f"KV of {rec.kv_id!r}: chunks in two KV geometries")
+        return scratch
+
+    def _distribute(self, rec: Landing[PoolSlots], scratch: Scratch, i: int) -> None:
+        """P's block ``i`` is whole: its tokens go into the RLD blocks it overlaps; each that
+        became whole is written into its slot (one taken now if PrepareKv reserved none; a
+        full pool leaves it, and what follows, to be computed)."""
+        s, data = rec.slots, scratch.pop(i)
+        wanted = [j for j in scratch.regroup.targets(i) if j not in s.converted]
+        for j, block in scratch.regroup.put(i, data, wanted).items():
+            slot = s.slots.get(j)
+            if slot is None:
+                try:
+                    slot = s.slots[j] = self._pool.allocate(rec.kv_id, 1)[0]
+                except OverloadedError:
+                    log.warning("KV of %s: no slot for block %d; RLD computes it", rec.kv_id, j)
+                    continue
+            self._arena.view(slot)[:] = block
+            s.converted.add(j)
 
     def ready_blocks(self, rec: Landing[PoolSlots]) -> int:
         slots = rec.slots
@@ -141,8 +203,10 @@ class RelayDecodeRole:
         self._block_size = ctx.block_size
         engine, arena = ctx.engine, ctx.plane.arena
         self._pool = SlotPool(arena.num_slots)
-        wire_check = KvWireCheck(arena.slot_bytes, lambda: engine.kv_geometry)
-        self._source = PoolSource(self._pool, arena)
+        geometry = lambda: engine.kv_geometry  # noqa: E731
+        converts = RECEIVER_CONVERTS[Role.RELAY_DECODE]
+        wire_check = KvWireCheck(arena.slot_bytes, geometry, converts)
+        self._source = PoolSource(self._pool, arena, geometry)
         self._landings = Landings(self._source, wire_check, ctx.worker.kv_landing_lease_s)
         self._ticker = Ticker(self.tick, TICK_S, "rld-leases")
 
@@ -151,7 +215,10 @@ class RelayDecodeRole:
     async def start(self) -> None:
         landings = self._landings
         landings.waiters.bind(asyncio.get_running_loop())
-        self._plane.start(ReceiverHooks(landings.allocate, on_received=landings.received))
+        hooks = ReceiverHooks(
+            landings.allocate, on_received=landings.received, on_verified=landings.verified
+        )
+        self._plane.start(hooks)
         self._ticker.start()
 
     async def stop(self) -> None:

@@ -157,3 +157,48 @@ class Regroup:
                 del self._have[j]
                 done[j] = _from_canonical(self._parts.pop(j), self.dst).tobytes()
         return done
+
+
+class Scratch:
+    """A receiver's sender blocks in another geometry, assembled chunk by chunk (a scratch
+    buffer each, and the byte ranges verified so far) until ``regroup`` takes them. Not
+    thread-safe: the receiver's landing lock guards it."""
+
+    def __init__(self, regroup: Regroup) -> None:
+        self.regroup = regroup
+        self.bufs: dict[int, bytearray] = {}  # sender block -> its bytes
+        self._parts: dict[int, dict[int, int]] = {}  # sender block -> verified {offset: n}
+
+    def view(self, block: int, offset: int, nbytes: int) -> memoryview:
+        """Where bytes [offset, offset + nbytes) of sender block ``block`` land."""
+        buf = self.bufs.get(block)
+        if buf is None:
+            buf = self.bufs[block] = bytearray(self.regroup.src.block_bytes)
+        return memoryview(buf)[offset : offset + nbytes]
+
+    def verify(self, block: int, offset: int, nbytes: int) -> bool:
+        """Record a verified chunk; True once every byte of ``block`` is (and it is here)."""
+        if block not in self.bufs:
+            return False  # a throw-away buffer, or a duplicate
+        parts = self._parts.setdefault(block, {})
+        parts[offset] = nbytes
+        return covers(parts, self.regroup.src.block_bytes)
+
+    def pop(self, block: int) -> bytearray:
+        """Sender block ``block``'s bytes, forgotten here."""
+        self._parts.pop(block, None)
+        return self.bufs.pop(block)
+
+    def clear(self) -> None:
+        self.bufs.clear()
+        self._parts.clear()
+
+
+def covers(parts: dict[int, int], size: int) -> bool:
+    """Whether the verified byte ranges ``{offset: nbytes}`` tile ``[0, size)`` exactly."""
+    end = 0
+    for offset in sorted(parts):
+        if offset != end:
+            return False
+        end += parts[offset]
+    return end == size

@@ -2,7 +2,8 @@
 own (``pdd.main_decode.landing.DrcLanding`` over a real DRC, chunks cut by the real planner):
 every block the DRC commits holds exactly ``kv_convert``'s answer (the same tokens' KV in
 MD's blocks), widening is bit-exact, a block whose chunks or tokens did not all arrive never
-commits, a cached prefix is skipped, and nothing stays pinned."""
+commits, a cached prefix is skipped, and nothing stays pinned. RelayDecode does the same into
+its staging slots (``pdd.relay_decode.policy.PoolSource``)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ import asyncio
 import numpy as np
 import pytest
 
+from pdd.cache.arena import SlotArena
 from pdd.cache.drc import DecodeRadixCache
 from pdd.cache.hashing import block_hashes, model_salt
 from pdd.config.cache import GIB, CacheConfig
-from pdd.kv_geometry import LAYOUT_KV_SPLIT, KvGeometry
+from pdd.kv_geometry import LAYOUT_KV_SPLIT, RECEIVER_CONVERTS, KvGeometry
 from pdd.main_decode.landing import DrcLanding
+from pdd.protocol import Role
+from pdd.relay_decode.policy import PoolSource
 from pdd.transfer import InboundResult, KVSegment, SendRequest, TransferState
 from pdd.transfer.wire import plan_chunks
 from pdd.worker.kv_convert import convert_block
-from pdd.worker.kv_wire import describe
+from pdd.worker.kv_wire import KvWireCheck, describe
+from pdd.worker.landing import Landings
+from pdd.worker.slots import SlotPool
 
 BS = 4
 # One block: 2 layers x 2 KV heads x 4 tokens x (2 x 4) = 128 values.
@@ -195,3 +201,58 @@ def test_md_regroups_ps_blocks_into_its_own_block_size(case: str):
     assert cached2 == whole
     assert got2 == want[: len(got2)] and len(got2) >= n_md  # the tail block came with turn 2
     assert (stats.pinned_blocks, stats.landing_blocks) == (0, 0)
+
+
+# --- RelayDecode: the same conversion into its staging slots ------------------------------
+
+
+def relay(own: KvGeometry, slots: int = 16):
+    """RLD's landings over its real staging pool and shared-memory arena."""
+    arena = SlotArena.create(slots, own.block_bytes, name_prefix="pdd-test")
+    pool = SlotPool(slots)
+    check = KvWireCheck(own.block_bytes, lambda: own, RECEIVER_CONVERTS[Role.RELAY_DECODE])
+    source = PoolSource(pool, arena, lambda: own)
+    land = Landings(source, check, lease_s=60)
+    return land, source, pool, arena
+
+
+@pytest.mark.parametrize("case", sorted(REGROUPS))
+def test_rld_regroups_ps_blocks_into_its_own_slots(case: str):
+    """RLD's slots hold, block for block, the KV of the same tokens in its own geometry, and
+    only the prefix P's whole blocks cover is loadable (P 8 -> RLD 4 over 22 tokens: RLD's
+    block 4, tokens 16-19, is not); every slot is released after."""
+    src, own, n = REGROUPS[case]
+    kv = token_kv(n)
+    p_blocks = blocks_in(kv, src)
+    n_rld = n // own.block_size
+    land, source, pool, arena = relay(own)
+    try:
+        land.reserve("kv", 60, False, lambda held, _lease: source.reserve("kv", held, n_rld))
+        land.received(send(land, src, p_blocks))
+        rec = land.take("kv")
+        assert rec is not None
+        loadable = rec.slots.loadable(n_rld)
+        got = [bytes(arena.view(slot)) for slot in loadable]
+        land.done_with(rec)
+        refused, in_use = land.wire_check.refused, pool.in_use
+    finally:
+        arena.close()
+        arena.unlink()
+    whole = n // src.block_size * src.block_size // own.block_size
+    assert got == blocks_in(as_sent(kv, src), own)[:whole]
+    assert len(got) == (4 if "tail" in case else n_rld)
+    assert (refused, in_use, land.open_records) == (0, 0, 0)
+
+
+def test_rld_loads_nothing_of_a_converted_transfer_cut_mid_way():
+    src, own = BF16_SPLIT, F32
+    land, source, pool, arena = relay(own)
+    try:
+        land.reserve("kv", 60, False, lambda held, _lease: source.reserve("kv", held, 3))
+        land.received(send(land, src, blocks_of(src, 3), stop_at=4))
+        rec = land.take("kv")  # a failed transfer: the Generate computes the prompt
+        in_use = pool.in_use
+    finally:
+        arena.close()
+        arena.unlink()
+    assert (rec, in_use, land.open_records) == (None, 0, 0)

@@ -100,9 +100,10 @@ def test_identity_fields_never_pair_landing_fields_pair_only_when_converted():
     for field, value in (("kv_dtype", "bfloat16"), ("block_size", 128), ("layout", "kv_split")):
         other = geometry(**{field: value})
         assert identity_conflict(a, other) is None
-        assert pair_conflict(a, other, rld) == field  # RelayDecode converts nothing
-        assert pair_conflict(a, other, md) is None  # MainDecode converts each
-        assert pair_conflict(other, a, md) is None
+        assert pair_conflict(a, other) == field  # a receiver that converts nothing
+        for converts in (md, rld):  # MainDecode and RelayDecode convert each
+            assert pair_conflict(a, other, converts) is None
+            assert pair_conflict(other, a, converts) is None
     # ... between the dtypes and layouts its kernel has, no others; KV heads it never regroups
     assert pair_conflict(a, geometry(kv_dtype="float16"), md) == "kv_dtype"
     assert pair_conflict(a, geometry(layout="gpu_paged"), md) == "layout"

@@ -50,19 +50,20 @@ def test_a_chunk_of_another_geometry_is_named_by_its_first_differing_field(field
     assert mismatch(header, G) == why
 
 
-def test_main_decode_takes_chunks_in_the_dtype_layout_and_block_size_it_converts_from():
-    """MD's check passes a bfloat16 / K-V-split / 128-token chunk and hands back the chunk's
-    geometry (its segment is one block in P's geometry); RLD's refuses it; another KV-head
-    range still refuses."""
+def test_decoders_take_chunks_in_the_dtype_layout_and_block_size_they_convert_from():
+    """MD's and RLD's checks pass a bfloat16 / K-V-split / 128-token chunk and hand back the
+    chunk's geometry (its segment is one block in P's geometry); a receiver that converts
+    nothing refuses it; another KV-head range still refuses."""
     md = KvWireCheck(G.block_bytes, lambda: G, RECEIVER_CONVERTS[Role.MAIN_DECODE])
     rld = KvWireCheck(G.block_bytes, lambda: G, RECEIVER_CONVERTS[Role.RELAY_DECODE])
+    plain = KvWireCheck(G.block_bytes, lambda: G)
     for change in ({"kv_dtype": "bfloat16"}, {"layout": "kv_split"}, {"block_size": 128}):
         src = G.model_copy(update=change)
         seg = KVSegment(bytes(src.block_bytes), block_start=0, block_end=1, **describe(src))
         header = plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header
-        assert md(header) == src
+        assert md(header) == rld(header) == src
         with pytest.raises(TransferError, match="not in this worker's KV geometry"):
-            rld(header)
+            plain(header)
     own = KVSegment(bytes(G.block_bytes), block_start=0, block_end=1, **describe(G))
     assert md(plan_chunks(1, SendRequest("kv", [own]), 1 << 30, algo=0)[0].header) is None
     half = G.model_copy(update={"kv_dtype": "bfloat16", "kv_head_end": 2})
@@ -73,7 +74,7 @@ def test_main_decode_takes_chunks_in_the_dtype_layout_and_block_size_it_converts
     seg = KVSegment(bytes(amx.block_bytes), block_start=0, block_end=1, **describe(amx))
     with pytest.raises(TransferError, match="layout: chunk cpu_amx, here cpu_packed_kv"):
         md(plan_chunks(1, SendRequest("kv", [seg]), 1 << 30, algo=0)[0].header)
-    assert (md.refused, rld.refused) == (2, 3)
+    assert (md.refused, rld.refused, plain.refused) == (2, 0, 3)
 
 
 def test_an_undescribed_chunk_is_not_in_any_geometry():
@@ -93,14 +94,19 @@ def test_routing_never_pairs_p_with_an_md_that_cannot_take_its_kv():
     assert d.worker(Role.MAIN_DECODE) == "md1"
 
 
-def test_an_md_of_another_dtype_pairs_an_rld_of_another_dtype_does_not():
-    """MD converts P's dtype on landing, RLD does not: a bfloat16 MD wins on its hit, a
-    bfloat16 RLD is no RLD (the request runs p_md)."""
+def test_decoders_of_another_dtype_pair_a_tp_shard_does_not():
+    """MD and RLD convert P's dtype on landing: a bfloat16 MD wins on its hit, a bfloat16 RLD
+    relays; an RLD holding only some KV heads (not regrouped) is no RLD (p_md)."""
     bf16 = G.model_copy(update={"kv_dtype": "bfloat16"})
     view = _fleet(p(geometry=G), md("md0", geometry=bf16), md("md1", geometry=G),
                   rld("rld0", geometry=bf16))  # fmt: skip
     d = choose(view, RouteRequest(4000, 16, md_cached_tokens={"md0": 4000}))
     assert d.worker(Role.MAIN_DECODE) == "md0" and d.pipeline is Pipeline.P_MD
+    d = choose(view, RouteRequest(4000, 16, pipeline=Pipeline.P_RLD_MD))
+    assert d.worker(Role.RELAY_DECODE) == "rld0"
+    shard = _fleet(p(geometry=G), md("md0", geometry=G),
+                   rld("rld0", geometry=G.model_copy(update={"kv_head_end": 2})))  # fmt: skip
+    assert choose(shard, RouteRequest(4000, 16)).pipeline is Pipeline.P_MD
 
 
 def test_no_compatible_md_refuses_the_request_naming_both_workers_and_the_field():
