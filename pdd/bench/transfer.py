@@ -18,6 +18,9 @@ of it arrived and when it released the transfer; both are compared with the link
         --sizes 737280,8388608,33554432 --repeats 3 --cancel-bytes 33554432 --out results/transfer-lab
     pdd lab down --prefix pddtx
     pdd bench transfer --receiver-netns NS --receiver-host IP   # any two namespaces
+    pdd lab up --prefix pddtx --subnet 10.99.7.0/28 --delay-ms 20 --rate-mbit 1000
+    pdd bench transfer --lab --lab-prefix pddtx --transports tcp --wan --link-mbit 1000 \
+        --out results/transfer-wan            # issue 16's first-transfer and behind figures
 
 Writes `transfer.json` and `transfer.png` (matplotlib, Agg) into --out (results/transfer/).
 """
@@ -66,6 +69,18 @@ def _parser() -> argparse.ArgumentParser:
         help="use `pdd lab` (must be up): sender in dc-a, receivers in dc-b",
     )
     p.add_argument("--lab-prefix", default="", help="prefix of the lab to use")
+    p.add_argument(
+        "--wan",
+        action="store_true",
+        help="the WAN figures instead: the first transfer to a new peer (--first-bytes), "
+        "and a small transfer (--small-bytes) submitted behind a large one (--behind-bytes)",
+    )
+    p.add_argument("--first-bytes", type=int, default=64 << 20, help="--wan: first transfer")
+    p.add_argument("--behind-bytes", type=int, default=1 << 30, help="--wan: the large one")
+    p.add_argument("--small-bytes", type=int, default=2 * BLOCK_BYTES, help="--wan: the small")
+    p.add_argument(
+        "--link-mbit", type=float, default=0.0, help="--wan: the link's rate (figures against it)"
+    )
     p.add_argument(
         "--tls", action="store_true", help="TCP with mutual TLS (a throwaway CA is generated)"
     )
@@ -244,6 +259,54 @@ def _cancel_once(runner: TransportRunner, payload: np.ndarray) -> dict:
     }
 
 
+def bench_wan(kind: str, args: argparse.Namespace, config: TransferConfig) -> dict:
+    """Issue 16's transport figures. ``first``: a sender that never sent to this receiver
+    sends ``--first-bytes`` (its flow plan starts from nothing known), against the link's rate.
+    ``behind``: once a ``--behind-bytes`` transfer is under way (an eighth acknowledged), a
+    ``--small-bytes`` one is submitted to the same peer; it should finish within 2 RTT plus its
+    own bytes at the link's rate (the sender shares a link between transfers, not FIFO)."""
+    big, small = args.behind_bytes, args.small_bytes
+    runner = TransportRunner(kind, config, max(args.first_bytes, big), args.receiver_netns)
+    addr = runner.peer.address
+    try:
+        t_first = runner.send(pattern(1, args.first_bytes))
+        runner.drain()
+        est = runner.sender.link_estimate(addr)
+        rtt = est.rtt_s if est else 0.0
+        link_bps = args.link_mbit * 1e6 or (est.bandwidth_bps if est else 0.0)
+        h_big = runner.sender.send(addr, SendRequest("big", [KVSegment(pattern(2, big))],
+                                                     deadline_s=600))  # fmt: skip
+        deadline = time.monotonic() + 300
+        while h_big.status().bytes_acked < big // 8 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        h_small = runner.sender.send(addr, SendRequest("small", [KVSegment(pattern(3, small))]))
+        small_state = h_small.wait(300).state
+        t_small = time.perf_counter() - t0
+        big_acked_then = h_big.status().bytes_acked
+        big_state = h_big.wait(600).state
+        runner.drain()
+    finally:
+        info = runner.close()
+    bound = 2 * rtt + (small * 8 / link_bps if link_bps else 0.0)
+    first_bps = args.first_bytes * 8 / t_first
+    return {
+        "rtt_s": rtt,
+        "link_mbit": link_bps / 1e6,
+        "first": {
+            "bytes": args.first_bytes, "seconds": t_first, "mbit_s": first_bps / 1e6,
+            "fraction_of_link": first_bps / link_bps if link_bps else None,
+        },
+        "behind": {
+            "big_bytes": big, "small_bytes": small, "small_seconds": t_small,
+            "bound_seconds": bound, "within_bound": t_small <= bound,
+            "big_fraction_acked_when_small_done": big_acked_then / big,
+            "states": [small_state.value, big_state.value],
+        },
+        **info,
+    }  # fmt: skip
+
+
 def claims(results: dict) -> dict:
     """The figures the issue asks for, read off this run."""
     out: dict = {}
@@ -257,6 +320,14 @@ def claims(results: dict) -> dict:
         if kind == "ucx":
             out["ucx_64MiB_gib_s"] = row["transport_stats"]["gib_s"]
             out["ucx_64MiB_at_least_5_gib_s"] = row["transport_stats"]["gib_s"] >= 5.0
+    for kind, res in results.get("wan", {}).items():
+        frac = res["first"]["fraction_of_link"]
+        if frac is not None:
+            out[f"{kind}_first_transfer_fraction_of_link"] = frac
+            out[f"{kind}_first_transfer_at_least_80pct_of_link"] = frac >= 0.8
+        out[f"{kind}_small_behind_large_within_2_rtt_plus_its_bytes"] = res["behind"][
+            "within_bound"
+        ]
     for kind, res in results["cancel"].items():
         runs = res["runs"]
         out[f"{kind}_cancel_stopped_within_2_rtt"] = all(r["stopped_within_2_rtt"] for r in runs)
@@ -345,9 +416,13 @@ def main(argv: list[str]) -> int:
         files = {"tls_cert_file": "receiver.pem", "tls_key_file": "receiver.key"}
         tls = {k: pki[v] for k, v in files.items()} | {"tls_ca_file": pki["ca.pem"]}
         config = config.model_copy(update={"tls": True, **tls})
-    results = {"meta": _meta(args, config), "throughput": {}, "cancel": {}}
+    results: dict = {"meta": _meta(args, config), "throughput": {}, "cancel": {}}
     print(results["meta"]["uptime"], flush=True)
     for kind in kinds:
+        if args.wan:
+            wan = results.setdefault("wan", {})[kind] = bench_wan(kind, args, config)
+            print(f"{kind:>6} wan: {json.dumps({k: wan[k] for k in ('first', 'behind')})}")
+            continue
         results["throughput"][kind] = bench_throughput(kind, sizes, args, config)
         if not args.no_cancel:
             results["cancel"][kind] = bench_cancel(kind, args, config)
@@ -360,6 +435,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(results, indent=2, default=str))
-    plot(results, out / "transfer.png")
-    print(f"wrote {out / 'transfer.json'} and {out / 'transfer.png'}")
+    if results["throughput"]:
+        plot(results, out / "transfer.png")
+    print(f"wrote {out / 'transfer.json'}" + (" and transfer.png" if results["throughput"] else ""))
     return 0
