@@ -78,6 +78,14 @@ class EngineConfig(Section):
     )
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching.")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start).")
+    async_scheduling: bool | None = Field(
+        None,
+        description="vLLM's asynchronous scheduling (it schedules step N+1 before step N's "
+        "output is back). Null: vLLM's default (on for GPUs, always off on CPU). pdd's "
+        "connector copies KV on the forward's own stream, in the step that computed it, and "
+        "synchronizes before it reports the copy, so it does not depend on it "
+        "(docs/architecture.md); false turns it off.",
+    )
     omp_threads_bind: str = Field(
         "auto", description="VLLM_CPU_OMP_THREADS_BIND for this engine (CPU only)."
     )

@@ -223,6 +223,7 @@ class Engine:
             max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens,
             enforce_eager=e.enforce_eager,
+            async_scheduling=e.async_scheduling,
             seed=e.seed,
             skip_tokenizer_init=True,
             # CPU: an exact KV budget in bytes (fractional GiB allowed). GPU: a memory fraction.

@@ -85,6 +85,12 @@ def test_a_workers_engine_dtype_overrides_the_models(engine_cls, tmp_path) -> No
     assert block_bytes_of(model, 32, "bfloat16") * 2 == block_bytes_of(model, 32) == 1_474_560
 
 
+def test_async_scheduling_is_vllms_default_unless_the_config_says(engine_cls, tmp_path):
+    assert engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path).async_scheduling is None
+    off = EngineConfig(async_scheduling=False)
+    assert engine_cls(ModelConfig(), off)._engine_args(tmp_path).async_scheduling is False
+
+
 def test_every_engine_registers_the_constraint_and_penalty_processors(engine_cls, tmp_path):
     from pdd.engine.constraint import FQCN
     from pdd.engine.penalties import FQCN as PENALTIES
