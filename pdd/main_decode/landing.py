@@ -289,6 +289,11 @@ class DrcLanding(Landings[DrcSlots]):
         self.hit_tokens += res.cached_tokens
         return res
 
+    def kept_room(self) -> int:
+        """DRC blocks the kept landings hold and would give up to a new request (their
+        landing slots no block has landed in yet): part of MD's free room (Stats)."""
+        return self.kept_blocks(lambda s: max(0, s.expected - len(s.landed)))
+
 
 def _write(data: bytes, slot: memoryview) -> bool:
     """Write a whole block, already in MD's geometry (``Regroup``), into its DRC slot; False:

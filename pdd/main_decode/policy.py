@@ -219,7 +219,7 @@ class MainDecodeRole:
         return KvStats(
             pinned_slots=drc.pinned_blocks + drc.landing_blocks,
             arena_blocks=drc.capacity_blocks,
-            free_blocks=drc.free_blocks + drc.evictable_blocks,
+            free_blocks=drc.free_blocks + drc.evictable_blocks + self._landing.kept_room(),
             open_transfers=self._plane.open_transfers(),
             drc=drc,
             drc_query_tokens=self._landing.query_tokens,

@@ -146,7 +146,8 @@ WORKER_METRICS = (
     _m("pdd_worker_kv_arena_blocks", G, "blocks", R, KV_WORKERS,
        "KV arena size (P: staging slots, RLD: landing slots, MD: DRC blocks)."),
     _m("pdd_worker_kv_free_blocks", G, "blocks", R, KV_WORKERS,
-       "Arena blocks a new request can have now (MD: free + evictable); the router routes by it."),
+       "Arena blocks a new request can have now (MD: free + evictable + kept landings' "
+       "slots); the router routes by it."),
     _m("pdd_worker_kv_open_transfers", G, "transfers", R, KV_WORKERS,
        "KV transfers (in + out) not yet terminal."),
     _m("pdd_worker_wan_bandwidth_bps", G, "bits_per_second", R, PREFILL,

@@ -339,6 +339,12 @@ class Landings(Generic[S]):
         self.settle(rec)
         return True
 
+    def kept_blocks(self, held: Callable[[S], int]) -> int:
+        """What the kept landings still open hold (``held`` of each one's slots): room a new
+        request gets when it needs it (``give_up_kept``)."""
+        with self._lock:
+            return sum(held(r.slots) for r in self._recs.values() if r.kept and r.held)
+
     def give_up_kept(self, why: str) -> int:
         """Give up every kept landing still open (a new request needs their slots more than
         a later one needs their KV); what already landed stays. Returns how many."""

@@ -82,7 +82,7 @@ def _kv_gauges(kv: KvStats) -> list[tuple[str, str, float]]:
         ("pdd_worker_kv_arena_blocks", "KV arena size (P: staging slots, RLD: landing slots, "
          "MD: DRC blocks).", kv.arena_blocks),
         ("pdd_worker_kv_free_blocks", "Arena blocks a new request can have now (MD: free + "
-         "evictable); the router routes by it.", kv.free_blocks),
+         "evictable + kept landings' slots); the router routes by it.", kv.free_blocks),
         ("pdd_worker_kv_open_transfers", "KV transfers (in + out) not yet terminal.",
          kv.open_transfers),
         ("pdd_worker_wan_bandwidth_bps", "Live WAN bandwidth estimate toward MD (bits/s).",

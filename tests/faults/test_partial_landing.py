@@ -220,8 +220,11 @@ def test_a_kept_landing_gives_its_room_up_to_a_new_request():
     async def run():
         land.waiters.bind(asyncio.get_running_loop())
         land.prepare("kept", chain(N_BLOCKS), N_BLOCKS * BLOCK_SIZE, lease_s=60)
+        assert land.kept_room() == 0  # a Generate will still read it: not room
         assert land.keep("kept", "rld_finished")
+        assert land.kept_room() == N_BLOCKS  # MD reports it in its free room
         res = land.prepare("new", other, N_BLOCKS * BLOCK_SIZE, lease_s=60)
+        assert land.kept_room() == 0
         state = await land.await_kv("kept", 1)
         land.cancel("new", "test over")
         return len(res.receive), state.state

@@ -20,8 +20,9 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
     RLD  among RLDs with a free sequence slot and room to land the prompt's KV, the most free
          slots (max_num_seqs - load); ties: lower load fraction, fewest served, id.
     room (KV capacity): each worker's Stats report its arena and the blocks a new request can
-         have (``kv_free_blocks``; MD: free + evictable DRC blocks). P is chosen among the Ps
-         with room for the prompt's whole blocks when any has it (else the chosen P's own
+         have (``kv_free_blocks``; MD: free + evictable DRC blocks + the slots of landings
+         kept for a later turn, which give way). P is chosen among the Ps with room for the
+         prompt's whole blocks when any has it (else the chosen P's own
          refusal answers: 429 with Retry-After, or 400 when it can never fit); an RLD without
          room is not picked (p_md instead). Between polls the pool takes what it routed off
          each worker's room (``WorkerPool.note_routed``).
