@@ -7,7 +7,8 @@ ends its short turns before their KV lands?
 Each conversation: a cold prompt of --cold-words words (~3.6 tokens a word), then --turns - 1
 turns that re-send the history with the answer and --new-words more words (~64 tokens: a
 tool call's result), --tokens greedy tokens each (ignore_eos), pipelines chosen by the router,
-back to back. Per turn: the pipeline, MD's cached tokens, RLD's tokens, the handoff. Per
+back to back or --think-s seconds apart (the agent's tool running; a deferred transfer then
+has the link to itself). Per turn: the pipeline, MD's cached tokens, RLD's tokens, the handoff. Per
 conversation, once the fleet is quiet (nothing pinned or open, MD's received bytes steady):
 RLD's share of the tokens, and MD's received KV bytes against the final prompt's raw KV (the
 cold turn's ``wan_kv_raw_bytes`` per block). --one-off marks every turn ``"one_off": true``
@@ -79,6 +80,7 @@ def conversation(args: argparse.Namespace) -> dict:
         if k + 1 < args.turns:
             more = " ".join(f"t{k}x{j}" for j in range(args.new_words))
             prompt += out["choices"][0]["text"] + " " + more
+            time.sleep(args.think_s)  # the agent's tool runs meanwhile
     received = _md_bytes_when_quiet(args.url) - before
     cold = turns[0]
     block = args.block_size
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--block-size", type=int, default=32, help="MD's KV block (tokens)")
     ap.add_argument("--one-off", action="store_true", help='mark every turn "one_off"')
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="seconds between a turn's answer and the next turn (a tool running)")  # fmt: skip
     ap.add_argument("--out", default="results/agent-turns")
     args = ap.parse_args(argv)
     runs = [conversation(args) for _ in range(args.conversations)]

@@ -199,7 +199,8 @@ def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
     by the benchmark."""
     s, _ = pdd_lab
     args = argparse.Namespace(url=s.url, model=model_name(), turns=5, cold_words=560,
-                              new_words=20, tokens=24, block_size=32, one_off=False)  # fmt: skip
+                              new_words=20, tokens=24, block_size=32, one_off=False,
+                              think_s=0.0)  # fmt: skip
     run = agent_turns.conversation(args)
     first = run["turns"][0]
     assert (first["pipeline"], first["handoff"]) == ("p_rld_md", "rld_finished"), first
