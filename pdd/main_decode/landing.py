@@ -54,14 +54,13 @@ from pdd.cache.hashing import BlockHash
 from pdd.errors import (
     CacheError,
     CacheFullError,
-    ConfigError,
     InvalidRequestError,
     TransferError,
 )
 from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
 from pdd.protocol import Role
 from pdd.transfer import ChunkHeader
-from pdd.worker.kv_convert import Regroup, Scratch, covers
+from pdd.worker.kv_convert import Scratch, covers, scratch_for
 from pdd.worker.kv_wire import KvWireCheck
 from pdd.worker.landing import Landing, Landings, Later
 
@@ -194,15 +193,9 @@ class DrcSource:
     def _converting(self, rec: Rec, src: KvGeometry) -> _Converting:
         """The reservation's conversion from ``src``; TransferError for a second geometry."""
         conv = rec.slots.converting
+        scratch = scratch_for(conv.scratch if conv else None, src, self._geometry(), rec.kv_id)
         if conv is None:
-            own = self._geometry()
-            assert own is not None, "a converted chunk passed the check of a known geometry"
-            try:
-                conv = rec.slots.converting = _Converting(Scratch(Regroup(src, own)))
-            except ConfigError as exc:
-                raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
-        elif conv.scratch.regroup.src != src:
-            raise TransferError(f"KV of {rec.kv_id!r}: chunks in two KV geometries")
+            conv = rec.slots.converting = _Converting(scratch)
         return conv
 
     def _converted_buffer(self, rec: Rec, conv: _Converting, header: ChunkHeader):

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 from pdd.cache.arena import SlotArena
 from pdd.config import PddConfig, WorkerConfig
-from pdd.errors import ConfigError, OverloadedError, TransferError
+from pdd.errors import OverloadedError
 from pdd.kv_geometry import RECEIVER_CONVERTS, KvGeometry
 from pdd.protocol import Role
 from pdd.transfer import ChunkHeader, ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
 from pdd.worker.capacity import ArenaSize, setting_of
-from pdd.worker.kv_convert import Regroup, Scratch
+from pdd.worker.kv_convert import Scratch, scratch_for
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import plain, stream_loading
 from pdd.worker.kv_wire import KvWireCheck
@@ -120,7 +120,9 @@ class PoolSource:
     ) -> memoryview:
         block, slots = header.block_start, rec.slots.slots
         if src is not None:
-            return self._scratch(rec, src).view(block, header.offset, header.nbytes)
+            s = rec.slots
+            s.scratch = scratch_for(s.scratch, src, self._geometry(), rec.kv_id)
+            return s.scratch.view(block, header.offset, header.nbytes)
         slot = slots.get(block)
         if slot is None:
             slot = slots[block] = self._pool.allocate(rec.kv_id, 1)[0]
@@ -143,20 +145,6 @@ class PoolSource:
                     self._distribute(rec, scratch, i)
             scratch.clear()
         return None
-
-    def _scratch(self, rec: Landing[PoolSlots], src: KvGeometry) -> Scratch:
-        """The landing's conversion from ``src``; TransferError for a second geometry."""
-        scratch = rec.slots.scratch
-        if scratch is None:
-            own = self._geometry()
-            assert own is not None, "a converted chunk passed the check of a known geometry"
-            try:
-                scratch = rec.slots.scratch = Scratch(Regroup(src, own))
-            except ConfigError as exc:
-                raise TransferError(f"KV of {rec.kv_id!r}: {exc.message}") from exc
-        elif scratch.regroup.src != src:
-            raise TransferError(f"KV of {rec.kv_id!r}: chunks in two KV geometries")
-        return scratch
 
     def _distribute(self, rec: Landing[PoolSlots], scratch: Scratch, i: int) -> None:
         """P's block ``i`` is whole: its tokens go into the RLD blocks it overlaps; each that

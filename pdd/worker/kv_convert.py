@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pdd.errors import ConfigError
+from pdd.errors import ConfigError, TransferError
 from pdd.kv_geometry import CONVERSIONS, LAYOUT_CPU_PACKED, KvGeometry, identity_conflict
 
 DTYPES = tuple(sorted(CONVERSIONS["kv_dtype"]))
@@ -192,6 +192,23 @@ class Scratch:
     def clear(self) -> None:
         self.bufs.clear()
         self._parts.clear()
+
+
+def scratch_for(
+    held: Scratch | None, src: KvGeometry, own: KvGeometry | None, kv_id: str
+) -> Scratch:
+    """A landing's scratch for KV sent in ``src`` (``held``: the one it has, else a new one
+    into ``own``). TransferError, refusing the chunk, for a pair ``Regroup`` cannot convert or
+    chunks of one landing in two geometries."""
+    if held is not None:
+        if held.regroup.src != src:
+            raise TransferError(f"KV of {kv_id!r}: chunks in two KV geometries")
+        return held
+    assert own is not None, "a converted chunk passed the check of a known geometry"
+    try:
+        return Scratch(Regroup(src, own))
+    except ConfigError as exc:
+        raise TransferError(f"KV of {kv_id!r}: {exc.message}") from exc
 
 
 def covers(parts: dict[int, int], size: int) -> bool:
