@@ -144,6 +144,8 @@ class ConversationLruCache:
             have = self._blocks.get(conv, 0)
         add = min(want - have, self.capacity - self.used_blocks)
         if add > 0:
+            if conv not in self._blocks and self.holders is not None:  # evicted whole for room
+                self.holders.setdefault(conv, {})[self.owner] = self
             self._blocks[conv] = have + add
             self._blocks.move_to_end(conv)
             self.used_blocks += add

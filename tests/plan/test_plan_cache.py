@@ -53,3 +53,19 @@ def test_eviction_is_lru_by_conversation_and_spares_pins() -> None:
         cache.unpin(pin)
         cache.store(4, 16)  # now 1 is the oldest
         assert cache.cached_tokens(1, 16) == 0
+
+
+def test_a_conversation_evicted_whole_to_store_its_own_turn_stays_a_holder() -> None:
+    """The router's view (holders) must list every conversation a cache holds: one that had to
+    give up all its old blocks for its longer turn (the cache full, nothing else to evict)
+    and got some of them back is still listed, and can be evicted again later."""
+    holders: dict = {}
+    cache = ConversationLruCache(8 * 4, 4, "d0", holders)
+    cache.store(1, 6 * 4)
+    cache.pin(1, 6 * 4)  # ... in flight: not evicted for the next one
+    cache.store(2, 2 * 4)
+    cache.unpin((1, 6))
+    cache.store(2, 12 * 4)  # longer than the cache: conversation 1 goes, then 2's old blocks
+    assert holders == {2: {"d0": cache}} and cache.cached_tokens(2, 12 * 4) == 8 * 4
+    cache.store(3, 8 * 4)  # evicts 2 whole: nothing is left of it, anywhere
+    assert holders == {3: {"d0": cache}}
