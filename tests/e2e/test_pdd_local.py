@@ -509,14 +509,16 @@ def test_an_md_of_another_block_size_keeps_the_conversation(served, md_block_128
 
 def test_a_p_of_another_block_size_equals_single_engine(served, codec, prompts, oracle, tmp_path):
     """P block 128 -> RLD and MD block 32, float32: the greedy text of p_md and of p_rld_md
-    with One-Shot and with Catch-Up equals one engine's on every prompt. RLD and MD each
-    regroup P's blocks into their own as they land; neither refuses a chunk."""
+    with One-Shot and with Catch-Up equals one engine's. RLD and MD each regroup P's blocks
+    into their own as they land; neither refuses a chunk. p_md runs every prompt, each
+    p_rld_md variant every 4th (all 20 took 6 minutes: run once, 2026-12-04, all equal)."""
     refused = {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")}
     with (_extra_worker("p", ["block_size=128"], tmp_path / "p128.log") as port,
           _router_over(served, {"p": port}) as (router, rows)):  # fmt: skip
         assert rows["p"]["geometry"]["block_size"] == 128
         for variant, hints in VARIANTS.items():
-            for prompt, expected in zip(prompts, oracle, strict=True):
+            step = 1 if variant == "p_md" else 4
+            for prompt, expected in zip(prompts[::step], oracle[::step], strict=True):
                 body = complete(router.url, prompt, hints)
                 assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
                     variant, len(prompt), body["pdd"])  # fmt: skip
