@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.cache.arena import FenceBoard, SlotArena
@@ -43,6 +44,9 @@ class FakeEngine:
     running: set[str] = field(default_factory=set)
     gate: asyncio.Event | None = None  # when set by a test: requests wait for it per token
     kv_geometry: KvGeometry | None = None  # what its KV is (pdd.kv_geometry); None: unknown
+    # the bytes a loaded block must hold: P's block_bytes, or (a receiver that converts) P's
+    # converted into its own geometry
+    expect: Callable[[list[int], int], bytes] = block_bytes
 
     def validate(self, prompt: list[int], sampling: SamplingSpec) -> None:
         if not prompt:
@@ -89,7 +93,7 @@ class FakeEngine:
             return wrap(exported=ExportResult(num_blocks=n, num_tokens=n * bs, complete=True))
         slots = params.load.slots
         ok = all(
-            bytes(self.arena.view(s)) == block_bytes(prompt[: (i + 1) * bs], size)
+            bytes(self.arena.view(s)) == self.expect(prompt[: (i + 1) * bs], size)
             for i, s in enumerate(slots)
         )
         self.loads.append((rid, len(slots), ok))
