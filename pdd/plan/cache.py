@@ -140,17 +140,17 @@ class ConversationLruCache:
             return
         short = want - have - (self.capacity - self.used_blocks)
         if short > 0:
-            self._evict(short)
-            have = self._blocks.get(conv, 0)
+            self._evict(short, keep=conv)
+            have = self._blocks[conv]
         add = min(want - have, self.capacity - self.used_blocks)
         if add > 0:
-            if conv not in self._blocks and self.holders is not None:  # evicted whole for room
-                self.holders.setdefault(conv, {})[self.owner] = self
             self._blocks[conv] = have + add
             self._blocks.move_to_end(conv)
             self.used_blocks += add
 
-    def _evict(self, n: int) -> None:
+    def _evict(self, n: int, keep: int) -> None:
+        """Free ``n`` blocks, LRU first; conversation ``keep`` (the one being stored, which may
+        give up its own old blocks for its longer turn) keeps its entry, even at 0 blocks."""
         gone = []
         for conv, blocks in self._blocks.items():  # LRU first; stops once n are freed
             if n <= 0:
@@ -162,7 +162,7 @@ class ConversationLruCache:
             self._blocks[conv] = blocks - take  # same key: iteration stays valid
             self.used_blocks -= take
             n -= take
-            if blocks == take:
+            if blocks == take and conv != keep:
                 gone.append(conv)
         for conv in gone:
             self._forget(conv)
