@@ -56,8 +56,8 @@ class EngineConfig(Section):
     dtype: Literal["bfloat16", "float32"] | None = Field(
         None,
         description="This engine's weights and KV-cache dtype (null: model.dtype), e.g. per "
-        "worker in workers[].engine. MainDecode converts P's KV into its own dtype as it lands; "
-        "RelayDecode does not: the router never pairs a P with an RLD of another.",
+        "worker in workers[].engine. RelayDecode and MainDecode convert P's KV into their own "
+        "dtype as it lands.",
     )
     max_model_len: int = Field(4096, gt=0, description="Context length (prompt + output tokens).")
     kv_cache_space_gib: float = Field(
