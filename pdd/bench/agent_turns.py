@@ -23,6 +23,7 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -47,7 +48,7 @@ def _md_bytes_when_quiet(url: str, timeout_s: float = 300) -> int:
             return got
         last = got
         time.sleep(1.5)
-    raise RuntimeError("the fleet's KV planes never went quiet")
+    raise RuntimeError(f"the fleet's KV planes never went quiet in {timeout_s:g} s: {planes}")
 
 
 def _ask(url: str, model: str, prompt: str, tokens: int, one_off: bool) -> dict:
@@ -59,7 +60,9 @@ def _ask(url: str, model: str, prompt: str, tokens: int, one_off: bool) -> dict:
     return r.json() | {"e2e_s": time.perf_counter() - t0}
 
 
-def conversation(args: argparse.Namespace) -> dict:
+def conversation(args: argparse.Namespace, after_turn: Callable[[int], None] | None = None) -> dict:
+    """One agent conversation of ``args.turns`` turns; ``after_turn(k)`` runs once turn ``k``
+    (from 0) answered, before the next is sent."""
     before = _md_bytes_when_quiet(args.url)
     prompt = f"Conversation {uuid.uuid4().hex[:8]}: " + " ".join(
         f"a{i}" for i in range(args.cold_words)
@@ -77,6 +80,8 @@ def conversation(args: argparse.Namespace) -> dict:
             "completion_tokens": out["usage"]["completion_tokens"], "e2e_s": out["e2e_s"],
         })  # fmt: skip
         print(json.dumps(turns[-1]), flush=True)
+        if after_turn is not None:
+            after_turn(k)
         if k + 1 < args.turns:
             more = " ".join(f"t{k}x{j}" for j in range(args.new_words))
             prompt += out["choices"][0]["text"] + " " + more

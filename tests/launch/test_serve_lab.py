@@ -11,6 +11,7 @@ Each uses its own lab prefix and subnet (pdtserve, 10.77.2.0/28), never a user's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import httpx
@@ -186,22 +187,48 @@ def debug_record(url: str, request_id: str) -> dict:
     return httpx.get(url.removesuffix("/v1") + f"/debug/requests/{request_id}", timeout=10).json()
 
 
+LAB_RATE_MBIT, SLOW_RATE_MBIT = 100, 5  # configs/lab.yaml's link; a cold prompt's KV ~150 s
+
+
+@contextlib.contextmanager
+def slow_wan(lab: Lab):
+    """The WAN at 5 Mbit/s while the block runs (the lab's 100 after, even on failure): a
+    cold ~2,000-token prompt's KV (~92 MB in float32) then takes ~150 s to cross, so RLD
+    ends its few tokens first on any machine (the slowest CI run took ~36 s for the whole
+    request). Behaviour, not the machine's speed, decides the handoff. Yields `restore`, to
+    give the link its rate back sooner."""
+    slow = True
+
+    def restore() -> None:
+        nonlocal slow
+        if slow:
+            slow = False
+            lab.set_rate(LAB_RATE_MBIT)
+
+    lab.set_rate(SLOW_RATE_MBIT)
+    try:
+        yield restore
+    finally:
+        restore()
+
+
 def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
     """An agent's conversation (issue 16, item 6; `pdd bench agent-turns`): a cold ~2,000-token
     prompt, then 4 turns that each re-send the history with the 24-token answer and ~64 new
-    tokens. RLD ends the cold turn (its 24 tokens take less than the ~7 s its KV needs on the
-    100 Mbit/s link), and MD's KV is not cut but keeps crossing behind other transfers; a turn
-    routed to MD while the previous turn's KV is still on its way takes it over (its own
-    transfer carries those blocks). So, whatever this machine's speed: nothing crosses twice
-    (the WAN carries at most 1.3x the final prompt's KV), and once the link is quiet MD holds
-    the whole conversation: repeating its last prompt sends no KV. Per-turn pipelines and
-    RLD's share depend on how fast the link drains against the turns: printed, and measured
-    by the benchmark."""
-    s, _ = pdd_lab
+    tokens. RLD ends the cold turn (the link is slowed while it runs, `slow_wan`; back at
+    100 Mbit/s once it answered), and MD's KV is not cut but keeps crossing behind other
+    transfers; a turn routed to MD while the previous turn's KV is still on its way takes it
+    over (its own transfer carries those blocks). So, whatever this machine's speed: nothing
+    crosses twice (the WAN carries at most 1.3x the final prompt's KV), and once the link is
+    quiet MD holds the whole conversation: repeating its last prompt sends no KV. Per-turn
+    pipelines and RLD's share depend on how fast the link drains against the turns: printed,
+    and measured by the benchmark."""
+    s, lab = pdd_lab
     args = argparse.Namespace(url=s.url, model=model_name(), turns=5, cold_words=560,
                               new_words=20, tokens=24, block_size=32, one_off=False,
                               think_s=0.0)  # fmt: skip
-    run = agent_turns.conversation(args)
+    with slow_wan(lab) as restore:  # from the second turn on, the lab's own link
+        run = agent_turns.conversation(args, after_turn=lambda k: restore())
     first = run["turns"][0]
     assert (first["pipeline"], first["handoff"]) == ("p_rld_md", "rld_finished"), first
     assert debug_record(s.url, first["id"])["pdd"]["kv_deferred"] is True
@@ -216,14 +243,14 @@ def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
 
 
 def test_lab_a_one_off_request_that_rld_finishes_cuts_md_s_transfer(pdd_lab):
-    """The same cold shape marked "pdd": {"one_off": true}: RLD finishes first and the
-    router cancels MD's transfer, so the whole prompt's KV (~92 MB in float32, ~7 s on the
-    link) never crosses, and nothing stays pinned or open on any worker. No bound on how far
-    it got: that depends on the machine's decode speed."""
-    s, _ = pdd_lab
+    """The same cold shape marked "pdd": {"one_off": true}: RLD finishes first (the link is
+    slowed meanwhile, `slow_wan`) and the router cancels MD's transfer, so the whole prompt's
+    KV never crosses, and nothing stays pinned or open on any worker."""
+    s, lab = pdd_lab
     before = settled_kv(s.url)["md"]["bytes_received"]
     words = " ".join(f"v{i}" for i in range(560))  # ~2,000 tokens
-    out = ask(s.url, words, 8, pipeline="p_rld_md", one_off=True)
+    with slow_wan(lab):
+        out = ask(s.url, words, 8, pipeline="p_rld_md", one_off=True)
     assert out["usage"]["completion_tokens"] == 8
     assert (out["pdd"]["pipeline"], out["pdd"]["handoff"]) == ("p_rld_md", "rld_finished")
     assert out["pdd"]["rld_tokens"] == 7  # P emitted the first token, RLD the rest
