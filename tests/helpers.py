@@ -171,3 +171,13 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(interval_s)
+
+
+def at_once(fn, items, clients: int = 4) -> list:
+    """``fn`` over ``items`` from ``clients`` threads, the results in ``items``' order: a few
+    clients at once, as a server meets them (the engines batch their requests). The first
+    exception is raised here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(fn, items))

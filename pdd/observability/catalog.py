@@ -5,7 +5,7 @@ is the family whose ``_bucket``, ``_sum`` and ``_count`` series are scraped), it
 labels and the processes that export it. ``deploy/grafana/pdd-dashboard.json`` may only read
 names from here (``tests/observability/test_dashboard.py``), the router must register exactly
 its own entries (``test_router_metrics.py``), and a running system must export every entry
-the dashboard reads (``test_metrics_live.py``). ``status`` says whether the exporter has it
+the dashboard reads (``tests/observability/live.py``). ``status`` says whether the exporter has it
 today: ``built`` or ``planned`` (the code does not export it yet).
 
 Labels come from a closed set (``PDD_LABELS``): never request ids or anything unbounded.

@@ -19,7 +19,8 @@ import pytest
 from pdd.config import ModelConfig, load_config
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.router.text.tokenizer import TextCodec
-from tests.helpers import run_oracle, serve, start_router, stop, wait_until
+from tests.helpers import at_once, run_oracle, serve, start_router, stop, wait_until
+from tests.observability import live
 from tests.router.test_api_tools import TIME, WEATHER  # the tools the fake-worker tests use
 
 pytestmark = pytest.mark.slow
@@ -91,7 +92,7 @@ def oracle(prompts):
 
 @pytest.fixture(scope="module")
 def served():
-    s = serve(CONFIG, WORKERS, COMMON)
+    s = serve(CONFIG, WORKERS, COMMON, pin_metrics_ports=True)
     yield s
     assert stop(s) == 0, s.log_tail()
 
@@ -149,8 +150,8 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_pdd_pipelines_equal_single_engine(served, codec, prompts, oracle, variant):
     assert len(prompts) >= 20
-    for prompt, expected in zip(prompts, oracle, strict=True):
-        body = complete(served.url, prompt, VARIANTS[variant])
+    bodies = at_once(lambda p: complete(served.url, p, VARIANTS[variant]), prompts)
+    for prompt, expected, body in zip(prompts, oracle, bodies, strict=True):
         got = body["choices"][0]["text"]
         want = codec.decode(expected["token_ids"])
         assert got == want, (variant, len(prompt), body["pdd"])
@@ -161,8 +162,8 @@ def test_pdd_pipelines_equal_single_engine(served, codec, prompts, oracle, varia
 
 @pytest.mark.parametrize("mode", ["pd_wan", "pd_local"])
 def test_baselines_equal_single_engine(baselines, codec, prompts, oracle, mode):
-    for prompt, expected in zip(prompts, oracle, strict=True):
-        body = complete(baselines[mode], prompt)
+    bodies = at_once(lambda p: complete(baselines[mode], p), prompts)
+    for expected, body in zip(oracle, bodies, strict=True):
         assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), mode
         assert body["pdd"]["pipeline"] == "pd"
         assert body["pdd"]["rld_tokens"] == 0
@@ -172,6 +173,21 @@ def test_baselines_equal_single_engine(baselines, codec, prompts, oracle, mode):
         assert body["choices"][0]["text"] == codec.decode(oracle[0]["token_ids"])
         assert body["pdd"]["md_cached_tokens"] == len(prompts[0]) // block * block
         assert body["pdd"]["wan_kv_bytes"] == 0
+
+
+def test_every_dashboard_metric_exists_and_moves(served):
+    """The dashboard's metrics on this running system (tests/observability/live.py): each is
+    exported by every process the catalog names and moves under traffic down each pipeline,
+    through a router whose SLA every request meets (so goodput counts)."""
+    router = start_router(CONFIG, [*_router_overrides(served, "pdd"), *live.SLA])
+    try:
+        murls = {w: f"http://127.0.0.1:{p}/metrics" for w, p in served.metrics_ports.items()}
+        role_of = {w.id: w.role.value for w in load_config(CONFIG).workers}
+        missing, still = live.dashboard_gaps(router.url, murls, role_of)
+    finally:
+        stop(router)
+    assert missing == {}, f"dashboard metrics not exported: {missing}"
+    assert still == [], f"metrics that did not move under traffic: {still}"
 
 
 def test_second_turn_sends_only_new_blocks(served, codec):
@@ -494,8 +510,8 @@ def test_an_md_of_another_block_size_equals_single_engine(md_block_128, codec, p
                                                           variant):  # fmt: skip
     """P block 32 -> MD block 128, float32: every pipeline's greedy text equals one engine's."""
     router, port = md_block_128
-    for prompt, expected in zip(prompts, oracle, strict=True):
-        body = complete(router.url, prompt, VARIANTS[variant])
+    bodies = at_once(lambda p: complete(router.url, p, VARIANTS[variant]), prompts)
+    for prompt, expected, body in zip(prompts, oracle, bodies, strict=True):
         assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
             variant, len(prompt), body["pdd"])  # fmt: skip
         assert body["pdd"]["pipeline"] == VARIANTS[variant]["pipeline"]
@@ -518,8 +534,9 @@ def test_a_p_of_another_block_size_equals_single_engine(served, codec, prompts, 
         assert rows["p"]["geometry"]["block_size"] == 128
         for variant, hints in VARIANTS.items():
             step = 1 if variant == "p_md" else 4
-            for prompt, expected in zip(prompts[::step], oracle[::step], strict=True):
-                body = complete(router.url, prompt, hints)
+            some = prompts[::step]
+            bodies = at_once(lambda p, hints=hints: complete(router.url, p, hints), some)
+            for prompt, expected, body in zip(some, oracle[::step], bodies, strict=True):
                 assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
                     variant, len(prompt), body["pdd"])  # fmt: skip
                 assert body["pdd"]["pipeline"] == hints["pipeline"]
@@ -542,10 +559,13 @@ def test_a_lossless_wan_codec_equals_single_engine(served, codec, prompts, oracl
     with (_extra_worker("p", [], tmp_path / "p.log", sets) as port,
           _router_over(served, {"p": port}, (f"router.api_keys_file={keys}",), auth)
           as (router, _)):  # fmt: skip
-        for prompt, expected in zip(prompts, oracle, strict=True):
+
+        def ask(prompt):
             body = {"model": load_config(CONFIG).model.name, "prompt": prompt, "temperature": 0,
                     "max_tokens": MAX_TOKENS, "pdd": VARIANTS["p_md"]}  # fmt: skip
-            r = httpx.post(f"{router.url}/completions", json=body, headers=auth, timeout=300)
+            return httpx.post(f"{router.url}/completions", json=body, headers=auth, timeout=300)
+
+        for prompt, expected, r in zip(prompts, oracle, at_once(ask, prompts), strict=True):
             assert r.status_code == 200, r.text
             got = r.json()
             assert got["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
@@ -915,15 +935,19 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, special_oracle
     so every later tier (RLD, MD after the handoff) resumes inside the JSON."""
     import jsonschema
 
-    handed_inside = 0
-    for (question, schema), want in zip(SCHEMAS, special_oracle["schema"], strict=True):
+    def ask(question_schema):
+        question, schema = question_schema
         rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
               "strict": True}}  # fmt: skip
         body = {"model": load_config(CONFIG).model.name, "temperature": 0,
                 "messages": [{"role": "user", "content": question}],
                 "max_tokens": SCHEMA_MAX_TOKENS, "response_format": rf,
                 "pdd": VARIANTS[variant]}  # fmt: skip
-        r = httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+        return httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+
+    handed_inside = 0
+    answers = at_once(ask, SCHEMAS)
+    for (_, schema), want, r in zip(SCHEMAS, special_oracle["schema"], answers, strict=True):
         assert r.status_code == 200, r.text
         out, record = r.json(), r.json()["pdd"]
         text = out["choices"][0]["message"]["content"]
@@ -944,11 +968,15 @@ def test_penalties_count_every_emitted_token_on_every_pipeline(served, special_o
     """Greedy with presence and frequency penalties: each pipeline's answer equals one vLLM
     engine's, so every tier after P's token counted the tokens earlier tiers emitted
     (``prior_output_tokens``, pdd.engine.penalties) instead of restarting the penalties."""
-    for question, want in zip(PENALTY_QUESTIONS, special_oracle["penalty"], strict=True):
+
+    def ask(question):
         body = {"model": load_config(CONFIG).model.name, "temperature": 0, **PENALTIES,
                 "messages": [{"role": "user", "content": question}],
                 "max_tokens": SCHEMA_MAX_TOKENS, "pdd": VARIANTS[variant]}  # fmt: skip
-        r = httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+        return httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
+
+    answers = at_once(ask, PENALTY_QUESTIONS)
+    for want, r in zip(special_oracle["penalty"], answers, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want["text"], r.json()["pdd"]
 

@@ -63,7 +63,7 @@ def test_worker_exports_only_built_catalog_metrics_with_their_types():
 def test_worker_exports_every_built_catalog_metric_of_its_role():
     for role in ROLES:
         exported = set(_scrape(role))
-        wanted = {  # vllm:* come from a running engine (test_metrics_live.py)
+        wanted = {  # vllm:* come from a running engine (tests/observability/live.py)
             m.name
             for m in catalog.exported_by(role)
             if m.status == "built" and m.name.startswith("pdd_")

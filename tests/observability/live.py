@@ -1,31 +1,23 @@
 """Every metric the dashboard reads exists on a running PDD system and moves under traffic.
 
-Starts `pdd serve --config configs/local.yaml` (router + P + RLD + MD, real vLLM engines),
-scrapes the router and every worker's /metrics the way Prometheus does (asking for
-OpenMetrics), sends requests down each pipeline (p_md,
-p_rld_md with One-Shot and Catch-Up, and a second turn of a conversation, so MD's DRC hits),
-scrapes again, and checks each dashboard metric: present on every process the catalog says
-exports it, and, for counters and histograms, increased on at least one of them (RLD's engine
-prefix cache, say, never counts: RLD loads every prompt block from P). Metrics the catalog marks
-``planned`` (the exporter does not have them yet) may be missing: then the test ends as
-xfail naming them; a planned metric that shows up fails it (flip it to built).
+`dashboard_gaps` scrapes the router and every worker's /metrics the way Prometheus does
+(asking for OpenMetrics), sends requests down each pipeline (p_md, p_rld_md with One-Shot and
+Catch-Up, and a second turn of a conversation, so MD's DRC hits), scrapes again, and checks
+each dashboard metric: present on every process the catalog says exports it, and, for counters
+and histograms, increased on at least one of them (RLD's engine prefix cache, say, never
+counts: RLD loads every prompt block from P). The system it runs on is the suite's own P, RLD
+and MD (tests/e2e/test_pdd_local.py), under a router whose SLA every request meets.
 """
 
 from __future__ import annotations
 
 import httpx
-import pytest
 
-from pdd.config import load_config
 from pdd.observability import catalog
 from pdd.observability.catalog import Kind, MetricSpec
 from pdd.observability.dashboard import dashboard_metrics, load
-from tests.helpers import serve, stop
 from tests.observability.scrape import PROMETHEUS_ACCEPT, samples
 
-pytestmark = pytest.mark.slow
-
-CONFIG = "configs/local.yaml"
 SLA = ["router.sla_ttft_s=120", "router.sla_tpot_s=10"]  # every request counts as good here
 # Counters that need rare events to move (evictions, failures): they must exist only.
 QUIET = {"pdd_drc_evicted_blocks_total", "pdd_requests_rejected_total"}
@@ -79,20 +71,17 @@ def _moved(spec: MetricSpec, before: dict[str, float], after: dict[str, float]) 
     return after[series] > before.get(series, 0.0)
 
 
-def test_every_dashboard_metric_exists_and_moves(codec):
-    cfg = load_config(CONFIG)
-    ids = [w.id for w in cfg.workers]
-    role_of = {w.id: w.role.value for w in cfg.workers}
-    served = serve(CONFIG, ids, SLA, pin_metrics_ports=True)
-    try:
-        murls = {w: f"http://127.0.0.1:{p}/metrics" for w, p in served.metrics_ports.items()}
-        before = _scrape_all(served.url, murls)
-        _traffic(served.url)
-        after = _scrape_all(served.url, murls)
-    finally:
-        stop(served)
+def dashboard_gaps(
+    url: str, metrics_urls: dict[str, str], role_of: dict[str, str]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Traffic through the router at ``url`` (ending in /v1), scraped before and after at it
+    and at each worker's ``metrics_urls``; ``role_of`` maps a worker id to its role. Returns
+    (dashboard metric -> processes that lack it, dashboard metrics no process moved)."""
+    before = _scrape_all(url, metrics_urls)
+    _traffic(url)
+    after = _scrape_all(url, metrics_urls)
     specs = {catalog.get(n).name: catalog.get(n) for n in dashboard_metrics(load())}
-    missing: dict[str, list[str]] = {}  # metric -> processes lacking it
+    missing: dict[str, list[str]] = {}
     still: list[str] = []
     for spec in specs.values():
         moved = False
@@ -105,5 +94,4 @@ def test_every_dashboard_metric_exists_and_moves(codec):
                 moved = moved or _moved(spec, before[proc], scraped)
         if not moved and spec.name not in missing:
             still.append(spec.name)
-    assert missing == {}, f"dashboard metrics not exported: {missing}"
-    assert still == [], f"metrics that did not move under traffic: {still}"
+    return missing, still
