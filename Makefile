@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/local.yaml
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30  # the slowest tests, at the end of every run (CI logs)
 
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
