@@ -187,23 +187,23 @@ def debug_record(url: str, request_id: str) -> dict:
     return httpx.get(url.removesuffix("/v1") + f"/debug/requests/{request_id}", timeout=10).json()
 
 
-LAB_RATE_MBIT, SLOW_RATE_MBIT = 100, 5  # configs/lab.yaml's link; a cold prompt's KV ~150 s
+SLOW_RATE_MBIT = 5  # a cold ~2,000-token prompt's KV takes ~150 s
 
 
 @contextlib.contextmanager
 def slow_wan(lab: Lab):
-    """The WAN at 5 Mbit/s while the block runs (the lab's 100 after, even on failure): a
-    cold ~2,000-token prompt's KV (~92 MB in float32) then takes ~150 s to cross, so RLD
-    ends its few tokens first on any machine (the slowest CI run took ~36 s for the whole
-    request). Behaviour, not the machine's speed, decides the handoff. Yields `restore`, to
-    give the link its rate back sooner."""
+    """The WAN at 5 Mbit/s while the block runs (configs/lab.yaml's rate after, even on
+    failure): a cold ~2,000-token prompt's KV (~92 MB in float32) then takes ~150 s to cross,
+    so RLD ends its few tokens first on any machine (the slowest CI run took ~36 s for the
+    whole request). Behaviour, not the machine's speed, decides the handoff. Yields
+    `restore`, to give the link its rate back sooner."""
     slow = True
 
     def restore() -> None:
         nonlocal slow
         if slow:
             slow = False
-            lab.set_rate(LAB_RATE_MBIT)
+            lab.set_rate(load_config("configs/lab.yaml").lab.rate_mbit)
 
     lab.set_rate(SLOW_RATE_MBIT)
     try:
