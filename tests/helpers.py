@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdd.launch import free_port
@@ -177,7 +178,5 @@ def at_once(fn, items, clients: int = 4) -> list:
     """``fn`` over ``items`` from ``clients`` threads, the results in ``items``' order: a few
     clients at once, as a server meets them (the engines batch their requests). The first
     exception is raised here."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(clients) as pool:
         return list(pool.map(fn, items))

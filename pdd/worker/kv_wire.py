@@ -9,8 +9,7 @@ receiver's own geometry is refused (TransferError: the transfer fails, the reque
 its prompt, the landing slots go back), counted in ``refused`` and logged once per request,
 unless it differs only in fields the receiver converts (``converts``, from
 ``pdd.kv_geometry.RECEIVER_CONVERTS``: RelayDecode and MainDecode convert dtype, layout and
-block size): then
-the check returns the chunk's geometry and the receiver lands it converted
+block size): then the check returns the chunk's geometry and the receiver lands it converted
 (``pdd.worker.kv_convert``).
 
     header field      must equal (receiver's geometry)

@@ -197,14 +197,7 @@ def slow_wan(lab: Lab):
     so RLD ends its few tokens first on any machine (the slowest CI run took ~36 s for the
     whole request). Behaviour, not the machine's speed, decides the handoff. Yields
     `restore`, to give the link its rate back sooner."""
-    slow = True
-
-    def restore() -> None:
-        nonlocal slow
-        if slow:
-            slow = False
-            lab.set_rate(load_config("configs/lab.yaml").lab.rate_mbit)
-
+    restore = lambda: lab.set_rate(load_config("configs/lab.yaml").lab.rate_mbit)  # noqa: E731
     lab.set_rate(SLOW_RATE_MBIT)
     try:
         yield restore
@@ -228,7 +221,7 @@ def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
                               new_words=20, tokens=24, block_size=32, one_off=False,
                               think_s=0.0)  # fmt: skip
     with slow_wan(lab) as restore:  # from the second turn on, the lab's own link
-        run = agent_turns.conversation(args, after_turn=lambda k: restore())
+        run = agent_turns.conversation(args, after_turn=lambda k: k == 0 and restore())
     first = run["turns"][0]
     assert (first["pipeline"], first["handoff"]) == ("p_rld_md", "rld_finished"), first
     assert debug_record(s.url, first["id"])["pdd"]["kv_deferred"] is True
