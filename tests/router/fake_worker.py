@@ -96,6 +96,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.finished.clear()
         self.violations.clear()
 
+    def stream_stopped(self, rid: str) -> bool:
+        """Whether the router stopped ``rid``'s Generate stream: it cancels the stream and
+        sends Abort, and whichever reaches the worker first ends it (a loaded host may order
+        them either way; an Abort that wins ends the stream with finish_reason "abort")."""
+        return rid in self.cancelled or self.finished.get(rid) == "abort"
+
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         rid = request.request_id
         self.requests.append(request)
