@@ -86,8 +86,23 @@ def prompts(codec):
 
 
 @pytest.fixture(scope="module")
-def oracle(prompts):
-    return run_oracle(prompts, DTYPE, MAX_TOKENS)
+def oracles(codec, prompts):
+    """One engine, greedy, in one oracle run (one vLLM start): the tokens of ``prompts``;
+    vLLM's own structured outputs (xgrammar) of SCHEMAS; PENALTY_QUESTIONS under PENALTIES."""
+    chat = lambda q: codec.encode_chat([{"role": "user", "content": q}])  # noqa: E731
+    long = {"max_tokens": SCHEMA_MAX_TOKENS}
+    runs = [{"prompt_token_ids": p} for p in prompts]
+    runs += [{"prompt_token_ids": chat(q), "json_schema": schema, **long} for q, schema in SCHEMAS]
+    runs += [{"prompt_token_ids": chat(q), "sampling": PENALTIES, **long}
+             for q in PENALTY_QUESTIONS]  # fmt: skip
+    out = run_oracle(runs, DTYPE, MAX_TOKENS)
+    n, k = len(prompts), len(prompts) + len(SCHEMAS)
+    return {"plain": out[:n], "schema": out[n:k], "penalty": out[k:]}
+
+
+@pytest.fixture(scope="module")
+def oracle(oracles):
+    return oracles["plain"]
 
 
 @pytest.fixture(scope="module")
@@ -916,19 +931,8 @@ PENALTY_QUESTIONS = ["List five fruits, then list the same five again.",
                      "Say the word river ten times."]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def special_oracle(codec):
-    """One engine, greedy, in one oracle run: vLLM's own structured outputs (xgrammar) of
-    SCHEMAS, then PENALTY_QUESTIONS under PENALTIES: the texts to match."""
-    chat = lambda q: codec.encode_chat([{"role": "user", "content": q}])  # noqa: E731
-    runs = [{"prompt_token_ids": chat(q), "json_schema": schema} for q, schema in SCHEMAS]
-    runs += [{"prompt_token_ids": chat(q), "sampling": PENALTIES} for q in PENALTY_QUESTIONS]
-    out = run_oracle(runs, DTYPE, SCHEMA_MAX_TOKENS)
-    return {"schema": out[: len(SCHEMAS)], "penalty": out[len(SCHEMAS) :]}
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_json_schema_outputs_validate_and_equal_vllms_own(served, special_oracle, variant):
+def test_json_schema_outputs_validate_and_equal_vllms_own(served, oracles, variant):
     """response_format json_schema on p_md and p_rld_md (One-Shot, Catch-Up): every answer
     parses and validates, and equals vLLM's own structured output of one engine (float32,
     greedy), so the constraint resumed exactly on each tier. P's token is the JSON's first,
@@ -947,7 +951,7 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, special_oracle
 
     handed_inside = 0
     answers = at_once(ask, SCHEMAS)
-    for (_, schema), want, r in zip(SCHEMAS, special_oracle["schema"], answers, strict=True):
+    for (_, schema), want, r in zip(SCHEMAS, oracles["schema"], answers, strict=True):
         assert r.status_code == 200, r.text
         out, record = r.json(), r.json()["pdd"]
         text = out["choices"][0]["message"]["content"]
@@ -964,7 +968,7 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, special_oracle
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_penalties_count_every_emitted_token_on_every_pipeline(served, special_oracle, variant):
+def test_penalties_count_every_emitted_token_on_every_pipeline(served, oracles, variant):
     """Greedy with presence and frequency penalties: each pipeline's answer equals one vLLM
     engine's, so every tier after P's token counted the tokens earlier tiers emitted
     (``prior_output_tokens``, pdd.engine.penalties) instead of restarting the penalties."""
@@ -976,7 +980,7 @@ def test_penalties_count_every_emitted_token_on_every_pipeline(served, special_o
         return httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
 
     answers = at_once(ask, PENALTY_QUESTIONS)
-    for want, r in zip(special_oracle["penalty"], answers, strict=True):
+    for want, r in zip(oracles["penalty"], answers, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want["text"], r.json()["pdd"]
 

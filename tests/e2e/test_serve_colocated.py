@@ -4,9 +4,6 @@ model) driven by the official OpenAI client, against a direct vLLM run of the sa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import grpc
@@ -16,7 +13,7 @@ import pytest
 
 from pdd.config import load_config
 from pdd.proto import worker_pb2, worker_pb2_grpc
-from tests.helpers import REPO, children_of, serve, stop
+from tests.helpers import children_of, run_oracle, serve, stop
 
 pytestmark = pytest.mark.slow
 
@@ -116,23 +113,7 @@ def test_completions_stream_and_non_stream(client, model_name):
 @pytest.fixture(scope="module")
 def oracle():
     """Greedy tokens of a direct vLLM run, in a separate process (no pdd code)."""
-    cfg = load_config(CONFIG)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "tests", "e2e", "vllm_oracle.py"),
-            str(cfg.model.resolved_path()),
-            cfg.model.dtype,
-            str(MAX_TOKENS),
-        ],
-        input=json.dumps(ORACLE_PROMPTS),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("ORACLE_JSON:")][-1]
-    return json.loads(line[len("ORACLE_JSON:") :])
+    return run_oracle(ORACLE_PROMPTS, load_config(CONFIG).model.dtype, MAX_TOKENS)
 
 
 def test_greedy_tokens_equal_direct_vllm(client, model_name, oracle):

@@ -1,10 +1,10 @@
 """The oracle: a direct vLLM run (no pdd code on the generation path), greedy.
 
 Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS < prompts.json > results.json
-prompts.json is a list of prompts (strings, or lists of token ids, or {"prompt_token_ids": [...],
-"json_schema": {...}} for a greedy run under vLLM's own structured outputs, xgrammar backend,
-or {"prompt_token_ids": [...], "sampling": {"frequency_penalty": ...}} for a greedy run with
-more vLLM SamplingParams);
+prompts.json is a list of prompts: strings, lists of token ids, or {"prompt_token_ids": [...]}
+with any of "json_schema": {...} (a greedy run under vLLM's own structured outputs, xgrammar
+backend), "sampling": {"frequency_penalty": ...} (more vLLM SamplingParams) and "max_tokens": N
+(instead of MAX_TOKENS);
 the last stdout line is ORACLE_JSON: followed by
 [{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
 """
@@ -31,19 +31,20 @@ def main() -> None:
         enforce_eager=True,
         structured_outputs_config={"backend": "xgrammar"},
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def params(p: dict) -> SamplingParams:
+        extra = dict(p.get("sampling", {}))
+        if "json_schema" in p:
+            extra["structured_outputs"] = StructuredOutputsParams(json=p["json_schema"])
+        return SamplingParams(temperature=0.0, max_tokens=p.get("max_tokens", max_tokens), **extra)
+
     # One prompt at a time, as the test sends them: batch composition changes bf16 numerics.
     runs = []
     for p in prompts:
-        if isinstance(p, dict) and "json_schema" in p:
-            so = StructuredOutputsParams(json=p["json_schema"])
-            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
-            runs.append(({"prompt_token_ids": p["prompt_token_ids"]}, sp))
-        elif isinstance(p, dict) and "sampling" in p:
-            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **p["sampling"])
-            runs.append(({"prompt_token_ids": p["prompt_token_ids"]}, sp))
+        if isinstance(p, dict):
+            runs.append(({"prompt_token_ids": p["prompt_token_ids"]}, params(p)))
         else:
-            runs.append(({"prompt_token_ids": p} if isinstance(p, list) else p, params))
+            runs.append(({"prompt_token_ids": p} if isinstance(p, list) else p, params({})))
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in runs]
     sys.stdout.write("\nORACLE_JSON:")
     json.dump(
