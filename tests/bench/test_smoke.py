@@ -1,12 +1,13 @@
-"""`pdd bench serve --config configs/bench/local.yaml --short --modes colocated,pd_wan,pdd` as
-`make test` runs it: the benchmark starts each mode's topology itself (`pdd serve` of the
-shipped configs, real vLLM workers, the default model), runs every workload, stops it. pd_local
-is left out here (it is pd_wan's topology on a local link, and its two engines cost a minute
-of the suite); tests/e2e/test_pdd_local.py serves it against one engine's tokens.
+"""`pdd bench serve --config configs/bench/local.yaml --short --modes pd_wan,pdd` as `make test`
+runs it: the benchmark starts each mode's topology itself (`pdd serve` of the shipped configs,
+real vLLM workers, the default model), runs every workload, stops it. Left out here, each
+costing a minute or two of the suite: pd_local (pd_wan's topology on a local link;
+tests/e2e/test_pdd_local.py serves it against one engine's tokens) and colocated (one engine;
+tests/e2e/test_serve_colocated.py serves it against vLLM's own tokens).
 
 Checks: every mode completes with zero errors, the report files exist with the pdd-vs-pd_wan
 comparison, each mode ran the pipelines it stands for, pd_wan's D and pdd's MD found the
-agentic warm turns in their DRC, the sweep's prefix hits reach the engine's cache as built,
+agentic warm turns in their DRC, the sweep's prefix hits reach P's prefix cache as built,
 nothing is left running. The targets themselves are judged by the full run (configs/bench/wan.yaml).
 
 (It starts the systems through the benchmark's own mode runner rather than tests/helpers.py
@@ -29,10 +30,10 @@ from tests.helpers import children_of
 pytestmark = pytest.mark.slow
 
 CONFIG = "configs/bench/local.yaml"
-MODES = ["colocated", "pd_wan", "pdd"]
+MODES = ["pd_wan", "pdd"]
 FILES = ["results.json", "requests.jsonl", "report.md", "ttft_cdf.png", "bathtub.png",
          "wan_bytes.png", *(f"serve-{m}.log" for m in MODES)]  # fmt: skip
-PIPELINES = {"colocated": {"none", "colocated"}, "pd_wan": {"pd"}, "pdd": {"p_md", "p_rld_md"}}
+PIPELINES = {"pd_wan": {"pd"}, "pdd": {"p_md", "p_rld_md"}}
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +88,15 @@ def test_report_compares_pdd_with_pd_wan(run):
     agentic = {m: data["modes"][m]["workloads"]["agentic"]["summary"] for m in MODES}
     for mode in ("pd_wan", "pdd"):
         assert agentic[mode]["wan_bytes_total"] > 0 and agentic[mode]["drc_hit_rate"] > 0, mode
-    assert agentic["colocated"]["wan_bytes_total"] == 0
 
 
 def test_sweep_hits_reach_the_engine_cache(run):
-    # The sweep's shared prefixes land in vLLM's prefix cache, in whole blocks; a fully
-    # cached prompt still computes its last token.
+    # The sweep's shared prefixes land in P's vLLM prefix cache, in whole blocks; a fully
+    # cached prompt still computes its last token (usage.cached_tokens is P's hit).
     _, _, data = run
-    block = load_config("configs/colocated.yaml").engine.block_size
+    block = load_config("configs/local.yaml").engine.block_size
     length = data["config"]["sweep"]["prompt_tokens"]
-    groups = data["modes"]["colocated"]["workloads"]["sweep"]["groups"]
+    groups = data["modes"]["pdd"]["workloads"]["sweep"]["groups"]
     for hit in data["config"]["sweep"]["buckets"]:
         shared = min(round(hit * length), length - 1)
         expected = (shared // block) * block / length

@@ -251,7 +251,7 @@ class BenchConfig(Section):
 
 
 # `--short`: a smoke run of a minute or so per mode on 2 CPU cores (what `make test` runs
-# against every mode of configs/bench/local.yaml).
+# against configs/bench/local.yaml's pd_wan and pdd modes).
 SHORT_PROFILE: list[str] = [
     "agentic.requests=12",
     "agentic.conversations=3",
