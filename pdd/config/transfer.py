@@ -57,7 +57,7 @@ class TransferConfig(Section):
         2 * 1024**3,
         gt=0,
         description="TCP: most unacknowledged bytes per WAN peer (chunks reference pinned KV, "
-        "so this bounds no copy; 2 GiB covers 100 Gbit/s x 80 ms).",
+        "so this bounds no copy; 2 GiB covers a chunk loop, 2 RTTs, of 100 Gbit/s at 80 ms).",
     )
     deadline_s: float = Field(60.0, gt=0, description="Default deadline of one transfer.")
     inbound_grace_s: float = Field(

@@ -13,9 +13,14 @@ unacknowledged chunks per stream, so the bytes in flight cover the path's bandwi
 product (BDP)::
 
     start         wan_streams x window_chunks chunks (no estimate yet)
-    in flight     max(start, WINDOW_HEADROOM x measured BDP), at most max_inflight_bytes: a
-                  link held back by the window measures its own window as bandwidth, so the
-                  window doubles each sample (~each RTT) until the path, not pdd, limits it
+    in flight     max(start, WINDOW_HEADROOM x the bytes of one chunk loop), at most
+                  max_inflight_bytes. A chunk's loop, from its send to its ack, is about
+                  CHUNK_LOOP_RTTS = 2 RTTs, not one: its trip, its own time on the wire (a
+                  chunk is acked only once all of it arrived and was checked) and the ack's
+                  way back. A link held back by the window measures window / loop as
+                  bandwidth, so 2x the loop's bytes (4x the BDP at the minimum RTT) doubles
+                  the window each sample (~each RTT) until the path, not pdd, limits it; at
+                  2x the BDP the estimate measured its own window and stopped growing
     streams       enough that no socket must hold more than the kernel lets it
                   (``socket_inflight_limit``: half the smaller tcp_wmem / tcp_rmem maximum),
                   from wan_streams up to max_wan_streams; past that the plan names the sysctl
@@ -41,7 +46,8 @@ from pdd.config.transfer import TransferConfig
 from pdd.transfer.api import LinkEstimate
 
 LAN_RTT_S = 0.001  # below this a path is treated as local: chunks need not shrink for cancel
-WINDOW_HEADROOM = 2.0  # bytes in flight per measured BDP: room to measure a faster path
+CHUNK_LOOP_RTTS = 2.0  # a chunk's send-to-ack loop, in minimum RTTs (measured on the lab)
+WINDOW_HEADROOM = 2.0  # bytes in flight per chunk loop's bytes: room to measure a faster path
 DEFAULT_SOCKET_BYTES = 4 * 1024 * 1024  # Linux's default tcp_wmem maximum
 CODEC_HEADROOM = 1.5  # encoder capacity per raw byte rate the link carries
 
@@ -126,7 +132,7 @@ class FlowPlan:
     streams: int
     chunk_bytes: int
     window_chunks: int  # unacknowledged chunks per stream
-    limited_by: str = ""  # why the plan holds less than the path's BDP ("": it does not)
+    limited_by: str = ""  # why the plan holds less than a chunk loop's bytes ("": it does not)
 
     @property
     def inflight_bytes(self) -> int:
@@ -162,15 +168,15 @@ def plan_flow(
         streams = max(streams, encoders)
         return FlowPlan(streams, chunk_bytes_for(est, streams, config), config.window_chunks,
                         codec_bound)  # fmt: skip
-    bdp = est.bandwidth_bps / 8 * est.rtt_s
-    want = min(max(start.inflight_bytes, int(bdp * WINDOW_HEADROOM)), config.max_inflight_bytes)
+    loop = est.bandwidth_bps / 8 * est.rtt_s * CHUNK_LOOP_RTTS  # bytes one chunk loop carries
+    want = min(max(start.inflight_bytes, int(loop * WINDOW_HEADROOM)), config.max_inflight_bytes)
     needed = math.ceil(want / socket_bytes)
     streams = max(streams, min(needed, config.max_wan_streams), encoders)
     want = min(want, streams * socket_bytes)  # what the kernel lets that many sockets hold
     chunk = chunk_bytes_for(est, streams, config)
     window = max(config.window_chunks, math.ceil(want / (streams * chunk)))
     limited_by = codec_bound
-    if want < bdp:  # pdd, not the path, would bound the rate
+    if want < loop:  # pdd, not the path, would bound the rate
         limited_by = (
             "transfer.max_inflight_bytes"
             if want == config.max_inflight_bytes

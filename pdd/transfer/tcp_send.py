@@ -114,8 +114,8 @@ class PeerLink:
                      plan.streams, plan.window_chunks, plan.chunk_bytes >> 10,
                      self.estimator.estimate())  # fmt: skip
         if plan.limited_by and plan.limited_by != old.limited_by:
-            log.warning("link to %s: pdd keeps less than the path's bandwidth-delay product in "
-                        "flight (%s): limited by %s", self.key, self.estimator.estimate(),
+            log.warning("link to %s: pdd keeps less than a chunk loop's bytes (2x the path's "
+                        "bandwidth-delay product) in flight (%s): limited by %s", self.key, self.estimator.estimate(),
                         plan.limited_by)  # fmt: skip
         return plan
 
