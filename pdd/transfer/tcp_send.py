@@ -115,8 +115,8 @@ class PeerLink:
                      self.estimator.estimate())  # fmt: skip
         if plan.limited_by and plan.limited_by != old.limited_by:
             log.warning("link to %s: pdd keeps less than a chunk loop's bytes (2x the path's "
-                        "bandwidth-delay product) in flight (%s): limited by %s", self.key, self.estimator.estimate(),
-                        plan.limited_by)  # fmt: skip
+                        "bandwidth-delay product) in flight (%s): limited by %s", self.key,
+                        self.estimator.estimate(), plan.limited_by)  # fmt: skip
         return plan
 
     def submit(self, rec: OutRecord) -> None:
