@@ -220,6 +220,9 @@ def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
     args = argparse.Namespace(url=s.url, model=model_name(), turns=5, cold_words=560,
                               new_words=20, tokens=24, block_size=32, one_off=False,
                               think_s=0.0)  # fmt: skip
+    # The previous test's cold transfer to MD must land at the lab's own rate first: left to
+    # crawl at 5 Mbit/s it kept the router from reaching MD for 300 s (twice, stop 31 and 32).
+    settled_kv(s.url)
     with slow_wan(lab) as restore:  # from the second turn on, the lab's own link
         run = agent_turns.conversation(args, after_turn=lambda k: k == 0 and restore())
     first = run["turns"][0]
