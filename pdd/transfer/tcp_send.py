@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING
 
 from pdd.errors import TransferError
 from pdd.transfer.api import PeerAddress, TransferState
-from pdd.transfer.estimate import LAN_RTT_S, FlowPlan, LinkEstimator, plan_flow
+from pdd.transfer.estimate import (
+    CHUNK_LOOP_RTTS,
+    LAN_RTT_S,
+    FlowPlan,
+    LinkEstimator,
+    plan_flow,
+)
 from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import (
     SLICE,
@@ -114,9 +120,9 @@ class PeerLink:
                      plan.streams, plan.window_chunks, plan.chunk_bytes >> 10,
                      self.estimator.estimate())  # fmt: skip
         if plan.limited_by and plan.limited_by != old.limited_by:
-            log.warning("link to %s: pdd keeps less than a chunk loop's bytes (2x the path's "
+            log.warning("link to %s: pdd keeps less than a chunk loop's bytes (%gx the path's "
                         "bandwidth-delay product) in flight (%s): limited by %s", self.key,
-                        self.estimator.estimate(), plan.limited_by)  # fmt: skip
+                        CHUNK_LOOP_RTTS, self.estimator.estimate(), plan.limited_by)  # fmt: skip
         return plan
 
     def submit(self, rec: OutRecord) -> None:
