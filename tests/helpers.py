@@ -81,10 +81,10 @@ def _await_ready(served: Served, marker: str, timeout_s: float) -> Served:
         if served.proc.poll() is not None or time.monotonic() > deadline:
             stop(served)
             said = [x for x in served.output if "pdd serve:" in x or "pdd.launch" in x]
-            raise RuntimeError(
-                f"{marker.strip()} never came; the launcher said:\n"
+            raise RuntimeError(  # what the launcher said last: CI shows only a log's tail
+                f"{marker.strip()} never came; last output:\n{served.log_tail()}"
+                + f"\n{marker.strip()} never came; the launcher said:\n"
                 + "\n".join(said[-20:])
-                + f"\nlast output:\n{served.log_tail()}"
             )
     return served
 

@@ -68,6 +68,7 @@ class Placed:
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_KEYS = ("port", "metrics_port", "kv_port")  # a worker's ports in its config
 PICKED_SPAN = 12_000  # ports below the ephemeral range that free_port picks from
 _handed_out: set[int] = set()  # this process's picks (a child may not have bound one yet)
 
@@ -195,15 +196,31 @@ def resolve_ports(
     cfg: PddConfig, pick: PortPicker | None = None, router_dc: str = DEFAULT_ROUTER_DC
 ) -> PddConfig:
     """Replace every port 0 by a free port of its site, so the router and workers know each
-    other before they start. ``pick`` defaults to a free port of this host."""
+    other before they start. ``pick`` defaults to a free port of this host.
+
+    A picked port is never one the config names: those are not bound yet either (the test
+    harness and operators name some ports and leave others 0), so a free port may be one of
+    them, and the child that binds it second could never start (CI: a worker's metrics port
+    was another worker's gRPC port; the second failed every restart)."""
     pick = pick or (lambda _dc, host: free_port(host))
     data = cfg.model_dump(mode="json")
+    named = {data["router"]["port"]} | {w[k] for w in data["workers"] for k in PORT_KEYS}
+    taken = named - {0}
+
+    def fresh(dc: str, host: str) -> int:
+        for _ in range(64):
+            port = pick(dc, host)
+            if port not in taken:
+                taken.add(port)
+                return port
+        raise ConfigError(f"no free port on {host} in {dc} apart from those the config names")
+
     if data["router"]["port"] == 0:
-        data["router"]["port"] = pick(router_dc, cfg.router.host)
+        data["router"]["port"] = fresh(router_dc, cfg.router.host)
     for w in data["workers"]:
         for key in ("port", "metrics_port"):
             if w[key] == 0:
-                w[key] = pick(w["datacenter"], w["host"])
+                w[key] = fresh(w["datacenter"], w["host"])
     return PddConfig.model_validate(data)
 
 

@@ -116,6 +116,18 @@ def test_ports_zero_are_picked_in_the_site_of_their_process():
     assert placed.url == "http://10.77.2.6:20001/v1"
 
 
+def test_a_picked_port_is_never_one_the_config_names():
+    """The harness names each worker's port and leaves its metrics port 0; `pdd serve` picks
+    that one while no worker listens yet. A pick equal to another worker's named port would
+    leave that worker unable to start however often it restarted."""
+    cfg = load_config("configs/local.yaml", ["workers.0.port=21000", "workers.1.port=21001",
+                                             "workers.2.port=21002"])  # fmt: skip
+    offers = iter([21001, 21002, 21000, 21003, 21004, 21005])  # free now: nothing bound yet
+    placed = resolve_ports(cfg, lambda _dc, _host: next(offers))
+    ports = [(w.port, w.metrics_port) for w in placed.workers]
+    assert ports == [(21000, 21003), (21001, 21004), (21002, 21005)]
+
+
 def test_resolve_ports_on_this_host_gives_distinct_bindable_ports():
     cfg = resolve_ports(load_config("configs/local.yaml", ["router.port=0"]))
     ports = [cfg.router.port] + [p for w in cfg.workers for p in (w.port, w.metrics_port)]
