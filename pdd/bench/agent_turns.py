@@ -34,21 +34,26 @@ def _kv_planes(url: str) -> dict[str, dict]:
     return {w["id"]: w | w.get("kv_plane", {}) for w in rows}
 
 
-def _md_bytes_when_quiet(url: str, timeout_s: float = 300) -> int:
-    """MD's KV bytes received, once nothing is pinned or open anywhere and it stopped moving
-    (three equal readings 1.5 s apart: the router polls Stats every second)."""
+def quiet_kv_planes(url: str, timeout_s: float = 300) -> dict[str, dict]:
+    """Each worker's row and KV plane (by id), once nothing is pinned or open anywhere and
+    MD's received bytes stopped moving: three equal readings 1.5 s apart (the router polls
+    Stats every second), within ``timeout_s``. A transfer still crawling keeps moving."""
     deadline, same, last = time.monotonic() + timeout_s, 0, None
     while time.monotonic() < deadline:
         planes = _kv_planes(url)
         kv = [p for p in planes.values() if "pinned_slots" in p]
         quiet = all(p["pinned_slots"] == 0 and p["open_transfers"] == 0 for p in kv)
-        got = sum(p["bytes_received"] for p in planes.values() if p["role"] == "main_decode")
+        got = _md_bytes(planes)
         same = same + 1 if quiet and got == last else 0
         if same >= 2:
-            return got
+            return planes
         last = got
         time.sleep(1.5)
     raise RuntimeError(f"the fleet's KV planes never went quiet in {timeout_s:g} s: {planes}")
+
+
+def _md_bytes(planes: dict[str, dict]) -> int:
+    return sum(p["bytes_received"] for p in planes.values() if p["role"] == "main_decode")
 
 
 def _ask(url: str, model: str, prompt: str, tokens: int, one_off: bool) -> dict:
@@ -63,7 +68,7 @@ def _ask(url: str, model: str, prompt: str, tokens: int, one_off: bool) -> dict:
 def conversation(args: argparse.Namespace, after_turn: Callable[[int], None] | None = None) -> dict:
     """One agent conversation of ``args.turns`` turns; ``after_turn(k)`` runs once turn ``k``
     (from 0) answered, before the next is sent."""
-    before = _md_bytes_when_quiet(args.url)
+    before = _md_bytes(quiet_kv_planes(args.url))
     prompt = f"Conversation {uuid.uuid4().hex[:8]}: " + " ".join(
         f"a{i}" for i in range(args.cold_words)
     )
@@ -86,7 +91,7 @@ def conversation(args: argparse.Namespace, after_turn: Callable[[int], None] | N
             more = " ".join(f"t{k}x{j}" for j in range(args.new_words))
             prompt += out["choices"][0]["text"] + " " + more
             time.sleep(args.think_s)  # the agent's tool runs meanwhile
-    received = _md_bytes_when_quiet(args.url) - before
+    received = _md_bytes(quiet_kv_planes(args.url)) - before
     cold = turns[0]
     block = args.block_size
     per_token = cold["wan_kv_raw_bytes"] / max(cold["prompt_tokens"] // block * block, 1)

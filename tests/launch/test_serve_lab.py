@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import httpx
 import openai
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from pdd.bench import agent_turns
+from pdd.bench.agent_turns import quiet_kv_planes
 from pdd.cache.host_tier import kv_block_bytes
 from pdd.config import load_config
 from pdd.config.lab import LabConfig
@@ -145,29 +145,6 @@ def test_lab_completions_take_the_pipeline_the_link_calls_for(pdd_lab):
     assert cold["usage"]["completion_tokens"] == 16 or cold["choices"][0]["finish_reason"] == "stop"
 
 
-def fleet_kv(url: str) -> dict[str, dict]:
-    """Worker id -> its KV plane and block geometry, from the router's fleet view."""
-    r = httpx.get(url.removesuffix("/v1") + "/debug/workers", timeout=10)
-    assert r.status_code == 200, r.text
-    return {w["id"]: w["kv_plane"] for w in r.json()["workers"] if "kv_plane" in w}
-
-
-def settled_kv(url: str, timeout_s: float = 120) -> dict[str, dict]:
-    """The fleet's KV planes once MD's received bytes stopped moving and nothing is pinned or
-    open anywhere: three equal readings in a row, 1.5 s apart (the router polls Stats every
-    second), within a deadline. Behaviour, not speed: a transfer still crawling keeps moving."""
-    deadline, same, last = time.monotonic() + timeout_s, 0, None
-    while time.monotonic() < deadline:
-        kv = fleet_kv(url)
-        idle = all(p["pinned_slots"] == 0 and p["open_transfers"] == 0 for p in kv.values())
-        same = same + 1 if idle and kv["md"]["bytes_received"] == last else 0
-        if same >= 2:
-            return kv
-        last = kv["md"]["bytes_received"]
-        time.sleep(1.5)
-    raise AssertionError(f"KV planes never settled: {fleet_kv(url)}")
-
-
 def block_bytes() -> int:
     """Bytes of one 32-token KV block of the default model in configs/lab.yaml's dtype
     (30 layers x 3 KV heads x head_dim 64, K and V)."""
@@ -222,7 +199,7 @@ def test_lab_agent_turns_that_rld_finishes_still_teach_md_the_prefix(pdd_lab):
                               think_s=0.0)  # fmt: skip
     # The previous test's cold transfer to MD must land at the lab's own rate first: left to
     # crawl at 5 Mbit/s it kept the router from reaching MD for 300 s (twice, stop 31 and 32).
-    settled_kv(s.url)
+    quiet_kv_planes(s.url)
     with slow_wan(lab) as restore:  # from the second turn on, the lab's own link
         run = agent_turns.conversation(args, after_turn=lambda k: k == 0 and restore())
     first = run["turns"][0]
@@ -243,7 +220,7 @@ def test_lab_a_one_off_request_that_rld_finishes_cuts_md_s_transfer(pdd_lab):
     slowed meanwhile, `slow_wan`) and the router cancels MD's transfer, so the whole prompt's
     KV never crosses, and nothing stays pinned or open on any worker."""
     s, lab = pdd_lab
-    before = settled_kv(s.url)["md"]["bytes_received"]
+    before = quiet_kv_planes(s.url)["md"]["bytes_received"]
     words = " ".join(f"v{i}" for i in range(560))  # ~2,000 tokens
     with slow_wan(lab):
         out = ask(s.url, words, 8, pipeline="p_rld_md", one_off=True)
@@ -252,7 +229,7 @@ def test_lab_a_one_off_request_that_rld_finishes_cuts_md_s_transfer(pdd_lab):
     assert out["pdd"]["rld_tokens"] == 7  # P emitted the first token, RLD the rest
     prompt_kv = (out["usage"]["prompt_tokens"] // 32) * block_bytes()
     assert out["pdd"]["wan_kv_bytes"] == prompt_kv  # a cold prompt: every whole block was due
-    landed = settled_kv(s.url)["md"]["bytes_received"] - before  # also: no pins, no transfers
+    landed = quiet_kv_planes(s.url)["md"]["bytes_received"] - before  # also: no pins, no transfers
     assert landed < prompt_kv, (landed, prompt_kv)
     assert debug_record(s.url, out["id"])["pdd"]["kv_deferred"] is False
 
