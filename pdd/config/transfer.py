@@ -35,8 +35,8 @@ class TransferConfig(Section):
         0.002,
         gt=0,
         description=(
-            "TCP sizes chunks so one takes at most max(RTT/2, this) per stream: a cancel stops "
-            "the bytes within about two RTTs."
+            "TCP sizes chunks so one takes at most max(RTT/4, this) per stream: a cancel stops "
+            "the bytes, and a transfer behind others starts, within an RTT."
         ),
     )
     window_chunks: int = Field(

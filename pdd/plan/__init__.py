@@ -3,7 +3,7 @@
     profile   chip profiles (schema, YAML loading, the time models)
     workload  synthetic agentic conversations, JSONL traces
     cache     P's prefix cache and MD's DRC: pdd.cache.radix.RadixIndex, or its O(1) twin
-    servers   decode batches, fair-shared links (simpy callbacks)
+    servers   decode batches, shared links (simpy callbacks)
     fleet     instance counts per role and chip
     sim       one run: routing.choose per request, the drivers' steps (pipeline: router.mode pdd)
     stats     TTFT/TPOT/goodput/BCR of a run

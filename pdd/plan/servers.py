@@ -1,4 +1,4 @@
-"""Simulated machinery: a decode batch, a fair-shared link, a serial prefill queue (simpy).
+"""Simulated machinery: a decode batch, a shared link, a serial prefill queue (simpy).
 
 ``DecodeServer`` advances its whole batch between events instead of per token: the step time
 ``decode_step(batch, context)`` is held constant from one event (a sequence joins, leaves or
@@ -8,11 +8,11 @@ counted at its end). One-off forwards (extend-decode on MD, a colocated prefill)
 whole batch through ``add_extra``. Sequences are admitted FIFO while the batch has a free slot
 and their whole final context fits the device KV.
 
-``Link`` shares its rate like pdd's TCP sender, which takes chunks from the open transfers in
-turn (round robin, ``pdd.transfer.tcp_send``): n open transfers each get 1/n of the link, so
-a small p_md transfer is never stuck behind a multi-GB cold one; a transfer lands half an RTT
-after its last byte left; ``cancel`` cuts one and gives its share to the rest; ``defer``
-moves one behind the others (it is carried only while no other transfer is open).
+``Link`` shares its rate like pdd's TCP sender, which takes the next chunk from the open
+transfer with the fewest bytes left (``pdd.transfer.tcp_send``): that one gets the whole link,
+so a small p_md transfer is never stuck behind a multi-GB cold one; a transfer lands half an
+RTT after its last byte left; ``cancel`` cuts one and the link goes on with the rest;
+``defer`` moves one behind the others (it is carried only while no other transfer is open).
 Everything runs on simpy event callbacks, no process per server.
 """
 
@@ -255,14 +255,14 @@ class Transfer:
     landed: Landing
     sent: float = 0.0  # bytes that crossed (less than nbytes if cancelled)
     cancelled: bool = False
-    background: bool = False  # deferred: shares the link only when no other transfer is open
+    background: bool = False  # deferred: carried only while no other transfer is open
     started: float = 0.0  # when it was sent
 
 
 @dataclass(eq=False)
 class Link:
-    """A fair-shared link: ``bandwidth_bps`` split equally between the open transfers,
-    one-way delay ``rtt_s / 2`` (module docstring)."""
+    """A shared link: all of ``bandwidth_bps`` to the open transfer with the fewest bytes
+    left, one-way delay ``rtt_s / 2`` (module docstring)."""
 
     env: simpy.Environment
     bandwidth_bps: float
@@ -285,8 +285,8 @@ class Link:
         return t
 
     def cancel(self, t: Transfer) -> None:
-        """Cut it now (the bytes already sent stay counted); the others share its bandwidth
-        from now on. One whose last byte already left lands anyway (no one waits for it)."""
+        """Cut it now (the bytes already sent stay counted); the link goes on with the rest.
+        One whose last byte already left lands anyway (no one waits for it)."""
         if t.landed.triggered or t.cancelled:
             return
         t.cancelled = True
@@ -310,12 +310,13 @@ class Link:
         self._schedule()
 
     def _sharing(self) -> list[Transfer]:
-        """The transfers the link carries now: the foreground ones, else the deferred ones."""
-        fore = [t for t in self.open if not t.background]
-        return fore or self.open
+        """The transfer the link carries now: of the foreground ones (else the deferred ones),
+        the one with the fewest bytes left (the first of equals, as pdd's sender takes)."""
+        carried = [t for t in self.open if not t.background] or self.open
+        return [min(carried, key=lambda t: t.nbytes - t.sent)] if carried else []
 
     def _advance(self) -> None:
-        """Credit every transfer carried its share of the bytes since ``_since``."""
+        """Credit the transfer carried its bytes since ``_since``."""
         now = self.env.now
         dt, self._since = now - self._since, now
         if not self.open or dt <= 0:

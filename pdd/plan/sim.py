@@ -6,7 +6,7 @@ so the pipeline (p_md or p_rld_md), the P, RLD and MD picked and the handoff mod
 router's decisions. The simulator only plays out what the drivers then do:
 
     pdd       P prefills (its prefix cache) -> first token (TTFT). Blocks MD lacks cross the WAN
-              link (fair share); p_md: MD starts when they landed, recomputing the tail block and the
+              link (fewest bytes left first); p_md: MD starts when they landed, recomputing the tail block and the
               token (extend-decode). p_rld_md: every block goes to RLD over the local link, RLD
               decodes; when the WAN KV landed, One-Shot (RLD stops, MD extends all emitted
               tokens) or Catch-Up (MD extends what RLD emitted, in rounds, while RLD goes on, until

@@ -1,24 +1,28 @@
 """Sending half of the TCP transport: one `PeerLink` per receiver, N `SenderStream`s each.
 
-A link owns a FIFO of planned chunks (references into pinned source buffers, never copies)
+A link owns a queue of planned chunks (references into pinned source buffers, never copies)
 and a queue of control frames (CANCEL). Each stream is one thread that owns one socket, so a
 TLS socket is never used by two threads. Its loop:
 
     drain ready ACKs -> window open? send a control frame, else the next chunk -> else sleep
     on (socket readable | wake pipe)
 
-Open transfers share the link chunk by chunk (round robin: a chunk's successor goes to the
-back of the queue), so a two-block transfer submitted behind a 1 GiB one waits for one chunk
-per transfer ahead of it, not for the gigabyte; a lone transfer has every stream to itself.
+Open transfers share the link chunk by chunk, the one with the fewest bytes left first
+(shortest remaining first: the least waiting in all), so a two-block transfer submitted
+behind a 1 GiB one waits only for the chunks already in flight, not for the gigabyte, nor for
+half the link while it crosses as round robin made it; a lone transfer has every stream to
+itself. A run of small transfers holds a large one back only while it lasts.
 A deferred transfer (``Transport.defer``: nobody waits for it) moves to a second queue that is
 served only while the first is empty, so it takes what the link has left; what it already has
 in flight (at most the window) is all a new transfer finds ahead of it.
 Within a transfer chunks leave in block order, so they land in prefix order. The link follows
 its `FlowPlan` (`pdd.transfer.estimate.plan_flow`, re-planned at most every RTT_REFRESH_S
-from its estimate): at most `plan.window_chunks` chunks per stream are unacknowledged, and a
-path whose bandwidth-delay product needs more streams than the link has opens them. Any
-socket error breaks the whole link: every open transfer to that peer fails, the link's
-threads exit, and the next send opens a fresh link.
+from its estimate): at most `plan.stream_window_bytes` per stream are unacknowledged, counted
+in bytes, not chunks (a transfer is cut into chunks when it is submitted; the first to a new
+peer, cut before any estimate, has the smallest, and a window counted in chunks held it near
+the starting rate however far the plan grew), and a path whose bandwidth-delay product needs
+more streams than the link has opens them. Any socket error breaks the whole link: every open
+transfer to that peer fails, the link's threads exit, and the next send opens a fresh link.
 """
 
 from __future__ import annotations
@@ -143,21 +147,28 @@ class PeerLink:
         self._wake_all()
 
     def take(self) -> bytes | tuple[OutRecord, int] | None:
-        """Next thing to send: a control frame first, else the next chunk of the transfer whose
-        turn it is (deferred transfers only when no other has a chunk waiting)."""
+        """Next thing to send: a control frame first, else the next chunk of the open transfer
+        with the fewest bytes left (deferred transfers only when no other has a chunk
+        waiting)."""
         with self._lock:
             if self._control:
                 return self._control.popleft()
             for queue in (self._work, self._deferred):
-                while queue:
+                for _ in range(len(queue)):  # drop stopped transfers, set deferred ones aside
                     rec, index = queue.popleft()
                     if rec.stop_state is not None:  # a hint; begin_chunk decides under its lock
                         continue
                     if rec.background and queue is self._work:
                         self._deferred.append((rec, index))
                         continue
-                    if index + 1 < len(rec.chunks):  # round robin among open transfers
-                        queue.append((rec, index + 1))
+                    queue.append((rec, index))
+                if queue:
+                    at = min(range(len(queue)), key=lambda i: _bytes_left(*queue[i]))
+                    rec, index = queue[at]
+                    if index + 1 < len(rec.chunks):
+                        queue[at] = (rec, index + 1)
+                    else:
+                        del queue[at]
                     return rec, index
         return None
 
@@ -191,6 +202,11 @@ class PeerLink:
             s.wake()
 
 
+def _bytes_left(rec: OutRecord, index: int) -> float:
+    """A transfer's bytes from chunk ``index`` on (its chunks are of one size but the last)."""
+    return rec.bytes_total * (len(rec.chunks) - index) / max(len(rec.chunks), 1)
+
+
 class SenderStream:
     def __init__(self, link: PeerLink, index: int, count: int):
         self.link = link
@@ -198,6 +214,7 @@ class SenderStream:
         self.config = link.transport.config
         self.sock: socket.socket | None = None
         self.unacked: deque[int] = deque()  # payload bytes of each chunk awaiting its ACK
+        self.unacked_bytes = 0  # their sum
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -254,8 +271,8 @@ class SenderStream:
     def _loop(self) -> None:
         while self.link.broken is None:
             self._drain_acks()
-            window = self.link.replan(time.monotonic()).window_chunks
-            item = self.link.take() if len(self.unacked) < window else None
+            window = self.link.replan(time.monotonic()).stream_window_bytes
+            item = self.link.take() if self.unacked_bytes < window else None
             if isinstance(item, bytes):
                 send_all(self.sock, [item])
             elif item is not None:
@@ -281,6 +298,7 @@ class SenderStream:
                 raise TransferError(f"unexpected {kind.name} frame from receiver")
             tid, _index, status, nbytes = unpack_ack(body)
             wire = self.unacked.popleft()  # the link carried the wire bytes, nbytes is raw
+            self.unacked_bytes -= wire
             now = time.monotonic()
             self.link.estimator.on_ack(wire, now)
             transport.outbound.ack(tid, status, nbytes)
@@ -309,5 +327,6 @@ class SenderStream:
                 parts = []
             send_all(self.sock, [*parts, TRAILER.pack(hasher.digest())])
             self.unacked.append(wire)
+            self.unacked_bytes += wire
         finally:
             transport.outbound.end_chunk(rec.transfer_id)

@@ -9,7 +9,9 @@ it finishes behind every other, until P's send deadline), and, for ``pdd_relay``
 ``pdd_rld_finished``, when a run's duration became its last request's end or the link's last
 byte instead of the time a stale timer of the link fired (utilisations), and, for
 ``pd_wan`` and ``pd_local``, when the baselines' D began to get only the blocks its DRC lacks
-(issue 16, item 8: vLLM's decoder pulls only what its prefix cache lacks). Counts must match
+(issue 16, item 8: vLLM's decoder pulls only what its prefix cache lacks), and when pdd's
+TCP sender, and so the link, began to carry the transfer with the fewest bytes left first
+instead of sharing it equally (issue 16, item 5). Counts must match
 exactly; times and byte sums to 1e-9. Regenerate with ``python -m tests.plan.sim_cases`` only
 for a change of the model, never of speed.
 """

@@ -135,9 +135,10 @@ def test_long_answers_shape_a_workload_with_fewer_turns_instead_of_crashing():
 
 
 def test_the_wan_link_shares_its_rate_so_a_small_transfer_never_waits_behind_a_big_one():
-    """Like pdd's TCP sender (round robin over open transfers): a 2-block transfer sent while
-    a 1 GB one runs finishes within twice its own bytes' time plus half an RTT; the big one
-    still lands (later by the small one's bytes), and every byte is counted once."""
+    """Like pdd's TCP sender (the transfer with the fewest bytes left first): a 2-block
+    transfer sent while a 1 GB one runs takes the link at once and lands its own bytes' time
+    plus half an RTT later; the big one still lands (later by the small one's bytes), and
+    every byte is counted once."""
     import simpy
 
     from pdd.plan.servers import Link
@@ -160,13 +161,13 @@ def test_the_wan_link_shares_its_rate_so_a_small_transfer_never_waits_behind_a_b
     env.process(small_later())
     env.process(wait_big())
     env.run()
-    assert landed["small"] - 0.2 == pytest.approx(2 * 0.002 + 0.02)
+    assert landed["small"] - 0.2 == pytest.approx(0.002 + 0.02)
     assert landed["big"] == pytest.approx(1.0 + 0.002 + 0.02)
     assert link.bytes_sent == pytest.approx(1_002_000_000)
     assert link.utilisation(1.002) == pytest.approx(1.0)
 
 
-def test_a_cancelled_transfer_gives_its_share_back():
+def test_a_cancelled_transfer_gives_the_link_to_the_rest():
     import simpy
 
     from pdd.plan.servers import Link
@@ -177,16 +178,16 @@ def test_a_cancelled_transfer_gives_its_share_back():
     done: list[float] = []
 
     def cut_a():
-        yield env.timeout(0.5)  # each has 250 MB across
+        yield env.timeout(0.5)  # a (the first of equals) has 500 MB across, b nothing
         link.cancel(a)
         yield b.landed
         done.append(env.now)
 
     env.process(cut_a())
     env.run()
-    assert a.sent == pytest.approx(250_000_000) and not a.landed.triggered
-    assert done == [pytest.approx(0.5 + 0.75)]  # b's remaining 750 MB alone at 1 GB/s
-    assert link.bytes_sent == pytest.approx(1_250_000_000)
+    assert a.sent == pytest.approx(500_000_000) and not a.landed.triggered
+    assert done == [pytest.approx(0.5 + 1.0)]  # then b's 1 GB at 1 GB/s
+    assert link.bytes_sent == pytest.approx(1_500_000_000)
 
 
 def test_recompute_or_wait_keeps_the_kv_off_a_slow_wan(profiles) -> None:

@@ -103,11 +103,14 @@ def test_chunk_size_policy():
     assert chunk_bytes_for(None, 4, cfg) == 32 * KiB
     assert chunk_bytes_for(LinkEstimate(0.0, 20e-6, 0), 4, cfg) == 4 * MiB  # LAN
     assert chunk_bytes_for(LinkEstimate(0.0, 0.02, 0), 4, cfg) == 32 * KiB  # WAN, no rate yet
-    # 100 Mbit, 20 ms: 12.5 MB/s / 4 streams x 10 ms = 31,250 B -> the 32 KiB floor
+    # A chunk takes a quarter RTT per stream. 100 Mbit, 20 ms: 12.5 MB/s / 4 streams x 5 ms
+    # = 15,625 B -> the 32 KiB floor
     assert chunk_bytes_for(LinkEstimate(100e6, 0.02, 5), 4, cfg) == 32 * KiB
-    assert chunk_bytes_for(LinkEstimate(1e9, 0.02, 5), 4, cfg) == 4 * 64 * KiB  # 312,500 B
-    # 10 Gbit, 20 ms: 1.25 GB/s / 4 streams x 10 ms = 3,125,000 B -> 47 x 64 KiB
-    assert chunk_bytes_for(LinkEstimate(10e9, 0.02, 5), 4, cfg) == 47 * 64 * KiB
+    assert chunk_bytes_for(LinkEstimate(1e9, 0.02, 5), 4, cfg) == 2 * 64 * KiB  # 156,250 B
+    # 10 Gbit, 20 ms: 1.25 GB/s / 4 streams x 5 ms = 1,562,500 B -> 23 x 64 KiB
+    assert chunk_bytes_for(LinkEstimate(10e9, 0.02, 5), 4, cfg) == 23 * 64 * KiB
+    # 100 Gbit, 50 ms, 32 streams: 390 MB/s x 12.5 ms -> the 4 MiB ceiling
+    assert chunk_bytes_for(LinkEstimate(100e9, 0.05, 5), 32, cfg) == 4 * MiB
 
 
 def test_estimator_measures_busy_time_only():
@@ -211,9 +214,10 @@ def test_socket_limit_is_half_the_smaller_kernel_maximum(tmp_path):
     assert socket_inflight_limit(tmp_path / "missing") == 2 * MiB  # Linux's default maxima
 
 
-def test_transfers_share_a_link_chunk_by_chunk():
-    """A 2-chunk transfer submitted behind a 1 GiB one (256 chunks of 4 MiB) is sent after one
-    chunk of it, not after the gigabyte; each transfer's chunks still leave in order."""
+def test_a_small_transfer_goes_before_a_large_one_already_under_way():
+    """A 2-chunk transfer submitted behind a 1 GiB one (256 chunks of 4 MiB) is sent next,
+    before the large one's next chunk (the fewest bytes left first), not after the gigabyte;
+    each transfer's chunks still leave in order."""
     from types import SimpleNamespace
 
     from pdd.transfer.ledger import OutRecord
@@ -232,8 +236,7 @@ def test_transfers_share_a_link_chunk_by_chunk():
         for s in link.streams:
             s.close_pipe()
     assert first == (big, 0)
-    assert order[:4] == [(big, 1), (small, 0), (big, 2), (small, 1)]
-    assert order[4:] == [(big, 3), (big, 4)]
+    assert order == [(small, 0), (small, 1), (big, 1), (big, 2), (big, 3), (big, 4)]
 
 
 def test_a_deferred_transfer_takes_only_what_the_others_leave():
