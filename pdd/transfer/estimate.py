@@ -1,8 +1,9 @@
 """Live link estimates (bandwidth, RTT) per peer, and the sending plan built on them.
 
 Bandwidth is the goodput of acknowledged bytes measured only while the link is busy (at least
-one chunk unacknowledged), over intervals of at least `interval_s`, smoothed with an EWMA:
-idle time never drags the estimate down. A busy period's clock starts at its first ack, not
+one chunk unacknowledged), over intervals of at least `interval_s`: the intervals' bytes and
+their seconds are smoothed apart (EWMA) and divided, so each interval weighs by its length.
+Idle time never drags the estimate down. A busy period's clock starts at its first ack, not
 its first send: the trip before it delivers nothing, and counting it made the first sample of
 each transfer (which the EWMA keeps for several more) read low by up to an RTT per interval.
 RTT is the kernel's minimum RTT of the streams (TCP_INFO tcpi_min_rtt), so it excludes our
@@ -61,6 +62,7 @@ class LinkEstimator:
         self._alpha = alpha
         self._interval = interval_s
         self._bw_bps = 0.0
+        self._sum_bytes = self._sum_s = 0.0  # smoothed bytes and seconds of the intervals
         self._rtt_s = 0.0
         self._samples = 0
         self._inflight = 0
@@ -82,14 +84,18 @@ class LinkEstimator:
             self._bytes += nbytes
             elapsed = now - self._t0
             if elapsed >= self._interval or (self._inflight == 0 and elapsed > 0.005):
-                self._sample(self._bytes * 8 / max(elapsed, 1e-6))
+                self._sample(self._bytes, max(elapsed, 1e-6))
                 self._t0, self._bytes = now, 0
 
-    def _sample(self, bps: float) -> None:
+    def _sample(self, nbytes: int, seconds: float) -> None:
+        """Smooth bytes and seconds apart and divide: each interval weighs by its length (a
+        mean of rates would weigh a short burst of late acks like a long steady interval)."""
         if self._samples == 0:
-            self._bw_bps = bps
+            self._sum_bytes, self._sum_s = float(nbytes), seconds
         else:
-            self._bw_bps += self._alpha * (bps - self._bw_bps)
+            self._sum_bytes += self._alpha * (nbytes - self._sum_bytes)
+            self._sum_s += self._alpha * (seconds - self._sum_s)
+        self._bw_bps = self._sum_bytes * 8 / self._sum_s
         self._samples += 1
 
     def on_rtt(self, rtt_s: float) -> None:

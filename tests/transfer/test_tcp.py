@@ -129,6 +129,21 @@ def test_estimator_measures_busy_time_only():
     assert (round(got.bandwidth_bps), got.rtt_s, got.samples) == (800_000_000, 0.02, 2)
 
 
+def test_a_burst_of_late_acks_weighs_by_its_length_not_as_a_whole_interval():
+    """A receiver that stalls and then acks in a burst gives a long slow interval and a short
+    fast one; the estimate is their bytes over their time (time-weighted), not the mean of the
+    two rates, which read the link 2.4x fast here (on the lab, a mean of rates read 1 Gbit/s
+    at 1018-1159 Mbit/s; bytes over time, 990-1024)."""
+    est = LinkEstimator(alpha=0.5, interval_s=0.05)
+    est.on_send(30_000_000, now=0.0)
+    est.on_ack(0, now=0.0)  # the clock starts
+    est.on_ack(10_000_000, now=0.45)  # stalled: 10 MB in 0.45 s
+    est.on_ack(10_000_000, now=0.51)  # the burst: 10 MB in 0.06 s
+    got = est.estimate()
+    assert got.samples == 2
+    assert got.bandwidth_bps == pytest.approx(10_000_000 * 8 / 0.255)  # bytes, seconds smoothed
+
+
 GBIT = 1e9
 
 
