@@ -15,6 +15,12 @@ tokens (a fresh vLLM cache salt per cold prompt, so nothing hits by accident):
               between tokens while every one of them decodes
     read      KV bytes per token (the engine's geometry), device KV capacity (vLLM's blocks),
               max_num_seqs, the host tier (``cache.host_capacity_gib``, main_decode only)
+    served    first, before the engine starts here: ``--served`` pairs of requests through a
+              one-worker pdd of the same engine (``pdd serve``: router + colocated worker, on
+              the worker's cores), a cold text prompt of ``--served-tokens`` and it again plus
+              two blocks; each one's TTFT from the client, its shape from the usage the server
+              reports. The engine then times a prompt of each shape: the differences fit the
+              profile's ``serving`` (per request, per new token: router, gRPC, streaming)
 
 then fits the planner's closed forms (``pdd.plan.fit``) and writes the profile in the schema of
 ``configs/profiles/*.yaml`` (YAML; JSON when ``--out`` ends in .json). Each run's median of
@@ -30,20 +36,32 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
+from pdd.bench.serve.config import ModeConfig
+from pdd.bench.serve.systems import ServedTopology
 from pdd.config import PddConfig, WorkerConfig, load_config
 from pdd.engine.env import configure_process_env
 from pdd.errors import ConfigError, PddError
-from pdd.plan.fit import DecodeSample, ExtendSample, Measured, PrefillSample, fit_profile
+from pdd.plan.fit import (
+    DecodeSample,
+    ExtendSample,
+    Measured,
+    OverheadSample,
+    PrefillSample,
+    fit_profile,
+)
 from pdd.protocol import Role
 
 GIB = 1 << 30
+READY_TIMEOUT_S = 600.0  # the served pdd's start (its engine loads the model)
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,8 @@ class Plan:
     decode_tokens: int = 32
     repeats: int = 3
     seed: int = 0
+    served: int = 0  # pairs of requests through a one-worker pdd (0: overhead not measured)
+    served_tokens: int = 1024  # the cold prompt's length, in words (about a token each)
 
     def check(self, max_model_len: int, block: int, max_seqs: int) -> None:
         if len(set(self.lengths)) < 2 or min(self.lengths) < block:
@@ -75,10 +95,16 @@ class Plan:
                               "max_model_len")  # fmt: skip
         if self.repeats < 1:
             raise ConfigError("--repeats: at least 1")
+        if self.served < 0:
+            raise ConfigError("--served: 0 or more")
+        if self.served and not block <= self.served_tokens < max_model_len - 3 * block - 1:
+            raise ConfigError(f"--served-tokens: between one block ({block}) and "
+                              f"max_model_len - 3 blocks ({max_model_len - 3 * block - 1})")  # fmt: skip
 
     @property
     def steps(self) -> int:
-        return 2 * len(self.lengths) + len(self.extend_tokens) + 2 * len(self.batches)
+        return (2 * len(self.lengths) + len(self.extend_tokens) + 2 * len(self.batches)
+                + 4 * self.served)  # served requests, then the engine at their shapes  # fmt: skip
 
 
 class Progress:
@@ -165,8 +191,9 @@ class Timer:
 
 
 async def measure(engine: Any, plan: Plan, name: str, host_cache_tokens: int,
-                  progress: Progress) -> Measured:  # fmt: skip
-    """Every sample of ``plan`` on a started engine (see the module docstring)."""
+                  progress: Progress, served: tuple[Served, ...] = ()) -> Measured:  # fmt: skip
+    """Every sample of ``plan`` on a started engine (see the module docstring); ``served``:
+    the TTFTs a one-worker pdd gave, each matched here by the engine's own at its shape."""
     cfg = engine.engine_config
     block = cfg.block_size
     plan.check(cfg.max_model_len, block, cfg.max_num_seqs)
@@ -187,6 +214,17 @@ async def measure(engine: Any, plan: Plan, name: str, host_cache_tokens: int,
         extend.append(ExtendSample(k, seconds))
         prefill.append(PrefillSample(k, len(base), seconds))
         progress.step(f"extend {k} over {len(base)}")
+    overhead = []
+    for x in served:
+        if x.cached_tokens:
+            base, salt = timer.tokens(x.cached_tokens), f"served-{timer._id()}"
+            await timer.ttft(base, salt)
+            engine_s = await timer.cached(base, salt, x.new_tokens)
+        else:
+            engine_s = await timer.cold(x.new_tokens)
+        overhead.append(OverheadSample(x.new_tokens, x.cached_tokens, x.seconds, engine_s))
+        progress.step(f"engine at served shape {x.new_tokens} over {x.cached_tokens}: "
+                      f"{engine_s * 1e3:.0f} ms (served {x.seconds * 1e3:.0f} ms)")  # fmt: skip
     decode = []
     short, long_ = min(plan.lengths), max(plan.lengths)
     for b in plan.batches:
@@ -203,8 +241,89 @@ async def measure(engine: Any, plan: Plan, name: str, host_cache_tokens: int,
         kv_capacity_tokens=capacity, max_batch=cfg.max_num_seqs,
         host_cache_tokens=host_cache_tokens,
         prefill=tuple(prefill), decode=tuple(decode), extend=tuple(extend),
-        notes=_notes(engine, plan),
+        notes=_notes(engine, plan), overhead=tuple(overhead),
     )  # fmt: skip
+
+
+# --- served: the same engine behind pdd's router, timed from a client --------------------------
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request through a running pdd: its shape as the server counted it, its TTFT."""
+
+    new_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+WORDS = ("river stone cloud market engine garden silver window planet forest music letter "
+         "bridge candle orange winter harbor pencil mirror valley").split()  # fmt: skip
+
+
+async def _ttft(http: httpx.AsyncClient, url: str, model: str, prompt: str) -> Served:
+    """POST one streamed completion (one token); its TTFT and the server's usage."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0, first, usage = time.perf_counter(), None, None
+    async with http.stream("POST", f"{url}/completions", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode("utf-8", "replace")
+            raise PddError(f"served request: HTTP {resp.status_code}: {text[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    if first is None or usage is None:
+        raise PddError("served request: the stream had no token or no usage")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Served(usage["prompt_tokens"] - cached, cached, first)
+
+
+async def served_ttfts(url: str, model: str, plan: Plan, block: int,
+                       progress: Progress | None = None) -> tuple[Served, ...]:  # fmt: skip
+    """``plan.served`` pairs against the pdd at ``url``: a cold prompt of random words (its
+    head differs, so nothing hits), then the same plus two blocks' worth of words."""
+    rng, out = random.Random(plan.seed), []
+    async with httpx.AsyncClient(timeout=120) as http:
+        for _ in range(plan.served):
+            base = " ".join(rng.choice(WORDS) for _ in range(plan.served_tokens))
+            more = " ".join(rng.choice(WORDS) for _ in range(2 * block))
+            for prompt in (base, f"{base} {more}"):
+                out.append(await _ttft(http, url, model, prompt))
+                if progress is not None:
+                    x = out[-1]
+                    progress.step(f"served {x.new_tokens} over {x.cached_tokens}: "
+                                  f"{x.seconds * 1e3:.0f} ms")  # fmt: skip
+    return tuple(out)
+
+
+def served_config(cfg: PddConfig, worker: WorkerConfig) -> dict:
+    """A one-worker colocated topology of ``worker``'s model and engine (its cores too), on
+    ports picked at start, for ``pdd serve``."""
+    data = cfg.model_dump(mode="json")
+    return {
+        "model": data["model"], "engine": cfg.engine_for(worker.id).model_dump(mode="json"),
+        "router": {"host": "127.0.0.1", "port": 0, "mode": "colocated"},
+        "workers": [{"id": "profiled", "role": "colocated", "host": "127.0.0.1"}],
+    }  # fmt: skip
+
+
+def _served(cfg: PddConfig, worker: WorkerConfig, plan: Plan, progress: Progress,
+            folder: Path) -> tuple[Served, ...]:  # fmt: skip
+    topo_file = folder / "served.yaml"
+    topo_file.write_text(yaml.safe_dump(served_config(cfg, worker), sort_keys=False))
+    served = ServedTopology(ModeConfig(name="profiled", config=topo_file), READY_TIMEOUT_S,
+                            folder / "served.log")  # fmt: skip
+    url = served.start()
+    try:
+        block = cfg.engine_for(worker.id).block_size
+        return asyncio.run(served_ttfts(url, cfg.model.name, plan, block, progress))
+    finally:
+        served.stop()
 
 
 def _notes(engine: Any, plan: Plan) -> tuple[str, ...]:
@@ -246,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--extend-tokens", default="1,16,64", help="handed-off token counts")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode request")
     ap.add_argument("--repeats", type=int, default=3, help="runs per prefill sample")
+    ap.add_argument("--served", type=int, default=4,
+                    help="pairs of requests through a one-worker pdd, for the profile's serving "
+                         "(0: not measured)")  # fmt: skip
+    ap.add_argument("--served-tokens", type=int, default=None,
+                    help="words in each served cold prompt, about a token each (default: "
+                         "1024, at most half of max_model_len)")  # fmt: skip
     return ap
 
 
@@ -257,22 +382,22 @@ def _plan(args: argparse.Namespace, cfg: PddConfig, worker: WorkerConfig) -> Pla
     batches = (_ints(args.batches, "--batches") if args.batches
                else tuple(b for b in (1, 2, 4, 8) if b <= e.max_num_seqs))  # fmt: skip
     return Plan(lengths, batches, _ints(args.extend_tokens, "--extend-tokens"),
-                args.decode_tokens, args.repeats)  # fmt: skip
+                args.decode_tokens, args.repeats, served=args.served,
+                served_tokens=args.served_tokens or min(1024, e.max_model_len // 2))  # fmt: skip
 
 
-async def _profile(cfg: PddConfig, worker: WorkerConfig, plan: Plan, name: str) -> Measured:
+async def _profile(cfg: PddConfig, worker: WorkerConfig, plan: Plan, name: str,
+                   progress: Progress, served: tuple[Served, ...]) -> Measured:  # fmt: skip
     from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
 
     engine = Engine(cfg.model, cfg.engine_for(worker.id))
-    progress = Progress(plan.steps)
     await engine.start()
     try:
         host = 0
         if worker.role is Role.MAIN_DECODE:
             host = cfg.cache.host_slots(engine.kv_block_bytes) * engine.engine_config.block_size
-        return await measure(engine, plan, name, host, progress)
+        return await measure(engine, plan, name, host, progress, served)
     finally:
-        progress.close()
         await engine.stop()
 
 
@@ -292,7 +417,14 @@ def main(argv: list[str]) -> int:
         plan = _plan(args, cfg, worker)
         e = cfg.engine_for(worker.id)
         plan.check(e.max_model_len, e.block_size, e.max_num_seqs)
-        measured = asyncio.run(_profile(cfg, worker, plan, args.name or worker.id))
+        progress = Progress(plan.steps)
+        try:
+            with tempfile.TemporaryDirectory(prefix="pdd-profile-") as folder:
+                served = _served(cfg, worker, plan, progress, Path(folder)) if plan.served else ()
+            measured = asyncio.run(_profile(cfg, worker, plan, args.name or worker.id, progress,
+                                            served))  # fmt: skip
+        finally:
+            progress.close()
         profile = fit_profile(measured, args.price, args.description)
     except ConfigError as exc:
         print(f"pdd profile: {exc.message}", file=sys.stderr)

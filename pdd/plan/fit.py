@@ -8,6 +8,8 @@ linear in its coefficients) and returns a ``ChipProfile`` the planner reads like
                         + new * (cached + new / 2) * per_token_context_s
     decode    step    = step_fixed_s + batch * per_seq_s + context * per_context_token_s
     extend    seconds = fixed_s + tokens * per_token_s
+    serving   served TTFT - the engine's TTFT of the same shape
+                      = request_s + new * per_new_token_s     (none measured: both 0)
 
 Too few distinct samples to pin a form down is a ConfigError naming the form and what it
 needs; the fit's worst relative error per form goes into the profile's ``assumptions``.
@@ -27,6 +29,7 @@ from pdd.plan.profile import (
     ExtendProfile,
     MemoryProfile,
     PrefillProfile,
+    ServingProfile,
 )
 
 
@@ -50,6 +53,17 @@ class ExtendSample:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class OverheadSample:
+    """One request's TTFT through a running one-worker pdd, and the engine's alone for a
+    prompt of the same shape (new and cached tokens)."""
+
+    new_tokens: int
+    cached_tokens: int
+    served_s: float
+    engine_s: float
+
+
 @dataclass(frozen=True)
 class Measured:
     """What ``pdd profile`` measured on one worker kind (plus the facts it read)."""
@@ -66,6 +80,7 @@ class Measured:
     decode: tuple[DecodeSample, ...]
     extend: tuple[ExtendSample, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)  # how it was measured
+    overhead: tuple[OverheadSample, ...] = ()  # none: serving 0 (not measured)
 
 
 def nnls(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -140,6 +155,21 @@ def fit_extend(samples: tuple[ExtendSample, ...]) -> tuple[ExtendProfile, float]
     return ExtendProfile(fixed_s=fixed, per_token_s=per_tok), _worst(pred, y)
 
 
+def fit_serving(samples: tuple[OverheadSample, ...]) -> tuple[ServingProfile, float]:
+    """What serving adds (``pdd.plan.profile.ServingProfile``) and the fit's worst absolute
+    error in seconds; one new-token count pins the per-request part only."""
+    _check("served TTFT", [x for s in samples for x in (s.served_s, s.engine_s)])
+    if not samples:
+        return ServingProfile(), 0.0
+    y = [s.served_s - s.engine_s for s in samples]
+    if len({s.new_tokens for s in samples}) < 2:
+        return ServingProfile(request_s=max(0.0, float(np.median(y)))), 0.0
+    rows = [[1.0, float(s.new_tokens)] for s in samples]
+    request, per_token = nnls(rows, [max(v, 0.0) for v in y])
+    worst = max(abs(request + r[1] * per_token - v) for r, v in zip(rows, y, strict=True))
+    return ServingProfile(request_s=request, per_new_token_s=per_token), worst
+
+
 def fit_profile(m: Measured, price_per_hour: float, description: str = "") -> ChipProfile:
     """The profile of ``m``'s chip kind. Raises ConfigError for samples that cannot be fit."""
     if price_per_hour < 0:
@@ -147,14 +177,20 @@ def fit_profile(m: Measured, price_per_hour: float, description: str = "") -> Ch
     prefill, e_p = fit_prefill(m.prefill, m.chunk_tokens)
     decode, e_d = fit_decode(m.decode)
     extend, e_e = fit_extend(m.extend)
+    serving, e_s = fit_serving(m.overhead)
     fits = (f"Fit (non-negative least squares): worst relative error prefill {e_p:.0%} over "
             f"{len(m.prefill)} samples, decode {e_d:.0%} over {len(m.decode)}, extend "
             f"{e_e:.0%} over {len(m.extend)}.")  # fmt: skip
+    served = (f"serving: served minus engine TTFT of {len(m.overhead)} requests, new tokens "
+              f"and seconds: {', '.join(f'{s.new_tokens} {s.served_s - s.engine_s:+.3f}' for s in m.overhead)}; "
+              f"fit's worst error {e_s * 1e3:.0f} ms." if m.overhead
+              else "serving: not measured (0).")  # fmt: skip
     return ChipProfile(
         name=m.name, model=m.model, description=description, price_per_hour=price_per_hour,
         kv_bytes_per_token=m.kv_bytes_per_token, block_size=m.block_size,
         prefill=prefill, decode=decode, extend=extend,
         memory=MemoryProfile(kv_capacity_tokens=m.kv_capacity_tokens, max_batch=m.max_batch,
                              host_cache_tokens=m.host_cache_tokens),
-        assumptions=[*m.notes, fits],
+        serving=serving,
+        assumptions=[*m.notes, served, fits],
     )  # fmt: skip

@@ -12,6 +12,12 @@ by hand and checked by eye::
                             (ctx: KV tokens the batch reads this step, summed over sequences)
     extend(tokens)        = fixed_s + tokens * per_token_s    (one multi-token forward on MD)
 
+What serving adds outside the engine (``serving``; measured by ``pdd profile`` through a
+one-worker pdd, 0 in a datasheet profile): ``request_s`` once per request, before its first
+worker starts it (the router's HTTP and tokenizer, gRPC, the stream back), and
+``per_new_token_s`` on every prefill's new tokens (what the serving processes take from the
+engine's cores while it computes), so ``prefill`` above is the engine's plus that.
+
 Memory: ``kv_capacity_tokens`` of device KV (running sequences' context must fit), at most
 ``max_batch`` sequences, and ``host_cache_tokens`` of host-memory KV tier (MainDecode's DRC;
 on P and colocated workers the prefix cache is the device KV only).
@@ -71,6 +77,17 @@ class MemoryProfile(Section):
     )
 
 
+class ServingProfile(Section):
+    """What pdd's serving path adds to the engine's times (both 0: not measured)."""
+
+    request_s: float = Field(
+        0.0, ge=0, description="Per request, before its first worker starts it (router, gRPC)."
+    )
+    per_new_token_s: float = Field(
+        0.0, ge=0, description="Per new prompt token, on top of the engine's prefill."
+    )
+
+
 class ChipProfile(Section):
     """One chip kind running one model (see the module docstring for the formulas)."""
 
@@ -84,6 +101,10 @@ class ChipProfile(Section):
     decode: DecodeProfile
     extend: ExtendProfile
     memory: MemoryProfile
+    serving: ServingProfile = Field(
+        default_factory=ServingProfile,
+        description="What serving adds outside the engine (`pdd profile` measures it).",
+    )
     assumptions: list[str] = Field(
         default_factory=list, description="Every assumption behind the figures, with sources."
     )
@@ -94,7 +115,8 @@ class ChipProfile(Section):
         p = self.prefill
         chunks = math.ceil(new_tokens / p.chunk_tokens)
         attention = new_tokens * (cached_tokens + new_tokens / 2) * p.per_token_context_s
-        return chunks * p.chunk_overhead_s + new_tokens * p.per_token_s + attention
+        per_token = p.per_token_s + self.serving.per_new_token_s
+        return chunks * p.chunk_overhead_s + new_tokens * per_token + attention
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         d = self.decode

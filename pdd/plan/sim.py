@@ -20,6 +20,9 @@ router's decisions. The simulator only plays out what the drivers then do:
     pd_local  the same over the local link.
     colocated one worker prefills (stalling its decode batch) and decodes.
 
+Every request first waits its first worker's ``serving.request_s`` (what the router and gRPC
+add outside the engine, measured by ``pdd profile``; 0 in a datasheet profile).
+
 What is simplified is in the servers' docstring (pdd.plan.servers) and docs/operations.md.
 """
 
@@ -257,6 +260,9 @@ class Simulation:
             rec = self._admit(conv.id, turn)
             if rec is None:
                 continue
+            overhead = rec.workers[0].profile.serving.request_s  # the router's, then gRPC
+            if overhead:
+                yield self.env.timeout(overhead)
             pipeline = rec.decision.pipeline
             if pipeline is Pipeline.COLOCATED:
                 yield from self._colocated(conv.id, turn, rec)

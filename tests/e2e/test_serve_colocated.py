@@ -202,3 +202,18 @@ def test_client_disconnect_aborts_on_worker(served, model_name):
     while worker_stats(served).running_requests != 0:
         assert time.monotonic() < deadline, "worker still runs the abandoned request"
         time.sleep(0.2)
+
+
+def test_pdd_profile_times_served_requests_and_counts_their_shape(served, model_name):
+    """`pdd profile`'s served phase against this pdd: a cold prompt hits nothing, the same
+    plus two blocks hits its whole blocks, as the server's usage counts them."""
+    import asyncio
+
+    from pdd.profiler import Plan, served_ttfts
+
+    block = load_config(CONFIG).engine.block_size
+    plan = Plan((64, 128), (1, 2), (1, 8), served=1, served_tokens=200, seed=7)
+    cold, warm = asyncio.run(served_ttfts(served.url, model_name, plan, block))
+    assert cold.cached_tokens == 0 and 200 <= cold.new_tokens < 400
+    assert warm.cached_tokens == cold.new_tokens // block * block
+    assert warm.new_tokens >= 2 * block and warm.seconds > 0 and cold.seconds > 0

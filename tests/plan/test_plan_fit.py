@@ -13,8 +13,10 @@ from pdd.plan.fit import (
     DecodeSample,
     ExtendSample,
     Measured,
+    OverheadSample,
     PrefillSample,
     fit_profile,
+    fit_serving,
     nnls,
 )
 from pdd.plan.profile import ChipProfile, load_profile
@@ -55,6 +57,27 @@ def test_the_written_profile_is_one_pdd_plan_reads(profiles, tmp_path: Path) -> 
         assert load_profile(tmp_path / name) == fitted
 
 
+def test_serving_is_what_the_served_ttfts_add_per_request_and_per_new_token(profiles) -> None:
+    # served = engine + 0.05 s + 0.1 ms per new token, at two shapes
+    samples = tuple(OverheadSample(n, c, e + 0.05 + 1e-4 * n, e)
+                    for n, c, e in ((1024, 0, 1.3), (64, 1024, 0.13), (1024, 0, 1.35)))  # fmt: skip
+    serving, worst = fit_serving(samples)
+    assert serving.request_s == pytest.approx(0.05) and worst < 1e-9
+    assert serving.per_new_token_s == pytest.approx(1e-4)
+    fitted = fit_profile(Measured(**{**vars(_samples(profiles["A"])), "overhead": samples}), 1.0)
+    assert fitted.serving == serving and "served minus engine TTFT of 3" in fitted.assumptions[-2]
+    a = profiles["A"]  # the engine's prefill plus serving's per-token part
+    assert fitted.prefill_s(1000, 0) == pytest.approx(a.prefill_s(1000, 0) + 0.1, rel=1e-6)
+
+
+def test_serving_not_measured_or_below_noise_is_zero(profiles) -> None:
+    assert fit_profile(_samples(profiles["A"]), 1.0).serving.request_s == 0.0
+    one_shape = (OverheadSample(64, 1024, 0.12, 0.13), OverheadSample(64, 1024, 0.15, 0.13))
+    serving, _ = fit_serving(one_shape)  # one shape: the median, never negative
+    assert serving.request_s == pytest.approx(0.005) and serving.per_new_token_s == 0.0
+    assert fit_serving(one_shape[:1])[0].request_s == 0.0
+
+
 def test_nnls_keeps_coefficients_non_negative() -> None:
     # y = 2 + 3x, plus a column the free fit would weigh negatively
     rows = [[1.0, x, x * 1.01 - 0.5] for x in (1.0, 2.0, 3.0, 4.0)]
@@ -90,6 +113,8 @@ def test_a_time_that_is_not_positive_is_refused(profiles) -> None:
         (Plan((64, 128), (1, 64), (1, 8)), r"--batches: .*\[1, 32\]"),
         (Plan((64, 128), (1, 2), (8,)), "--extend-tokens"),
         (Plan((64, 128), (1, 2), (1, 8), decode_tokens=2), "--decode-tokens"),
+        (Plan((64, 128), (1, 2), (1, 8), served=1, served_tokens=1000), "--served-tokens"),
+        (Plan((64, 128), (1, 2), (1, 8), served=-1), "--served: 0 or more"),
     ],
 )
 def test_a_plan_the_engine_cannot_run_is_refused_before_it_starts(plan: Plan, message: str) -> None:

@@ -205,3 +205,22 @@ def test_recompute_or_wait_keeps_the_kv_off_a_slow_wan(profiles) -> None:
     assert runs[False].wan_gb > 0 and runs[False].pipelines.get("p_rld_md", 0) > 0
     assert runs[True].wan_gb == 0 and runs[True].pipelines == {"p_md": 60}
     assert runs[True].rld_token_share == 0 < runs[False].rld_token_share
+
+
+@pytest.mark.parametrize("mode", [RouterMode.COLOCATED, RouterMode.PD_LOCAL, RouterMode.PDD])
+def test_what_serving_adds_to_a_request_reaches_its_ttft(profiles, mode: RouterMode) -> None:
+    """A profile's ``serving`` (the router and gRPC, measured through a running pdd): each
+    request waits ``request_s`` before its first worker starts it and pays ``per_new_token_s``
+    on every token its prefill computes. One request on an idle fleet, cold."""
+    work = Workload("one", (Conversation(0, 0.0, (Turn(4096, 16),)),))
+    groups = {RouterMode.COLOCATED: (Group(Role.COLOCATED, "A", 1),),
+              RouterMode.PD_LOCAL: (Group(Role.PREFILL, "A", 1), Group(Role.MAIN_DECODE, "A", 1)),
+              RouterMode.PDD: _pdd(1, 1, 1).groups}[mode]  # fmt: skip
+    fleet = Fleet(mode, groups)
+    a = profiles["A"]
+    served = dict(profiles, A=a.model_copy(update={"serving": a.serving.model_copy(
+        update={"request_s": 0.25, "per_new_token_s": 1e-4})}))  # fmt: skip
+    settings = SimSettings(warmup_fraction=0.0)
+    base = Simulation(fleet, profiles, WAN, work, SLA, settings).run()
+    slow = Simulation(fleet, served, WAN, work, SLA, settings).run()
+    assert slow.ttft_p50_s - base.ttft_p50_s == pytest.approx(0.25 + 4096 * 1e-4, abs=2e-3)

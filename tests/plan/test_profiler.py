@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pdd.config import EngineConfig
+from pdd.config import EngineConfig, PddConfig, load_config
 from pdd.engine.types import EngineDelta, SamplingSpec
 from pdd.plan.fit import fit_profile
-from pdd.profiler import Plan, Progress, measure
+from pdd.profiler import Plan, Progress, Served, measure, served_config
 
 BLOCK = 32
 
@@ -67,3 +67,28 @@ def test_measure_times_cold_cached_extend_and_decode_samples() -> None:
     assert m.kv_capacity_tokens == 4096 and engine.active == 0
     profile = fit_profile(m, 0.1)
     assert profile.name == "fake" and profile.memory.kv_capacity_tokens == 4096
+
+
+def test_each_served_request_is_matched_by_the_engine_at_its_shape() -> None:
+    """The served TTFTs (here given) are each paired with the engine's own TTFT of a prompt
+    with the same new and cached tokens: a cold one never hits, a warm one hits its prefix."""
+    engine = FakeEngine()
+    plan = Plan(lengths=(64, 200), batches=(1, 3), extend_tokens=(1, 24), decode_tokens=6,
+                repeats=1, served=1, served_tokens=256)  # fmt: skip
+    served = (Served(300, 0, 0.5), Served(70, 288, 0.2))
+    m = asyncio.run(measure(engine, plan, "fake", 0, Progress(plan.steps), served))
+    assert [(o.new_tokens, o.cached_tokens, o.served_s) for o in m.overhead] == [
+        (300, 0, 0.5), (70, 288, 0.2)]  # fmt: skip
+    timed = [(n, hit) for salt, n, hit in engine.seen if salt.startswith("served-")]
+    assert timed[-1] == (288 + 70, 288)  # primed, then timed over its cached prefix
+    assert (300, 0) in [(n, hit) for _, n, hit in engine.seen]
+    profile = fit_profile(m, 0.1)
+    assert profile.serving.request_s > 0  # 0.2 s served against a fake engine's milliseconds
+
+
+def test_the_served_topology_is_the_profiled_workers_engine_alone() -> None:
+    cfg = load_config("configs/local.yaml")
+    topo = PddConfig.model_validate(served_config(cfg, cfg.worker("md")))
+    assert [(w.role.value, w.id) for w in topo.workers] == [("colocated", "profiled")]
+    assert topo.router.mode.value == "colocated" and topo.router.port == 0
+    assert topo.engine_for("profiled") == cfg.engine_for("md")
