@@ -17,10 +17,11 @@ tokens (a fresh vLLM cache salt per cold prompt, so nothing hits by accident):
               max_num_seqs, the host tier (``cache.host_capacity_gib``, main_decode only)
     served    first, before the engine starts here: ``--served`` pairs of requests through a
               one-worker pdd of the same engine (``pdd serve``: router + colocated worker, on
-              the worker's cores), a cold text prompt of ``--served-tokens`` and it again plus
-              two blocks; each one's TTFT from the client, its shape from the usage the server
-              reports. The engine then times a prompt of each shape: the differences fit the
-              profile's ``serving`` (per request, per new token: router, gRPC, streaming)
+              the worker's cores), after one untimed request: a cold text prompt of
+              ``--served-tokens`` words and it again plus two blocks; each one's TTFT from
+              the client, its shape from the usage the server reports. The engine then times
+              a prompt of each shape: the differences fit the profile's ``serving`` (per
+              request, per new token: router, gRPC, streaming)
 
 then fits the planner's closed forms (``pdd.plan.fit``) and writes the profile in the schema of
 ``configs/profiles/*.yaml`` (YAML; JSON when ``--out`` ends in .json). Each run's median of
@@ -286,14 +287,20 @@ async def _ttft(http: httpx.AsyncClient, url: str, model: str, prompt: str) -> S
 async def served_ttfts(url: str, model: str, plan: Plan, block: int,
                        progress: Progress | None = None) -> tuple[Served, ...]:  # fmt: skip
     """``plan.served`` pairs against the pdd at ``url``: a cold prompt of random words (its
-    head differs, so nothing hits), then the same plus two blocks' worth of words."""
+    head differs, so nothing hits), then the same plus two blocks' worth of words. One short
+    request first, untimed: a fresh server's first request pays its lazy set-up."""
     rng, out = random.Random(plan.seed), []
     async with httpx.AsyncClient(timeout=120) as http:
+        with contextlib.suppress(PddError, httpx.HTTPError):  # a real failure fails below
+            await _ttft(http, url, model, " ".join(WORDS))
         for _ in range(plan.served):
             base = " ".join(rng.choice(WORDS) for _ in range(plan.served_tokens))
             more = " ".join(rng.choice(WORDS) for _ in range(2 * block))
             for prompt in (base, f"{base} {more}"):
-                out.append(await _ttft(http, url, model, prompt))
+                try:
+                    out.append(await _ttft(http, url, model, prompt))
+                except httpx.HTTPError as exc:
+                    raise PddError(f"served request to {url}: {type(exc).__name__}: {exc}") from exc
                 if progress is not None:
                     x = out[-1]
                     progress.step(f"served {x.new_tokens} over {x.cached_tokens}: "
