@@ -46,8 +46,10 @@ from typing import Any
 import httpx
 import yaml
 
+from pdd.bench.serve.client import stream_request
 from pdd.bench.serve.config import ModeConfig
 from pdd.bench.serve.systems import ServedTopology
+from pdd.bench.serve.workload import BenchRequest
 from pdd.config import PddConfig, WorkerConfig, load_config
 from pdd.engine.env import configure_process_env
 from pdd.errors import ConfigError, PddError
@@ -63,6 +65,7 @@ from pdd.protocol import Role
 
 GIB = 1 << 30
 READY_TIMEOUT_S = 600.0  # the served pdd's start (its engine loads the model)
+SERVED_TIMEOUT_S = 120.0  # one served request
 
 
 @dataclass(frozen=True)
@@ -262,26 +265,16 @@ WORDS = ("river stone cloud market engine garden silver window planet forest mus
          "bridge candle orange winter harbor pencil mirror valley").split()  # fmt: skip
 
 
-async def _ttft(http: httpx.AsyncClient, url: str, model: str, prompt: str) -> Served:
-    """POST one streamed completion (one token); its TTFT and the server's usage."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    t0, first, usage = time.perf_counter(), None, None
-    async with http.stream("POST", f"{url}/completions", json=body) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode("utf-8", "replace")
-            raise PddError(f"served request: HTTP {resp.status_code}: {text[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
-    if first is None or usage is None:
-        raise PddError("served request: the stream had no token or no usage")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Served(usage["prompt_tokens"] - cached, cached, first)
+async def _ttft(http: httpx.AsyncClient, model: str, prompt: str) -> Served:
+    """One streamed completion (one token, never EOS) timed by the benchmark's client; its
+    TTFT and its shape as the server's usage counts it."""
+    req = BenchRequest(index=0, group="served", warmup=False, conversation="served",
+                       max_tokens=1, prompt=prompt)  # fmt: skip
+    body = dict(req.payload(), model=model, temperature=0, ignore_eos=True)
+    rec = await stream_request(http, req, body, SERVED_TIMEOUT_S, time.perf_counter())
+    if rec.error is not None or rec.ttft_s is None:
+        raise PddError(f"served request to {http.base_url}: {rec.error}")
+    return Served(rec.prompt_tokens - rec.cached_tokens, rec.cached_tokens, rec.ttft_s)
 
 
 async def served_ttfts(url: str, model: str, plan: Plan, block: int,
@@ -290,17 +283,14 @@ async def served_ttfts(url: str, model: str, plan: Plan, block: int,
     head differs, so nothing hits), then the same plus two blocks' worth of words. One short
     request first, untimed: a fresh server's first request pays its lazy set-up."""
     rng, out = random.Random(plan.seed), []
-    async with httpx.AsyncClient(timeout=120) as http:
-        with contextlib.suppress(PddError, httpx.HTTPError):  # a real failure fails below
-            await _ttft(http, url, model, " ".join(WORDS))
+    async with httpx.AsyncClient(base_url=url) as http:
+        with contextlib.suppress(PddError):  # a real failure fails below
+            await _ttft(http, model, " ".join(WORDS))
         for _ in range(plan.served):
             base = " ".join(rng.choice(WORDS) for _ in range(plan.served_tokens))
             more = " ".join(rng.choice(WORDS) for _ in range(2 * block))
             for prompt in (base, f"{base} {more}"):
-                try:
-                    out.append(await _ttft(http, url, model, prompt))
-                except httpx.HTTPError as exc:
-                    raise PddError(f"served request to {url}: {type(exc).__name__}: {exc}") from exc
+                out.append(await _ttft(http, model, prompt))
                 if progress is not None:
                     x = out[-1]
                     progress.step(f"served {x.new_tokens} over {x.cached_tokens}: "
@@ -311,9 +301,9 @@ async def served_ttfts(url: str, model: str, plan: Plan, block: int,
 def served_config(cfg: PddConfig, worker: WorkerConfig) -> dict:
     """A one-worker colocated topology of ``worker``'s model and engine (its cores too), on
     ports picked at start, for ``pdd serve``."""
-    data = cfg.model_dump(mode="json")
     return {
-        "model": data["model"], "engine": cfg.engine_for(worker.id).model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json"),
+        "engine": cfg.engine_for(worker.id).model_dump(mode="json"),
         "router": {"host": "127.0.0.1", "port": 0, "mode": "colocated"},
         "workers": [{"id": "profiled", "role": "colocated", "host": "127.0.0.1"}],
     }  # fmt: skip
@@ -339,7 +329,8 @@ def _notes(engine: Any, plan: Plan) -> tuple[str, ...]:
         f"Measured by pdd profile on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
         f"vLLM engine, dtype {cfg.dtype or engine.model_config.dtype}, block {cfg.block_size}, "
         f"max_num_batched_tokens {cfg.max_num_batched_tokens}, no KV connector (the "
-        f"connector's copies and the worker's gRPC are not in these times).",
+        f"connector's copies are not in these times; the router's and gRPC's are in "
+        f"`serving` when --served measured them).",
         f"Samples: prompt lengths {list(plan.lengths)} cold and cached, extend "
         f"{list(plan.extend_tokens)} tokens, decode batches {list(plan.batches)} x "
         f"{plan.decode_tokens} tokens at two prompt lengths; median of {plan.repeats} per "
