@@ -6,8 +6,12 @@ reads only these numbers; every time model is a small closed form so a profile c
 by hand and checked by eye::
 
     prefill(new, cached)  = ceil(new / chunk_tokens) * chunk_overhead_s     (one forward per
-                            + new * per_token_s                               chunk: a tail
+                            + paid(new) * per_token_s                         chunk: a tail
                             + new * (cached + new / 2) * per_token_context_s  chunk pays it too)
+    paid(new)             = the new tokens, each forward counted as at least
+                            min_forward_tokens (the roofline's knee, 0 by default: below it a
+                            forward is bound by reading the weights, so a small tail chunk
+                            costs what a forward of min_forward_tokens does)
     decode_step(batch, ctx) = step_fixed_s + batch * per_seq_s + ctx * per_context_token_s
                             (ctx: KV tokens the batch reads this step, summed over sequences)
     extend(tokens)        = fixed_s + tokens * per_token_s    (one multi-token forward on MD)
@@ -27,7 +31,6 @@ Errors: ``load_profile`` raises ConfigError naming the file and each missing or 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import yaml
@@ -47,6 +50,12 @@ class PrefillProfile(Section):
     per_token_s: float = Field(..., ge=0, description="Linear cost per new token (GEMMs).")
     per_token_context_s: float = Field(
         ..., ge=0, description="Attention cost per new token per context token it attends to."
+    )
+    min_forward_tokens: int = Field(
+        0,
+        ge=0,
+        description="A forward of fewer new tokens costs as many (the roofline's knee: weights "
+        "read / compute per token; an MoE's is thousands, since each expert sees a share).",
     )
 
 
@@ -110,13 +119,17 @@ class ChipProfile(Section):
     )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
-        if new_tokens <= 0:
-            return self.prefill.chunk_overhead_s  # the one forward that emits the first token
         p = self.prefill
-        chunks = math.ceil(new_tokens / p.chunk_tokens)
+        knee = p.min_forward_tokens
+        if new_tokens <= 0:  # the one forward that emits the first token
+            return p.chunk_overhead_s + knee * p.per_token_s
+        full, tail = divmod(new_tokens, p.chunk_tokens)
+        chunks, paid = full + (tail > 0), new_tokens
+        if knee:  # each forward (chunk) pays for at least the knee's tokens
+            paid = full * max(p.chunk_tokens, knee) + (max(tail, knee) if tail else 0)
         attention = new_tokens * (cached_tokens + new_tokens / 2) * p.per_token_context_s
-        per_token = p.per_token_s + self.serving.per_new_token_s
-        return chunks * p.chunk_overhead_s + new_tokens * per_token + attention
+        gemm = paid * p.per_token_s + new_tokens * self.serving.per_new_token_s
+        return chunks * p.chunk_overhead_s + gemm + attention
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         d = self.decode

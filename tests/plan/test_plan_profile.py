@@ -9,7 +9,7 @@ import yaml
 
 from pdd.errors import ConfigError
 from pdd.plan.profile import load_profile, load_profiles
-from tests.plan.conftest import PROFILES
+from tests.plan.conftest import PROFILES, ROOT
 
 
 def test_example_profiles_load_and_b_is_the_dearer_decode_chip(profiles) -> None:
@@ -30,6 +30,22 @@ def test_prefill_formula_counts_chunks_tokens_and_attention(profiles) -> None:
     assert a.prefill_s(8193, 0) - a.prefill_s(8192, 0) > p.chunk_overhead_s
     assert a.prefill_s(0, 1000) == p.chunk_overhead_s
     assert a.prefill_s(100, 60000) > a.prefill_s(100, 0)  # attention over the cached prefix
+
+
+def test_a_forward_under_the_knee_costs_the_knee() -> None:
+    moe = load_profile(ROOT / "configs/profiles/chip-a-moe.yaml")
+    p = moe.prefill
+    assert p.min_forward_tokens > 0 and p.chunk_tokens > p.min_forward_tokens
+    # a one-token tail chunk costs a whole forward at the knee: the weights are read anyway
+    tail = moe.prefill_s(p.chunk_tokens + 1, 0) - moe.prefill_s(p.chunk_tokens, 0)
+    assert tail >= p.chunk_overhead_s + p.min_forward_tokens * p.per_token_s
+    assert moe.prefill_s(1, 0) == pytest.approx(moe.prefill_s(p.min_forward_tokens, 0), rel=0.2)
+    # at or above the knee every token is paid once, as without one
+    flat = moe.model_copy(update={"prefill": p.model_copy(update={"min_forward_tokens": 0})})
+    assert moe.prefill_s(2 * p.chunk_tokens, 500) == flat.prefill_s(2 * p.chunk_tokens, 500)
+    assert moe.prefill_s(0, 1000) == pytest.approx(
+        p.chunk_overhead_s + p.min_forward_tokens * p.per_token_s
+    )
 
 
 def _write(tmp_path: Path, data: dict) -> Path:
