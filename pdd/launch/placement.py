@@ -69,6 +69,9 @@ class Placed:
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 PORT_KEYS = ("port", "metrics_port", "kv_port")  # a worker's ports in its config
+# the ports resolve_ports picks: the router and workers dial these; a kv_port of 0 stays 0
+# (the worker binds any port and reports it to its peers in PrepareKv)
+PICKED_PORT_KEYS = ("port", "metrics_port")
 PICKED_SPAN = 12_000  # ports below the ephemeral range that free_port picks from
 _handed_out: set[int] = set()  # this process's picks (a child may not have bound one yet)
 
@@ -218,7 +221,7 @@ def resolve_ports(
     if data["router"]["port"] == 0:
         data["router"]["port"] = fresh(router_dc, cfg.router.host)
     for w in data["workers"]:
-        for key in ("port", "metrics_port"):
+        for key in PICKED_PORT_KEYS:
             if w[key] == 0:
                 w[key] = fresh(w["datacenter"], w["host"])
     return PddConfig.model_validate(data)

@@ -28,6 +28,7 @@ transfer to that peer fails, the link's threads exit, and the next send opens a 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import socket
@@ -154,6 +155,7 @@ class PeerLink:
             if self._control:
                 return self._control.popleft()
             for queue in (self._work, self._deferred):
+                at, least, kept = -1, math.inf, 0
                 for _ in range(len(queue)):  # drop stopped transfers, set deferred ones aside
                     rec, index = queue.popleft()
                     if rec.stop_state is not None:  # a hint; begin_chunk decides under its lock
@@ -161,9 +163,12 @@ class PeerLink:
                     if rec.background and queue is self._work:
                         self._deferred.append((rec, index))
                         continue
-                    queue.append((rec, index))
-                if queue:
-                    at = min(range(len(queue)), key=lambda i: _bytes_left(*queue[i]))
+                    queue.append((rec, index))  # kept in order: it is queue[kept]
+                    left = _bytes_left(rec, index)
+                    if left < least:
+                        at, least = kept, left
+                    kept += 1
+                if at >= 0:
                     rec, index = queue[at]
                     if index + 1 < len(rec.chunks):
                         queue[at] = (rec, index + 1)
