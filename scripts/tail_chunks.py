@@ -40,7 +40,7 @@ def per_request(prof: ChipProfile, context: int, hit: float) -> dict[str, float]
             new = turn.prompt_tokens - held
             knee += prof.prefill_s(new, held)
             linear += flat.prefill_s(new, held)
-            attention += new * (held + new / 2) * prof.prefill.per_token_context_s
+            attention += prof.prefill.attention_s(new, held)
             held, n = turn.prompt_tokens, n + 1
     return {"context_tokens": context, "hit_rate": hit, "seconds": knee / n,
             "seconds_without_knee": linear / n, "tail_cost": knee / linear - 1,

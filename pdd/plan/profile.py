@@ -58,6 +58,10 @@ class PrefillProfile(Section):
         "read / compute per token; an MoE's is thousands, since each expert sees a share).",
     )
 
+    def attention_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Attention of ``new_tokens`` over the cached prefix and each other (causal)."""
+        return new_tokens * (cached_tokens + new_tokens / 2) * self.per_token_context_s
+
 
 class DecodeProfile(Section):
     """Decode step time against batch size and the KV the batch reads."""
@@ -127,9 +131,8 @@ class ChipProfile(Section):
         chunks, paid = full + (tail > 0), new_tokens
         if knee:  # each forward (chunk) pays for at least the knee's tokens
             paid = full * max(p.chunk_tokens, knee) + (max(tail, knee) if tail else 0)
-        attention = new_tokens * (cached_tokens + new_tokens / 2) * p.per_token_context_s
         gemm = paid * p.per_token_s + new_tokens * self.serving.per_new_token_s
-        return chunks * p.chunk_overhead_s + gemm + attention
+        return chunks * p.chunk_overhead_s + gemm + p.attention_s(new_tokens, cached_tokens)
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         d = self.decode
