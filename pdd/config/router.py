@@ -37,6 +37,14 @@ class PddPolicyConfig(Section):
         "while P prefills; the pipeline choice then weighs the "
         "sooner of the two against ttft_budget_s. Off: MD always waits for the WAN.",
     )
+    stream_kv: bool = Field(
+        True,
+        description="Stream KV while P prefills: SendKv goes out as soon as the destinations "
+        "answered PrepareKv, and P sends each prefill chunk's blocks as its forward ends (to "
+        "RLD and MD alike), so the WAN transfer overlaps P's prefill. Off: P sends once its "
+        "token is out (the older flow; for comparisons, or per request: "
+        '"pdd": {"stream_kv": false}).',
+    )
     catch_up_load_threshold: float = Field(
         0.5,
         ge=0,

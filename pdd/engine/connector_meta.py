@@ -5,6 +5,8 @@ Scheduler half -> worker half, once per engine step (``PddConnectorMetadata``):
     saves    copy paged blocks -> slots, after this step's forward (it computed them)
     fences   (index, ticket) to post: those requests finished before this step was scheduled,
              so no step that copies for them is still to run once this step runs
+A save job with ``progress`` (index, end) posts ``end`` to the progress board's word ``index``
+once its copy ran: the request's slots then hold its prompt blocks up to ``end``.
 Worker half -> scheduler half, once per step (``PddWorkerMetadata``): copy counts and times.
 
 One CopyJob pairs vLLM block ids with arena slots, position by position:
@@ -29,6 +31,7 @@ class CopyJob:
     req_id: str
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]  # same length as block_ids
+    progress: tuple[int, int] | None = None  # save: (board index, end block) to post after it
 
 
 @dataclass

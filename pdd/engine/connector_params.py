@@ -137,3 +137,9 @@ class ConnectorSettings(_Msg):
     fences: ArenaRef | None = Field(
         None, description="The fence board (8-byte slots); needed by requests with a fence."
     )
+    progress: ArenaRef | None = Field(
+        None,
+        description="The export progress board (8-byte slots, as many as fences): after each "
+        "step's copies, word ``fence.index`` of an exporting request holds the end of the "
+        "prompt blocks its slots hold (P streams them while it prefills).",
+    )

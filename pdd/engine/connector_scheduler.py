@@ -124,7 +124,8 @@ class SchedulerHalf:
         block_ids = self._block_ids_of(req.request_id)[0]
         start, rec.next_block = rec.next_block, end
         slots = rec.slots[start - first : end - first]
-        return CopyJob(req.request_id, tuple(block_ids[start:end]), slots)
+        progress = (rec.fence.index, end) if rec.fence is not None else None
+        return CopyJob(req.request_id, tuple(block_ids[start:end]), slots, progress)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

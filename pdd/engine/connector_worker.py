@@ -121,6 +121,7 @@ class WorkerHalf:
         self._copier: SlotCopier | TorchBlockCopier | None = None
         self._arena: SlotArena | None = None
         self._fences: FenceBoard | None = None
+        self._progress: FenceBoard | None = None
         self._out = PddWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -138,6 +139,8 @@ class WorkerHalf:
             raise
         if self._settings.fences is not None:
             self._fences = FenceBoard.attach(self._settings.fences)
+        if self._settings.progress is not None:
+            self._progress = FenceBoard.attach(self._settings.progress)
         log.info("PddConnector: arena %s, %d slots of %d bytes, %s copier%s",
                  self._arena.ref.name, self._arena.num_slots, self._arena.slot_bytes,
                  type(self._copier).__name__, f" ({self._copier.host})"
@@ -154,9 +157,12 @@ class WorkerHalf:
             self._out.loads[job.req_id] = self._copy(job, self._c().load, job.slots, job.block_ids)
 
     def save(self, meta: PddConnectorMetadata) -> None:
-        """Copy the blocks this step's forward computed into their slots."""
+        """Copy the blocks this step's forward computed into their slots; post how far each
+        request's slots are filled (the copy is synchronous: the bytes are there)."""
         for job in meta.saves:
             stat = self._copy(job, self._c().save, job.block_ids, job.slots)
+            if job.progress is not None and self._progress is not None:
+                self._progress.post(*job.progress)
             prev = self._out.saves.get(job.req_id)
             self._out.saves[job.req_id] = prev + stat if prev else stat
 
@@ -175,8 +181,9 @@ class WorkerHalf:
         """Unmap the arenas (the shell owns and unlinks them)."""
         if self._copier is not None:
             self._copier.close()
-        if self._fences is not None:
-            self._fences.close()
+        for board in (self._fences, self._progress):
+            if board is not None:
+                board.close()
         if self._arena is not None:
             self._arena.close()
 

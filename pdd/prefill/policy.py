@@ -1,26 +1,33 @@
 """The Prefill (P) role: stage a prompt's KV blocks in the arena, send them where told.
 
-Owns the *stages*: per kv_request_id, the arena slots holding the prompt's whole blocks after
-a Generate(kv_stage) and the sends reading them. Lifecycle of one stage::
+Owns the *stages*: per kv_request_id, the arena slots holding the prompt's whole blocks from
+its Generate(kv_stage) on, and the sends reading them. Lifecycle of one stage::
 
     Generate(kv_stage)  allocate len(prompt) // block_size slots (RESOURCE_EXHAUSTED if the
                         staging arena is full now; INVALID_ARGUMENT, a 400, if it could never
                         hold them: the worker's start check makes that unreachable for prompts
                         within max_model_len, pdd.worker.capacity); the engine exports block i
-                        into slots[i]
-    final response      kv_staged_blocks = blocks exported; the stage is leased
-                        (worker.kv_stage_lease_s)
-    SendKv              one transfer per destination, in parallel (UCX to a relay_decode, TCP
-                        to a main_decode: PeerAddress.transport), each from its first_block;
+                        into slots[i] as the forward that computed it ends, and says how far it
+                        got after every step (``Fences.exported``: ``staged``)
+    SendKv              at any time, even before P's token (the router streams the KV while P
+                        prefills) and before this Generate reached P (it waits a moment): one
+                        send per destination (UCX to a relay_decode, TCP to a main_decode:
+                        PeerAddress.transport), from its first_block; while the engine
+                        prefills, what is staged goes out in *parts*, one transfer after the
+                        other (pdd.worker.inbound.wire_id), the last once the prompt is done;
                         the lease is extended to the send deadline
-    CancelKv(background) the request no longer waits: its open sends are deferred (they go
-                        when no other transfer has a chunk waiting) and end as ever; a
-                        Generate that finds the arena full cancels deferred stages first
-    release             every send terminal (done, failed, cancelled), or CancelKv, or the
-                        lease expired (open sends are cancelled first; the slots come back
-                        once the transport let go of them), or the Generate did not finish
+    final response      kv_staged_blocks = blocks exported; the stage is leased
+                        (worker.kv_stage_lease_s) for a SendKv still to come
+    CancelKv(background) the request no longer waits: its sends are deferred (they go when no
+                        other transfer has a chunk waiting) and end as ever; a Generate that
+                        finds the arena full cancels deferred stages first
+    release             the engine let go of the slots (its final output, or its fence after
+                        an abort) and no send is open, and: every destination got its last part,
+                        or the stage was closed (CancelKv, the lease expired, the prefill did
+                        not finish; open sends are cancelled first)
 
 The slots are the only thing a stage holds; ``SlotPool.release(kv_id)`` is their one release.
+A destination whose part failed gets nothing more (its receiver stops at the failed part).
 """
 
 from __future__ import annotations
@@ -35,8 +42,16 @@ from dataclasses import dataclass, field
 from pdd.config import PddConfig, WorkerConfig
 from pdd.engine.connector_params import ExportParams, FenceRef, wrap
 from pdd.errors import CacheError, ContextLengthError, InvalidRequestError, OverloadedError
-from pdd.transfer import KVSegment, SendRequest, TransferHandle, TransferStatus
+from pdd.transfer import (
+    KVSegment,
+    PeerAddress,
+    SendRequest,
+    TransferHandle,
+    TransferStatus,
+    Transport,
+)
 from pdd.worker.capacity import ArenaSize, setting_of
+from pdd.worker.inbound import wire_id
 from pdd.worker.kv_plane import PlaneSpec
 from pdd.worker.kv_run import exported_blocks, plain, run_with_kv
 from pdd.worker.kv_wire import describe
@@ -57,19 +72,44 @@ from pdd.worker.ticker import Ticker
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
+POLL_S = 0.005  # how often a stage still prefilling is checked for newly staged blocks
 SEND_GRACE_S = 5.0  # lease slack past a send's own deadline
 FREE_WAIT_S = 1.0  # how long a new stage waits for the slots of deferred sends it cancelled
+STAGE_WAIT_S = 2.0  # how long a SendKv waits for its Generate to reach P
+
+
+@dataclass
+class _Dest:
+    """One destination of a stage: its parts go one after the other, blocks in order."""
+
+    transport: Transport
+    peer: PeerAddress
+    landing_key: str
+    next_block: int  # the first block no part carried yet
+    parts: int = 0  # parts started
+    part: TransferHandle | None = None  # the part on its way
+    ended: bool = False  # its last part started, or a part failed: nothing more goes
 
 
 @dataclass
 class _Stage:
     kv_id: str
     slots: list[int]  # slots[i] holds prompt block i, for i < staged
-    staged: int
     deadline: float
+    fence: FenceRef | None = None  # the engine request's (its progress: ``staged``)
+    staged: int = 0  # blocks the engine copied so far
+    generating: bool = True  # the engine request runs: more blocks may come
+    engine_holds: bool = True  # the engine may write the slots (until its release)
+    send_by: float | None = None  # SendKv came: when its sends must end (monotonic)
+    dests: list[_Dest] = field(default_factory=list)
     sends: dict[int, TransferHandle] = field(default_factory=dict)  # open, by transfer id
     closed: str | None = None  # why no more sends may start (cancelled, lease expired)
     deferred: bool = False  # CancelKv(background): nobody waits; first to go when full
+
+    @property
+    def sent(self) -> bool:
+        """SendKv came and every destination got its last part."""
+        return self.send_by is not None and all(d.ended and d.part is None for d in self.dests)
 
 
 class PrefillRole:
@@ -93,10 +133,11 @@ class PrefillRole:
         # What every sent slot holds, named in each chunk header (a lossy WAN codec needs it).
         self._pool = SlotPool(ctx.plane.arena.num_slots)
         self._stages: dict[str, _Stage] = {}
-        self._generating: dict[str, str | None] = {}  # kv id -> why it was cancelled
         self._by_transfer: dict[int, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker = Ticker(self.tick, TICK_S, "prefill-leases")
+        self._streaming = asyncio.Event()  # a stage prefills with a send waiting for blocks
+        self._poller: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -104,13 +145,18 @@ class PrefillRole:
         self._loop = asyncio.get_running_loop()
         self._plane.start(on_sent=self._sent_threadsafe)
         self._ticker.start()
+        self._poller = self._loop.create_task(self._poll(), name="prefill-stream")
 
     async def stop(self) -> None:
         """Drop every stage (the engine is stopped; the plane closes the transports next)."""
         await self._ticker.stop()
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
         for stage in list(self._stages.values()):
             for handle in stage.sends.values():
                 handle.cancel()
+            stage.engine_holds = False
             self._release(stage)
         for kv_id in self._pool.owners():
             self._pool.release(kv_id)
@@ -125,7 +171,7 @@ class PrefillRole:
                     yield KvDelta(delta)
             return
         kv_id = call.request_id
-        if kv_id in self._stages or kv_id in self._generating:
+        if kv_id in self._stages:
             raise InvalidRequestError(
                 f"request {kv_id!r} already has staged KV", param="request_id"
             )
@@ -137,15 +183,18 @@ class PrefillRole:
                 param="prompt",
             )
         slots = await self._allocate(kv_id, blocks)  # OverloadedError: the arena is full now
-        self._generating[kv_id] = None
-        staged = False
+        lease = time.monotonic() + self._worker.kv_stage_lease_s
+        stage = self._stages[kv_id] = _Stage(kv_id, slots, lease)
 
-        def release() -> None:
-            self._generating.pop(kv_id, None)
-            if not staged:
-                self._pool.release(kv_id)
+        def release() -> None:  # the engine let go of the slots
+            stage.engine_holds = False
+            if stage.generating:  # it never finished: nothing more is sent
+                stage.generating = False
+                self._close(stage, "the prefill did not finish")
+            self._settle(stage)
 
         def params(fence: FenceRef) -> dict:
+            stage.fence = fence
             return wrap(export=ExportParams(slots=slots, fence=fence))
 
         stream = run_with_kv(self._engine, self._plane.fences, call, params, release)
@@ -155,8 +204,19 @@ class PrefillRole:
                     yield KvDelta(delta)
                     continue
                 n = exported_blocks(delta.kv_transfer_params)
-                staged = self._stage(kv_id, slots, n, delta.finish_reason)
-                yield KvDelta(delta, staged_blocks=n if staged else 0)
+                staged = n > 0 and delta.finish_reason in ("stop", "length")
+                self._prefilled(stage, n if staged else 0)
+                yield KvDelta(delta, staged_blocks=n if stage.closed is None else 0)
+
+    def _prefilled(self, stage: _Stage, n: int) -> None:
+        """The engine request finished: ``n`` blocks are staged (0: none usable)."""
+        stage.generating = False
+        if n == 0:
+            self._close(stage, "nothing staged")
+            return
+        stage.staged = n
+        stage.deadline = max(stage.deadline, time.monotonic() + self._worker.kv_stage_lease_s)
+        self._pump(stage)
 
     async def _allocate(self, kv_id: str, blocks: int) -> list[int]:
         """Slots for a new stage. A full arena first gives up deferred stages, oldest first
@@ -186,79 +246,116 @@ class PrefillRole:
         """Slots of deferred stages: a new request can have them (``_allocate``)."""
         return sum(len(st.slots) for st in self._stages.values() if st.deferred)
 
-    def _stage(self, kv_id: str, slots: list[int], n: int, finish: str | None) -> bool:
-        """Lease the exported blocks for SendKv; False when there is nothing to hold."""
-        cancelled = self._generating.get(kv_id)
-        if n == 0 or finish not in ("stop", "length") or cancelled is not None:
-            return False
-        deadline = time.monotonic() + self._worker.kv_stage_lease_s
-        self._stages[kv_id] = _Stage(kv_id, slots, n, deadline)
-        return True
-
     # --- KV RPCs --------------------------------------------------------------------------
 
     async def send_kv(self, call: SendKvCall) -> SendKvResult:
-        """Start one transfer per destination; returns the bytes queued for each."""
-        stage = self._stages.get(call.kv_request_id)
-        if stage is None or stage.closed is not None:
-            why = stage.closed if stage is not None else "never staged, or already released"
+        """One send per destination; returns the bytes it will carry to each (all of the
+        prompt's blocks from its first_block, also those still being prefilled)."""
+        stage = await self._stage_of(call.kv_request_id)
+        if stage is None or stage.closed is not None or stage.send_by is not None:
+            why = "never staged, or already released"
+            if stage is not None:
+                why = stage.closed or "SendKv came twice"
             raise CacheError(f"no staged KV for request {call.kv_request_id!r} ({why})")
-        plan = []
+        dests = []
         for dest in call.destinations:  # check everything before the first send starts
             if dest.first_block < 0:
                 raise InvalidRequestError("first_block must be >= 0", param="destinations")
             transport = self._plane.sender(dest.peer.transport)
-            plan.append((transport, dest))
-        deadline_s = call.deadline_s if call.deadline_s > 0 else None
+            dests.append(_Dest(transport, dest.peer.peer(), dest.landing_key, dest.first_block))
+        deadline_s = call.deadline_s if call.deadline_s > 0 else self._plane.transfer_deadline_s
+        now = time.monotonic()
+        stage.send_by = now + deadline_s
+        stage.deadline = max(stage.deadline, stage.send_by + SEND_GRACE_S)
+        total = len(stage.slots) if stage.generating else stage.staged
         sent: list[int] = []
         wire: list[int] = []  # expected on the wire: raw x the codec's learned ratio
-        for transport, dest in plan:
-            segments = self._segments(stage, dest.first_block)
-            if not segments:
-                sent.append(0)
-                wire.append(0)
-                continue
-            request = SendRequest(
-                _wire_id(stage.kv_id, dest.landing_key), segments, deadline_s=deadline_s
-            )
-            peer = dest.peer.peer()
-            handle = transport.send(peer, request)
-            self._plane.started(handle.transfer_id)
-            stage.sends[handle.transfer_id] = handle
-            self._by_transfer[handle.transfer_id] = stage.kv_id
-            sent.append(len(segments) * self._plane.arena.slot_bytes)
-            ratio = self._plane.wire_ratio(dest.peer.transport, peer)
+        for dest, call_dest in zip(dests, call.destinations, strict=True):
+            sent.append(max(0, total - dest.next_block) * self._plane.arena.slot_bytes)
+            ratio = self._plane.wire_ratio(call_dest.peer.transport, dest.peer)
             wire.append(round(sent[-1] * ratio))
-        lease = (deadline_s or self._plane.transfer_deadline_s) + SEND_GRACE_S
-        stage.deadline = max(stage.deadline, time.monotonic() + lease)
-        if not stage.sends:
-            self._release(stage)  # nothing to send: the router is done with it
-        return SendKvResult(stage.staged, tuple(sent), tuple(wire))
+            dest.ended = dest.next_block >= total
+            if not dest.ended:
+                stage.dests.append(dest)
+        self._pump(stage)
+        if stage.generating and stage.dests:
+            self._streaming.set()
+        self._settle(stage)  # nothing to send: the router is done with it
+        return SendKvResult(total, tuple(sent), tuple(wire))
 
-    def _segments(self, stage: _Stage, first: int) -> list[KVSegment]:
+    async def _stage_of(self, kv_id: str) -> _Stage | None:
+        """The stage of ``kv_id``; a SendKv sent right after its Generate may get here first."""
+        deadline = time.monotonic() + STAGE_WAIT_S
+        while kv_id not in self._stages and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        return self._stages.get(kv_id)
+
+    def _pump(self, stage: _Stage) -> None:
+        """Start the next part to every destination whose last part ended and that has blocks
+        to go: the last part once the prompt is done; before, what is staged, except the last
+        block (the last part is never empty)."""
+        if stage.closed is not None or stage.send_by is None:
+            return
+        if stage.generating and stage.fence is not None:
+            stage.staged = max(stage.staged, self._plane.fences.exported(stage.fence))
+        for dest in stage.dests:
+            if dest.ended or dest.part is not None:
+                continue
+            if not stage.generating:
+                first = min(dest.next_block, stage.staged - 1) if dest.parts else dest.next_block
+                if first < stage.staged:
+                    self._start_part(stage, dest, first, stage.staged, last=True)
+                else:  # the export fell short of this destination's first block
+                    dest.ended = True
+            elif min(stage.staged, len(stage.slots) - 1) > dest.next_block:
+                end = min(stage.staged, len(stage.slots) - 1)
+                self._start_part(stage, dest, dest.next_block, end, last=False)
+
+    def _start_part(self, stage: _Stage, dest: _Dest, first: int, end: int, last: bool) -> None:
+        """Send blocks [first, end) to ``dest`` (a last part resends the last block when the
+        earlier parts already carried every block: the receiver needs the mark)."""
+        dest.parts += 1
+        parts = dest.parts if last else None
         arena = self._plane.arena
         what = describe(self._engine.kv_geometry)  # each chunk says what it carries
-        return [
+        segments = [
             KVSegment(arena.view(stage.slots[i]), block_start=i, block_end=i + 1, **what)
-            for i in range(first, stage.staged)
+            for i in range(first, end)
         ]
+        assert stage.send_by is not None
+        left = max(0.001, stage.send_by - time.monotonic())
+        request = SendRequest(wire_id(stage.kv_id, dest.landing_key, parts), segments, left)
+        handle = dest.transport.send(dest.peer, request)
+        self._plane.started(handle.transfer_id)
+        if stage.deferred:
+            handle.defer()
+        dest.part, dest.next_block, dest.ended = handle, end, last
+        stage.sends[handle.transfer_id] = handle
+        self._by_transfer[handle.transfer_id] = stage.kv_id
+
+    async def _poll(self) -> None:
+        """While a stage prefills with sends waiting, send what the engine staged since."""
+        while True:
+            await self._streaming.wait()
+            streaming = [st for st in self._stages.values() if st.generating and st.dests]
+            if not streaming:
+                self._streaming.clear()
+                continue
+            for stage in streaming:
+                self._pump(stage)
+            await asyncio.sleep(POLL_S)
 
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
-        kv_id = call.kv_request_id
-        stage = self._stages.get(kv_id)
-        if call.background and stage is not None and stage.closed is None and stage.sends:
+        stage = self._stages.get(call.kv_request_id)
+        if stage is None:
+            return CancelKvResult(False)
+        if call.background and stage.closed is None and stage.dests and not stage.sent:
             stage.deferred = True
             for handle in stage.sends.values():  # released as ever, when they end
                 handle.defer()
             return CancelKvResult(True)
-        found = False
-        if kv_id in self._generating:
-            self._generating[kv_id] = call.reason or "cancelled"
-            found = True
-        if stage is not None:
-            self._close(stage, f"cancelled: {call.reason or 'CancelKv'}")
-            found = True
-        return CancelKvResult(found)
+        self._close(stage, f"cancelled: {call.reason or 'CancelKv'}")
+        return CancelKvResult(True)
 
     # --- ends of sends and leases (event loop) --------------------------------------------
 
@@ -276,19 +373,30 @@ class PrefillRole:
         if stage is None:
             return
         stage.sends.pop(status.transfer_id, None)
-        if status.state.value != "done":
+        failed = status.state.value != "done"
+        if failed:
             log.info("KV send of %s ended %s: %s", kv_id, status.state.value, status.reason)
-        if not stage.sends:
-            self._release(stage)
+        for dest in stage.dests:
+            if dest.part is not None and dest.part.transfer_id == status.transfer_id:
+                dest.part = None
+                dest.ended = dest.ended or failed
+        self._pump(stage)
+        self._settle(stage)
 
     def _close(self, stage: _Stage, why: str) -> None:
         """No more sends; cancel the open ones; release once none is open."""
-        stage.closed = why
-        if not stage.sends:
-            self._release(stage)
-            return
+        if stage.closed is None:
+            stage.closed = why
         for handle in list(stage.sends.values()):
             handle.cancel()  # terminal later, reported through _sent
+        self._settle(stage)
+
+    def _settle(self, stage: _Stage) -> None:
+        """Release the stage once nothing holds its slots and nothing more will be sent."""
+        if stage.engine_holds or stage.sends or stage.generating:
+            return
+        if stage.closed is not None or stage.sent:
+            self._release(stage)
 
     def _release(self, stage: _Stage) -> None:
         if self._stages.get(stage.kv_id) is stage:
@@ -299,7 +407,7 @@ class PrefillRole:
 
     def tick(self, now: float) -> None:
         for stage in list(self._stages.values()):
-            if stage.deadline <= now and stage.closed is None:
+            if stage.deadline <= now and stage.closed is None and not stage.generating:
                 log.warning("KV stage of %s: lease expired, releasing it", stage.kv_id)
                 self._close(stage, "lease expired")
         self._plane.drain()
@@ -318,9 +426,3 @@ class PrefillRole:
             wan_wire_ratio=self._plane.wan_wire_ratio(),
             kv_bytes_received=self._plane.bytes_received,
         )
-
-
-def _wire_id(kv_id: str, landing_key: str) -> str:
-    """The request id P's chunks carry: ``kv_id#landing_key`` when the destination's
-    reservation has a key (MD's DRC landing: pdd.main_decode.landing), else ``kv_id``."""
-    return f"{kv_id}#{landing_key}" if landing_key else kv_id

@@ -75,6 +75,7 @@ class GenerationRequest:
     constraint: Constraint | None = None  # structured output; None: free text
     await_kv_first: bool = False  # "pdd": {"kv_wait": "await_first"}: AwaitKv, then Generate
     one_off: bool = False  # "pdd": {"one_off": true}: its prefix will not be reused
+    stream_kv: bool | None = None  # "pdd": {"stream_kv": ...}; None: router.pdd.stream_kv
 
 
 @dataclass(frozen=True, slots=True)

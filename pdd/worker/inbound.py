@@ -2,8 +2,9 @@
 
 ``InboundState``: the transfers that carry one request's KV (keyed by the transport header's
 request id, the router's ``kv_request_id``), as the receiver sees them: seen on their first
-chunk (``allocate``), ended when the transport reports them. It is *terminal* once at least one
-transfer ended and none is open, or the request was cancelled; its ``outcome`` is what AwaitKv
+chunk (``allocate``), ended when the transport reports them. It is *terminal* once every part
+ended (or one of them failed: P sends no more after it) and none is open, or the request was
+cancelled; its ``outcome`` is what AwaitKv
 answers. Mutated on transport threads under the owning role's lock.
 
 ``Waiters``: AwaitKv / Generate(kv_in) wait for a request's state to change; transport threads
@@ -12,8 +13,11 @@ wake them with ``notify_threadsafe``.
 ``Recent``: the outcome of requests whose records were released, so a late AwaitKv still gets
 the real answer and late chunks of a released request are refused (bounded).
 
-``split_wire_id``: a chunk's request id is ``kv_id#landing_key`` when the receiver keyed its
-reservation (PrepareKvResponse.landing_key, handed by the router to the one P it chose).
+``wire_id`` / ``split_wire_id`` / ``parts_of``: a chunk's request id is ``kv_id#landing_key``
+when the receiver keyed its reservation (PrepareKvResponse.landing_key, handed by the router to
+the one P it chose). A P that streams its blocks while it prefills sends them in *parts*, one
+transfer each, one after the other: every part but the last says more follow (``+``), the last
+says how many there were (``~N``); a whole send is one part and says nothing.
 
 ``whole_slot``: the one check of an inbound chunk's segment shape (both receivers land one
 whole block per segment; the place to widen for partial or converted landing).
@@ -37,10 +41,31 @@ from pdd.worker.roles import AwaitKvResult
 RECENT = 4096
 
 
+MORE, LAST = "+", "~"  # part marks after the landing key (never in a key: base64url)
+
+
+def wire_id(kv_id: str, landing_key: str, parts: int | None = 1) -> str:
+    """The request id P's chunks carry. ``parts``: 1, a whole send; None, a part more follow;
+    N > 1, the last of N parts."""
+    if parts == 1:
+        return f"{kv_id}#{landing_key}" if landing_key else kv_id
+    return f"{kv_id}#{landing_key}{MORE if parts is None else f'{LAST}{parts}'}"
+
+
 def split_wire_id(request_id: str) -> tuple[str, str]:
-    """(kv_id, landing key) of a chunk's request id ``kv_id#key`` (key "" without one)."""
-    kv_id, _, key = request_id.partition("#")
-    return kv_id, key
+    """(kv_id, landing key) of a chunk's request id (key "" without one)."""
+    kv_id, _, rest = request_id.partition("#")
+    return kv_id, rest.partition(MORE)[0].partition(LAST)[0]
+
+
+def parts_of(request_id: str) -> int | None:
+    """How many transfers carry the request's KV in all, as a chunk's request id says: 1 for a
+    whole send, N on the last of N parts, None on an earlier part."""
+    rest = request_id.partition("#")[2]
+    if rest.endswith(MORE):
+        return None
+    _, mark, n = rest.partition(LAST)
+    return int(n) if mark and n.isdigit() else 1
 
 
 def new_landing_key() -> str:
@@ -59,27 +84,44 @@ class InboundState:
     ended: dict[int, InboundResult] = field(default_factory=dict)
     bytes_received: int = 0
     cancelled: str | None = None  # why the receiver gave the request up
+    parts: int | None = None  # transfers in all, once a whole send or a last part said
 
-    def seen(self, transfer_id: int) -> None:
+    def seen(self, transfer_id: int, request_id: str) -> None:
+        self._part(request_id)
         if transfer_id not in self.ended:
             self.open.add(transfer_id)
 
     def finish(self, result: InboundResult) -> None:
+        self._part(result.request_id)
         self.open.discard(result.transfer_id)
         self.ended[result.transfer_id] = result
         self.bytes_received += result.bytes_received
 
+    def _part(self, request_id: str) -> None:
+        n = parts_of(request_id)
+        if n is not None:
+            self.parts = n
+
+    @property
+    def never_seen(self) -> bool:
+        """No transfer of it arrived yet (and it was not given up)."""
+        return self.cancelled is None and not self.open and not self.ended
+
     @property
     def terminal(self) -> bool:
-        return self.cancelled is not None or (bool(self.ended) and not self.open)
+        if self.cancelled is not None:
+            return True
+        if not self.ended or self.open:
+            return False
+        every_part = self.parts is not None and len(self.ended) >= self.parts
+        return every_part or any(r.state is not TransferState.DONE for r in self.ended.values())
 
     @property
     def done(self) -> bool:
-        """Every transfer landed (and the request was not given up before)."""
+        """Every part landed (and the request was not given up before)."""
         return (
-            self.cancelled is None
-            and bool(self.ended)
-            and not self.open
+            self.terminal
+            and self.cancelled is None
             and all(r.state is TransferState.DONE for r in self.ended.values())
         )
 

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "pdd-kv"
 FENCE_PREFIX = "pdd-kvfence"
+PROGRESS_PREFIX = "pdd-kvprogress"
 FENCE_WORDS = 4096  # concurrent requests with KV params (32 KiB of shared memory)
 WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -114,11 +115,14 @@ class KvPlane:
             update={"listen_host": worker.host, "listen_port": worker.kv_port}
         )
         self._advertise = advertise_host(worker) if spec.receiver else worker.host
-        for name in unlink_stale(ARENA_PREFIX) + unlink_stale(FENCE_PREFIX):
-            log.info("removed the stale KV arena %s of a dead worker", name)
+        for prefix in (ARENA_PREFIX, FENCE_PREFIX, PROGRESS_PREFIX):
+            for name in unlink_stale(prefix):
+                log.info("removed the stale KV arena %s of a dead worker", name)
         self.arena = SlotArena.create(spec.num_slots, slot_bytes, ARENA_PREFIX)
         self.fences = Fences(
-            FenceBoard.create(FENCE_WORDS, FENCE_PREFIX), worker.kv_fence_timeout_s
+            FenceBoard.create(FENCE_WORDS, FENCE_PREFIX),
+            worker.kv_fence_timeout_s,
+            FenceBoard.create(FENCE_WORDS, PROGRESS_PREFIX),
         )
         self.receiver: Transport | None = None
         self._senders: dict[str, Transport] = {}
@@ -144,7 +148,11 @@ class KvPlane:
 
     def connector_spec(self) -> KvConnectorSpec:
         """What the engine loads: PddConnector mapping this plane's arena and fence board."""
-        settings = ConnectorSettings(arena=self.arena.ref, fences=self.fences.board.ref)
+        fences = self.fences
+        progress = fences.progress.ref if fences.progress is not None else None
+        settings = ConnectorSettings(
+            arena=self.arena.ref, fences=fences.board.ref, progress=progress
+        )
         return KvConnectorSpec(role=self.spec.kv_role, extra_config=settings.model_dump())
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -193,7 +201,9 @@ class KvPlane:
         """Close transports, run pending fence callbacks, unlink the arenas. Idempotent."""
         self._close_transports()
         await self.fences.stop()
-        for owned in (self.fences.board, self.arena):
+        for owned in (self.fences.board, self.fences.progress, self.arena):
+            if owned is None:
+                continue
             owned.close()
             owned.unlink()
 

@@ -194,7 +194,7 @@ class Landings(Generic[S]):
             if not self._accepts(rec):
                 raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
             view = self._source.buffer(rec, header, src)
-            rec.inbound.seen(header.transfer_id)
+            rec.inbound.seen(header.transfer_id, header.request_id)
         return view
 
     def _open(self, kv_id: str) -> Landing[S]:
@@ -302,8 +302,8 @@ class Landings(Generic[S]):
             if rec is None:
                 return None, False
             rec.consumed = True
-            idle = not rec.inbound.open and not rec.inbound.terminal and not rec.nothing_to_come
-            if idle:  # not terminal: not cancelled either
+            idle = rec.inbound.never_seen and not rec.nothing_to_come
+            if idle:
                 rec.inbound.cancelled = "consumed before its KV arrived"
             used = use and rec.inbound.done
             rec.users += used

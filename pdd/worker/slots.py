@@ -17,6 +17,11 @@ contract 3). Lifecycle of one fence::
                                            engine is done): only the index is reclaimed later
     the index is free again once its ticket was read back (or the engine is gone)
 
+The *progress board* beside it (same indices) is where the connector posts, after each engine
+step, how far an exporting request's slots are filled (``exported``): P streams its blocks while
+it prefills. ``take`` zeroes the word before the engine sees the fence; the index's previous
+request can no longer post to it (its fence was read back).
+
 A fence the engine has not posted after ``timeout_s`` is never given up: the engine core may
 still be running (stalled, swapped out, SIGSTOPped) and touch those slots. The fence turns
 *overdue*: ``stall_reason`` says so (the worker reports itself not ready, so the router stops
@@ -96,10 +101,14 @@ class _Watch:
 
 
 class Fences:
-    """The fence board and its index/ticket bookkeeping. Loop-side (not thread-safe)."""
+    """The fence board, its progress board and the index/ticket bookkeeping. Loop-side (not
+    thread-safe)."""
 
-    def __init__(self, board: FenceBoard, timeout_s: float) -> None:
+    def __init__(
+        self, board: FenceBoard, timeout_s: float, progress: FenceBoard | None = None
+    ) -> None:
         self.board = board
+        self.progress = progress
         self._timeout_s = timeout_s
         self._free = list(range(board.size - 1, -1, -1))
         self._tickets = itertools.count(1)
@@ -116,7 +125,15 @@ class Fences:
         """A fresh fence. Raises OverloadedError when every index is in use."""
         if not self._free:
             raise OverloadedError(f"all {self.board.size} KV fences in use")
-        return FenceRef(index=self._free.pop(), ticket=next(self._tickets))
+        index = self._free.pop()
+        if self.progress is not None:
+            self.progress.post(index, 0)
+        return FenceRef(index=index, ticket=next(self._tickets))
+
+    def exported(self, ref: FenceRef) -> int:
+        """The end of the prompt blocks the engine copied so far for ``ref``'s exporting
+        request (0 without a progress board)."""
+        return self.progress.read(ref.index) if self.progress is not None else 0
 
     def watch(self, ref: FenceRef, on_posted: Callable[[], None] | None) -> None:
         """Call ``on_posted`` (on the loop) once the engine posted ``ref``; reclaim its index."""

@@ -40,6 +40,9 @@ BLOCK_BYTES = 46_080 * BLOCK  # SmolLM2-135M float32: 46,080 bytes of KV per tok
 STAGE_LEASE_S = 4.0
 FENCE_TIMEOUT_S = 5.0
 IDS = ["p", "rld", "md"]
+CHUNK = 64  # P's prefill chunk (tokens a step): its blocks leave as each chunk's forward ends
+P_ENGINE = {"max_model_len": 2048, "kv_cache_space_gib": 0.5, "block_size": BLOCK,
+            "max_num_seqs": 4, "max_num_batched_tokens": CHUNK}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def workers(tmp_path_factory) -> Iterator[dict]:
         tmp,
         [
             {"id": "p", "role": "prefill", "kv_staging_gib": 0.15,
-             "kv_stage_lease_s": STAGE_LEASE_S},
+             "kv_stage_lease_s": STAGE_LEASE_S, "engine": P_ENGINE},
             {"id": "rld", "role": "relay_decode", "kv_staging_gib": 0.15},
             {"id": "md", "role": "main_decode", "kv_staging_gib": 0.1, "datacenter": "dc-b",
              "kv_fence_timeout_s": FENCE_TIMEOUT_S},
@@ -177,6 +180,35 @@ def test_p_md_with_zstd_on_the_wan_equals_none(workers) -> None:
     (wire,) = sent.wire_bytes_per_destination  # expected: raw x the learned zstd ratio
     assert 0 < wire < 6 * BLOCK_BYTES
     assert raw == 6 * BLOCK_BYTES and 0 < wire_sent < 0.9 * raw  # float32 KV: ~0.35 measured
+
+
+def test_a_send_while_p_prefills_streams_each_chunks_blocks(workers) -> None:
+    """SendKv reaches P while it still prefills (the router's ``stream_kv``): each chunk's
+    blocks leave as its forward ends, so by P's token much of the prompt is on MD already;
+    MD's KV is complete only once the last part landed, and its tokens equal one engine's."""
+    prompt = prompt_of(11, 700)  # 21 whole blocks: 11 prefill steps of 64 tokens on P
+
+    async def scenario(c: Client):
+        prep = await c.stub["md"].PrepareKv(
+            pb.PrepareKvRequest(kv_request_id="s1", prompt_token_ids=prompt, lease_s=60),
+            timeout=10,
+        )
+        prefill = asyncio.ensure_future(c.generate("p", "s1", prompt, 1, kv_stage=True))
+        sent = await send(c, "s1", [(prep.address, 0)])  # P has not finished its prefill
+        resps = await prefill
+        at_token = await c.stub["md"].AwaitKv(
+            pb.AwaitKvRequest(kv_request_id="s1", timeout_s=0.001)
+        )
+        done = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="s1", timeout_s=30))
+        t1 = tokens(resps)
+        md = await c.generate("md", "s1", prompt + t1, 7, kv_in=kv_in(pb.KvIn.DRC, "s1"))
+        return t1 + tokens(md), await oracle(c, "s1-oracle", prompt, 8), sent, at_token, done
+
+    got, want, sent, at_token, done = run(workers, scenario)
+    assert got == want
+    assert (sent.staged_blocks, list(sent.bytes_per_destination)) == (21, [21 * BLOCK_BYTES])
+    assert at_token.blocks_ready >= 1  # parts crossed while P prefilled (here: 20 of 21)
+    assert (done.state, done.blocks_ready, done.bytes_received) == ("done", 21, 21 * BLOCK_BYTES)
 
 
 def test_second_turn_sends_only_the_new_blocks(workers) -> None:

@@ -80,6 +80,7 @@ class FakeKvNode:
         self.fail_landing = False  # the transfer breaks: AwaitKv answers "failed"
         self.staged: dict[str, int] = {}
         self.outbound: dict[str, set[str]] = {}
+        self.closed: set[str] = set()  # cancelled before they were staged
         self.leases: dict[str, Lease] = {}
         self.final_states: dict[str, str] = {}
         self.prepares: list[str] = []
@@ -221,6 +222,9 @@ class FakeKvNode:
 
     def stage(self, kv_id: str, prompt: list[int]) -> int:
         self.plane.prompts.setdefault(kv_id, tuple(prompt))
+        if kv_id in self.closed:  # cancelled while it prefilled (a streamed send's release)
+            self.closed.discard(kv_id)
+            return 0
         self.staged[kv_id] = len(prompt) // BLOCK_SIZE
         return self.staged[kv_id]
 
@@ -260,6 +264,8 @@ class FakeKvNode:
             return kv_id in self.staged or lease is not None
         self.cancels.append((kv_id, reason))
         found = kv_id in self.staged or kv_id in self.outbound
+        if not found:  # P: a request still prefilling stages nothing (as a real P's stage)
+            self.closed.add(kv_id)
         for dest in self.outbound.pop(kv_id, set()):
             self.plane.nodes[dest].abort_landing(kv_id)  # the transfer is cut off
         self.staged.pop(kv_id, None)

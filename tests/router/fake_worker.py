@@ -255,7 +255,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return response
 
     async def SendKv(self, request, context):  # noqa: N802
-        sent = self._node().send(request.kv_request_id, list(request.destinations))
+        kv_id = request.kv_request_id
+        for _ in range(200):  # streamed (router.pdd.stream_kv): sent while P still prefills
+            if kv_id in self._node().staged or kv_id not in self.running:
+                break
+            await asyncio.sleep(0.01)
+        sent = self._node().send(kv_id, list(request.destinations))
         if sent is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing staged")
         return worker_pb2.SendKvResponse(

@@ -18,7 +18,7 @@ from pdd.errors import OverloadedError
 from pdd.proto import worker_pb2 as pb
 from pdd.proto import worker_pb2_grpc as pb_grpc
 from pdd.transfer import InboundResult, TransferState
-from pdd.worker.inbound import InboundState
+from pdd.worker.inbound import InboundState, parts_of, split_wire_id, wire_id
 from pdd.worker.metrics import WorkerMetrics
 from pdd.worker.roles import KvStats, PlainRole, RoleContext
 from pdd.worker.service import WorkerService
@@ -106,25 +106,47 @@ def test_a_stale_ticket_does_not_release_a_reused_fence() -> None:
     assert asyncio.run(scenario()) == (True, [], [FenceRef(index=0, ticket=2)])
 
 
-def _result(tid: int, state: TransferState, n: int = 10) -> InboundResult:
-    return InboundResult(tid, "r", state, "" if state is TransferState.DONE else "boom", n, 1)
+def _result(tid: int, state: TransferState, n: int = 10, rid: str = "r") -> InboundResult:
+    return InboundResult(tid, rid, state, "" if state is TransferState.DONE else "boom", n, 1)
 
 
 def test_inbound_state_outcomes() -> None:
     s = InboundState()
     assert (s.terminal, s.outcome()) == (False, ("pending", ""))
-    s.seen(1)
-    s.seen(2)
+    s.seen(1, "r")
+    s.seen(2, "r")
     s.finish(_result(1, TransferState.DONE))
     assert s.outcome() == ("pending", "")
     s.finish(_result(2, TransferState.FAILED))
     assert (s.terminal, s.done, s.outcome(), s.bytes_received) == (
         True, False, ("failed", "boom"), 20,
     )  # fmt: skip
-    s.seen(1)  # a late chunk of a reported transfer does not reopen it
+    s.seen(1, "r")  # a late chunk of a reported transfer does not reopen it
     assert s.open == set()
     c = InboundState(cancelled="router said so")
     assert (c.terminal, c.outcome()) == (True, ("cancelled", "router said so"))
+
+
+def test_a_streamed_send_is_pending_until_its_last_part_landed() -> None:
+    """P streaming while it prefills sends parts one after the other: the KV is there only
+    once the part that says it is the last (and every one before it) ended; a failed part
+    ends it at once (P sends nothing after it)."""
+    more, last = wire_id("kv", "key", None), wire_id("kv", "key", 3)
+    assert (split_wire_id(more), split_wire_id(last)) == (("kv", "key"), ("kv", "key"))
+    assert (parts_of(more), parts_of(last), parts_of(wire_id("kv", "key"))) == (None, 3, 1)
+    assert wire_id("kv", "", 1) == "kv" and split_wire_id(wire_id("kv", "", None)) == ("kv", "")
+    s = InboundState()
+    for tid in (1, 2):  # two earlier parts landed; nothing open in between
+        s.seen(tid, more)
+        s.finish(_result(tid, TransferState.DONE, rid=more))
+        assert (s.never_seen, s.terminal, s.outcome()) == (False, False, ("pending", ""))
+    s.seen(3, last)
+    s.finish(_result(3, TransferState.DONE, rid=last))
+    assert (s.terminal, s.done, s.outcome(), s.bytes_received) == (True, True, ("done", ""), 30)
+    cut = InboundState()
+    cut.seen(1, more)
+    cut.finish(_result(1, TransferState.FAILED, rid=more))
+    assert (cut.terminal, cut.done, cut.outcome()) == (True, False, ("failed", "boom"))
 
 
 class _ReadyEngine:

@@ -8,7 +8,10 @@
       |-- SendKv([RLD/D from block 0, MD from block c]) ->|  UCX / TCP, in parallel
 
 ``prefill()`` runs PrepareKv on every target concurrently with P's Generate and returns P's
-one event (the caller decides whether t1 is emitted). ``send()`` waits for the PrepareKv
+one event (the caller decides whether t1 is emitted). With ``stream_kv`` (router.pdd, or the
+request's override) it also starts ``send()`` at once: SendKv reaches P while it prefills, and
+P sends each chunk's blocks as its forward ends (pdd.prefill.policy); the caller's ``send()``
+then only collects that answer. ``send()`` waits for the PrepareKv
 answers and asks P to send what each target lacks: MD (``from_cache``) from its cached
 blocks, everyone else from block 0. A target that needs nothing is left out (and, unless
 it is MD, whose DRC Generate uses its lease, released with CancelKv); when nobody needs
@@ -63,6 +66,7 @@ class PStage:
         self.staged_blocks = 0
         self.lost: set[str] = set()  # destinations whose PrepareKv failed or timed out
         self.full: set[str] = set()  # live destinations with no room for this KV (refused)
+        self._sending: asyncio.Task[set[str]] | None = None  # send() started by prefill()
 
     async def prefill(self) -> TokenEvent:
         """P's first token, one merged event. Raises WorkerError if P fails the request."""
@@ -70,18 +74,30 @@ class PStage:
             t.prepared = self._kv.prepare(t.worker_id)
         self._kv.hold(self._p)
         req = self._stream.continuation(self._kv.kv_id, max_tokens=1)
+        stream = self._run.req.stream_kv
+        streams = self._run.policy.stream_kv if stream is None else stream
+        if streams and self._targets and self._block_size > 0:
+            staging = len(req.prompt_token_ids) // self._block_size  # P stages every whole block
+            self._sending = asyncio.get_running_loop().create_task(self._send(staging))
+            self._sending.add_done_callback(_retrieved)
         tokens: list[int] = []
         logprobs = []
         last: TokenEvent | None = None
         cached = 0
-        async for event in self._run.generate(self._p, req, kv_stage=True):
-            tokens.extend(event.token_ids)
-            logprobs.extend(event.logprobs)
-            cached = max(cached, event.num_cached_tokens)
-            last = event
-        if last is None or last.finish_reason not in ("stop", "length"):
-            reason = last.finish_reason if last else "nothing"
-            raise WorkerError(f"prefill worker {self._p} ended the request with {reason!r}")
+        try:
+            async for event in self._run.generate(self._p, req, kv_stage=True):
+                tokens.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
+                cached = max(cached, event.num_cached_tokens)
+                last = event
+            if last is None or last.finish_reason not in ("stop", "length"):
+                reason = last.finish_reason if last else "nothing"
+                raise WorkerError(f"prefill worker {self._p} ended the request with {reason!r}")
+        except BaseException:
+            if self._sending is not None:  # the caller releases every party next
+                self._sending.cancel()
+                await asyncio.gather(self._sending, return_exceptions=True)
+            raise
         self.staged_blocks = last.kv_staged_blocks
         self._stream.p_cached_tokens = cached
         return TokenEvent(
@@ -109,7 +125,14 @@ class PStage:
         return cached_blocks * size // self._block_size
 
     async def send(self) -> set[str]:
-        """SendKv to every target that lacks blocks; returns their ids."""
+        """SendKv to every target that lacks blocks (started by ``prefill`` when streaming);
+        returns their ids."""
+        if self._sending is not None:
+            return await self._sending
+        return await self._send(self.staged_blocks)
+
+    async def _send(self, staged_blocks: int) -> set[str]:
+        """``send`` of P's first ``staged_blocks`` blocks (staged, or being staged)."""
         dests: list[worker_pb2.KvDestination] = []
         receiving: list[Target] = []
         for t in self._targets:
@@ -129,7 +152,7 @@ class PStage:
                 self._kv.release("PrepareKv failed", [t.worker_id])
                 continue
             first = self._first_block(t, prep.cached_blocks)
-            if first < self.staged_blocks:
+            if first < staged_blocks:
                 dests.append(worker_pb2.KvDestination(
                     peer=prep.address, first_block=first, landing_key=prep.landing_key))  # fmt: skip
                 receiving.append(t)
@@ -157,3 +180,9 @@ class PStage:
             if t.recorded:
                 self._trace.wan_kv_bytes, self._trace.wan_kv_raw_bytes = wire, raw
         return {t.worker_id for t in receiving}
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A streamed send nobody awaits (P's token ended the request) ends quietly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("request's streamed SendKv ended: %s", task.exception())

@@ -84,6 +84,11 @@ class PddOptions(BaseModel):
         "waits on the worker for its KV) | await_first (AwaitKv answers, then the Generate "
         "is sent: one WAN round trip more; for comparisons).",
     )
+    stream_kv: bool | None = Field(
+        None,
+        description="Override router.pdd.stream_kv for this request: true, P's KV leaves while "
+        "P prefills (each chunk's blocks as its forward ends); false, once P's token is out.",
+    )
     one_off: bool | None = Field(
         None,
         description="true: this prompt's prefix will not be sent again, so when RLD ends the "

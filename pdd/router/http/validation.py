@@ -208,6 +208,7 @@ def _build(
     return GenerationRequest(
         request_id, tuple(prompt_ids), sampling, text, arrival, pipeline, handoff,
         await_kv_first=await_kv_first, one_off=bool(body.pdd and body.pdd.one_off),
+        stream_kv=body.pdd.stream_kv if body.pdd else None,
     )  # fmt: skip
 
 
