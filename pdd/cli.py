@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": (
         "pdd.bench",
         "main",
-        "benchmarks: transfer | serve | overhead | handoff-gap | recompute | kv-wait | agent-turns | soak | chaos-soak | dashboard | gpu-kv-copy",
+        "benchmarks: transfer | serve | overhead | handoff-gap | recompute | kv-wait | stream-kv | agent-turns | soak | chaos-soak | dashboard | gpu-kv-copy",
     ),
     "plan": ("pdd.plan.cli", "main", "size a fleet: simulate pdd's routing over chip profiles"),
     "plan-validate": ("pdd.plan.validate", "main", "replay a bench run in the planner"),

@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overhead": ("pdd.bench.serve_overhead", "pdd's router + worker vs vLLM's own OpenAI server"),
     "handoff-gap": ("pdd.bench.handoff_gap", "stalls around One-Shot / Catch-Up handoffs"),
     "recompute": ("pdd.bench.recompute", "MD computing a miss or waiting for it, per WAN rate"),
+    "stream-kv": ("pdd.bench.stream_kv", "cold prompts: KV streamed while P prefills vs after"),
     "kv-wait": ("pdd.bench.kv_wait", "p_md: MD's Generate waiting for its KV vs AwaitKv first"),
     "agent-turns": ("pdd.bench.agent_turns", "short agent turns: MD learning the prefix"),
     "soak": ("pdd.bench.soak", "mixed traffic + paused workers: leaks, memory, failures"),

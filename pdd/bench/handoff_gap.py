@@ -25,7 +25,7 @@ import httpx
 
 def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
                  pipeline: str = "p_rld_md", kv_wait: str | None = None,
-                 one_off: bool = False) -> dict:  # fmt: skip
+                 one_off: bool = False, stream_kv: bool | None = None) -> dict:  # fmt: skip
     """One streamed greedy request (ignore_eos): when each text chunk came, the record, and
     the gaps (the switch: RLD's last token to MD's first)."""
     pdd: dict[str, object] = {"pipeline": pipeline, "handoff": handoff}
@@ -33,6 +33,8 @@ def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
         pdd["kv_wait"] = kv_wait
     if one_off:
         pdd["one_off"] = True
+    if stream_kv is not None:
+        pdd["stream_kv"] = stream_kv
     body = {
         "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "pdd": pdd,
@@ -55,6 +57,7 @@ def stream_times(url: str, model: str, prompt: str, tokens: int, handoff: str,
         "ttft_ms": times[0] * 1000 if times else None,
         "second_token_ms": times[1] * 1000 if len(times) > 1 else None,
         "text_chunks": len(times),
+        "times_ms": [t * 1000 for t in times],
         "switch_gap_ms": gaps[switch - 1] * 1000 if 0 < switch <= len(gaps) else None,
         "max_gap_ms": max(gaps) * 1000 if gaps else None,
         "median_gap_ms": statistics.median(gaps) * 1000 if gaps else None,
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = " ".join(f"{tag}{j}" for j in range(args.prompt_words))
             runs.append(stream_times(args.url, args.model, prompt, args.tokens, handoff))
             rec = runs[-1]["record"] or {}
-            brief = {k: v for k, v in runs[-1].items() if k != "record"}
+            brief = {k: v for k, v in runs[-1].items() if k not in ("record", "times_ms")}
             brief |= {k: rec.get(k) for k in ("handoff", "rld_tokens", "handoff_rounds")}
             print(json.dumps(brief), flush=True)
     out = Path(args.out)

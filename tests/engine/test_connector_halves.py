@@ -119,6 +119,26 @@ def test_fences_are_posted_at_the_start_of_a_step(arenas):
         half.shutdown()
 
 
+def test_export_progress_is_posted_once_a_steps_copies_ran(arenas):
+    """P streams its blocks while it prefills: after a step's saves the progress board says
+    how far each exporting request's slots are filled, and the bytes are there."""
+    settings = arenas(4)
+    progress = FenceBoard.create(4, PREFIX)
+    settings = settings.model_copy(update={"progress": progress.ref})
+    caches = _caches(3)
+    half = _worker(settings, caches)
+    arena = SlotArena.attach_ref(settings.arena)
+    try:
+        half.save(PddConnectorMetadata(saves=[CopyJob("r", (5, 1), (2, 0), (3, 2))]))
+        assert [progress.read(i) for i in range(4)] == [0, 0, 0, 2]
+        assert bytes(arena.view(2)) == b"".join(t[5].numpy().tobytes() for t in caches.values())
+    finally:
+        arena.close()
+        progress.close()
+        progress.unlink()
+        half.shutdown()
+
+
 # ---- scheduler half --------------------------------------------------------------------------
 
 
@@ -159,10 +179,10 @@ def test_export_copies_each_block_in_the_step_that_completes_it():
     s.update_state_after_alloc(req, None, 0)
     saves = [_step(s, req, 80).saves, _step(s, req, 40).saves, _step(s, req, 80).saves]
     assert saves == [
-        [CopyJob("p", (40, 41), (9, 8))],  # tokens 0-79: blocks 0-1 whole
-        [CopyJob("p", (42,), (7,))],  # tokens 80-119: block 2 whole (96)
-        [CopyJob("p", (43, 44), (6, 5))],  # tokens 120-199: blocks 3-4 whole; 6 not slotted
-    ]
+        [CopyJob("p", (40, 41), (9, 8), (1, 2))],  # tokens 0-79: blocks 0-1 whole
+        [CopyJob("p", (42,), (7,), (1, 3))],  # tokens 80-119: block 2 whole (96)
+        [CopyJob("p", (43, 44), (6, 5), (1, 5))],  # 120-199: blocks 3-4 whole; 6 not slotted
+    ]  # each posts how far the request's slots are filled to its fence's progress word
     assert s.request_finished(req) == (False, {"pdd": {"exported": {
         "num_blocks": 5, "num_tokens": 160, "complete": True, "error": None}}})  # fmt: skip
     assert s.build_meta(SimpleNamespace(num_scheduled_tokens={})).fences == [(1, 5)]
