@@ -57,6 +57,7 @@ from pdd.worker.inbound import (
     await_response,
     key_matches,
     new_landing_key,
+    parts_of,
     split_wire_id,
 )
 from pdd.worker.kv_wire import KvWireCheck
@@ -121,7 +122,10 @@ class SlotSource(Protocol[S]):
         ...
 
     def received(self, rec: Landing[S], done: bool) -> Later:
-        """A transfer ended (``done``: DONE): commit or discard what it wrote."""
+        """A transfer ended (``done``: DONE): commit or discard what it wrote. Not asked for
+        a streamed send's part that landed with more to follow (``inbound.parts_of``): what it
+        wrote stays as it is, and the next part goes on from there (P's parts end on P's block
+        boundaries, not on the receiver's)."""
         ...
 
     def ready_blocks(self, rec: Landing[S]) -> int:
@@ -231,7 +235,11 @@ class Landings(Generic[S]):
             if rec is None:
                 return
             rec.inbound.finish(result)
-            later = self._source.received(rec, result.state is TransferState.DONE)
+            done = result.state is TransferState.DONE
+            if done and parts_of(result.request_id) is None:
+                later = None  # a part landed and more follow: a block it began goes on there
+            else:
+                later = self._source.received(rec, done)
             rec.committing = later is not None
         if later is not None:  # a Generate waiting for the KV wakes after this, not before
             later()

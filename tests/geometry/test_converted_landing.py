@@ -22,6 +22,7 @@ from pdd.protocol import Role
 from pdd.relay_decode.policy import PoolSource
 from pdd.transfer import InboundResult, KVSegment, SendRequest, TransferState
 from pdd.transfer.wire import plan_chunks
+from pdd.worker.inbound import wire_id
 from pdd.worker.kv_convert import convert_block
 from pdd.worker.kv_wire import KvWireCheck, describe
 from pdd.worker.landing import Landings
@@ -56,18 +57,18 @@ def receiver(own: KvGeometry, slots: int = 8):
 
 
 def send(land: DrcLanding, src: KvGeometry, blocks: list[bytes], *, stop_at: int | None = None,
-         first: int = 0, kv_id: str = "kv"):  # fmt: skip
+         first: int = 0, kv_id: str = "kv", tid: int = 7):  # fmt: skip
     """Every chunk (a block cut in three) through allocate -> write -> verified, as the TCP
     receiver does; ``stop_at``: the transfer fails before that chunk. Returns its result."""
     segments = [KVSegment(b, block_start=i, block_end=i + 1, **describe(src))
                 for i, b in enumerate(blocks) if i >= first]  # fmt: skip
-    plan = plan_chunks(7, SendRequest(kv_id, segments), src.block_bytes // 3 + 1, algo=0)
+    plan = plan_chunks(tid, SendRequest(kv_id, segments), src.block_bytes // 3 + 1, algo=0)
     for n, chunk in enumerate(plan):
         if n == stop_at:
-            return InboundResult(7, kv_id, TransferState.FAILED, "sender connection lost")
+            return InboundResult(tid, kv_id, TransferState.FAILED, "sender connection lost")
         land.allocate(chunk.header)[:] = chunk.view
         land.verified(chunk.header)
-    return InboundResult(7, kv_id, TransferState.DONE, "")
+    return InboundResult(tid, kv_id, TransferState.DONE, "")
 
 
 def chain(n: int, block_size: int = BS, tokens: int | None = None):
@@ -200,6 +201,42 @@ def test_md_regroups_ps_blocks_into_its_own_block_size(case: str):
     assert got == want[:whole] and whole == (4 if "tail" in case else n_md)
     assert cached2 == whole
     assert got2 == want[: len(got2)] and len(got2) >= n_md  # the tail block came with turn 2
+    assert (stats.pinned_blocks, stats.landing_blocks) == (0, 0)
+
+
+@pytest.mark.parametrize("case", sorted(REGROUPS))
+def test_a_streamed_send_lands_like_a_whole_one(case: str):
+    """P streams its blocks while it prefills: its parts end on P's block boundaries, which
+    may fall inside MD's blocks; a part with more to follow leaves what it began for the next,
+    so MD's DRC ends up holding exactly what one whole send leaves, and the KV counts as there
+    only once the last part landed."""
+    src, own, n = REGROUPS[case]
+    kv = token_kv(n)
+    md_chain = chain(0, own.block_size, n)
+    p_blocks = blocks_in(kv[:, :, :n], src)
+    cuts = sorted({0, 1, max(1, len(p_blocks) - 1), len(p_blocks)})  # the first block alone
+
+    async def run():
+        land, drc = receiver(own, slots=16)
+        land.waiters.bind(asyncio.get_running_loop())
+        land.prepare("s", md_chain, n, lease_s=60)
+        there = []
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            parts = len(cuts) - 1 if b == cuts[-1] else None  # None: more follow
+            rid = wire_id("s", "", parts)
+            land.received(send(land, src, p_blocks[:b], first=a, kv_id=rid, tid=10 + k))
+            there.append(land.terminal("s"))
+        await land.await_kv("s", 1)
+        got = [bytes(drc.read(slot)) for slot in drc.ready("s").slots]
+        land.consume("s")
+        await asyncio.sleep(0)
+        return there, got, drc.stats()
+
+    there, got, stats = asyncio.run(run())
+    want = blocks_in(as_sent(kv, src), own)
+    whole = n // src.block_size * src.block_size // own.block_size  # MD blocks P's blocks cover
+    assert there == [False] * (len(cuts) - 2) + [True]
+    assert got == want[:whole]
     assert (stats.pinned_blocks, stats.landing_blocks) == (0, 0)
 
 
