@@ -7,7 +7,9 @@
 For each WAN rate (``Lab.set_rate``, at most the rate the lab was built with), each round
 sends, per cold prompt size (--prompt-words: ~3.6 tokens a word) and pipeline (p_md, p_rld_md),
 one request with ``"pdd": {"stream_kv": true}`` and one with ``false`` (alternating which goes
-first), each streaming --tokens tokens (ignore_eos). Per request: TTFT (P's token), the
+first), each streaming tokens with ignore_eos: --tokens on p_md; on p_rld_md enough for RLD
+to still be streaming when MD's KV lands (the prompt's KV at the link's rate, at
+--rld-step-ms a token, plus --tokens), so the request switches to MD. Per request: TTFT (P's token), the
 second token (p_md: MD's first; p_rld_md: RLD's first), MD's first token (p_rld_md: the
 switch), the largest inter-token gap, and the record.
 
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=20.0, help="the lab's RTT (the bound's)")
     ap.add_argument("--prompt-words", default="420,840", help="cold prompt sizes, in words")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rld-step-ms", type=float, default=40.0)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=46_080, help="float32 SmolLM2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="results/stream_kv")
     args = ap.parse_args(argv)
@@ -107,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             for words in sizes:
                 for pipeline in PIPELINES:
+                    tokens = args.tokens
+                    if pipeline == "p_rld_md":  # RLD outlasts the transfer: MD takes over
+                        kv_s = words * 3.6 * args.kv_bytes_per_token * 8 / (rate * 1e6)
+                        tokens += int(kv_s * 1000 / args.rld_step_ms)
                     for stream in STREAMS if i % 2 == 0 else STREAMS[::-1]:
-                        run = measure(args.url, args.model, words, pipeline, stream, args.tokens)
+                        run = measure(args.url, args.model, words, pipeline, stream, tokens)
                         run |= {"rate_mbit": rate, "round": i}
                         runs.append(run)
                         brief = {k: run.get(k) for k in (
