@@ -29,7 +29,9 @@ CONFIG = "configs/local.yaml"
 WORKERS = ["p", "rld", "md"]
 DTYPE = "float32"
 MAX_TOKENS = 16
-COMMON = [f"model.dtype={DTYPE}"]
+# P prefills 64 tokens a step, so its KV streams in parts while it prefills (router.pdd.stream_kv):
+# every equality below holds through parts that end inside RLD's and MD's blocks too.
+COMMON = [f"model.dtype={DTYPE}", "workers.0.engine.max_num_batched_tokens=64"]
 
 QUESTIONS = [
     "What is the capital of France?",
