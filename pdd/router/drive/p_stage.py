@@ -127,9 +127,13 @@ class PStage:
     async def send(self) -> set[str]:
         """SendKv to every target that lacks blocks (started by ``prefill`` when streaming);
         returns their ids."""
-        if self._sending is not None:
-            return await self._sending
-        return await self._send(self.staged_blocks)
+        if self._sending is None:
+            return await self._send(self.staged_blocks)
+        receiving = await self._sending
+        if receiving and self.staged_blocks == 0:  # P staged nothing after all: none comes
+            self._kv.release("P staged no KV", [self._p, *receiving])
+            return set()
+        return receiving
 
     async def _send(self, staged_blocks: int) -> set[str]:
         """``send`` of P's first ``staged_blocks`` blocks (staged, or being staged)."""
