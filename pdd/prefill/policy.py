@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ POLL_S = 0.005  # how often a stage still prefilling is checked for newly staged
 SEND_GRACE_S = 5.0  # lease slack past a send's own deadline
 FREE_WAIT_S = 1.0  # how long a new stage waits for the slots of deferred sends it cancelled
 STAGE_WAIT_S = 2.0  # how long a SendKv waits for its Generate to reach P
+CANCELLED_KEPT = 1024  # CancelKv'd ids no stage had yet (their Generate may still come)
 
 
 @dataclass
@@ -133,6 +135,7 @@ class PrefillRole:
         # What every sent slot holds, named in each chunk header (a lossy WAN codec needs it).
         self._pool = SlotPool(ctx.plane.arena.num_slots)
         self._stages: dict[str, _Stage] = {}
+        self._cancelled: OrderedDict[str, str] = OrderedDict()  # kv id -> why, before its stage
         self._by_transfer: dict[int, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker = Ticker(self.tick, TICK_S, "prefill-leases")
@@ -185,6 +188,8 @@ class PrefillRole:
         slots = await self._allocate(kv_id, blocks)  # OverloadedError: the arena is full now
         lease = time.monotonic() + self._worker.kv_stage_lease_s
         stage = self._stages[kv_id] = _Stage(kv_id, slots, lease)
+        if kv_id in self._cancelled:  # the router gave it up before this Generate got here
+            self._close(stage, self._cancelled.pop(kv_id))
 
         def release() -> None:  # the engine let go of the slots
             stage.engine_holds = False
@@ -348,6 +353,10 @@ class PrefillRole:
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
         stage = self._stages.get(call.kv_request_id)
         if stage is None:
+            if not call.background:  # its Generate may still be on its way (streamed sends)
+                self._cancelled[call.kv_request_id] = f"cancelled: {call.reason or 'CancelKv'}"
+                while len(self._cancelled) > CANCELLED_KEPT:
+                    self._cancelled.popitem(last=False)
             return CancelKvResult(False)
         if call.background and stage.closed is None and stage.dests and not stage.sent:
             stage.deferred = True

@@ -255,6 +255,27 @@ def test_cancel_releases_p_and_the_receivers() -> None:
     assert all(state in ("cancelled", "done", "failed") for state in states)
 
 
+def test_a_cancel_that_beats_its_generate_to_p_stages_nothing() -> None:
+    """A streamed send's router may give P's KV up before P's Generate got there: the Generate
+    still runs, stages nothing (0 staged blocks) and holds no slot after it; a SendKv for it
+    is refused."""
+    prompt = list(range(300, 340))  # 10 blocks
+
+    async def scenario():
+        async with Topo() as topo:
+            cancel = CancelKvCall(kv_request_id="c1", reason="nothing to send")
+            found = (await topo.roles["p"].cancel_kv(cancel)).found
+            outs = await topo.generate("p", "c1", prompt, 1, stage=True)
+            stats = await topo.idle()
+            with pytest.raises(CacheError, match="no staged KV"):
+                await send(topo, "c1", [])
+            return found, outs[-1].staged_blocks, toks(outs), stats["p"]
+
+    found, staged, tokens, p = asyncio.run(scenario())
+    assert (found, staged, tokens) == (False, 0, oracle(prompt, 1))
+    assert (p.pinned_slots, p.open_transfers) == (0, 0)
+
+
 def test_a_background_cancel_lets_md_s_kv_land_and_releases_everything_after() -> None:
     """RLD ended the request before MD's KV landed: CancelKv(background) on P and MD. The
     transfer goes on (deferred on P's link), MD's DRC gets every block although no Generate

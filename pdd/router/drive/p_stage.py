@@ -128,11 +128,14 @@ class PStage:
         """SendKv to every target that lacks blocks (started by ``prefill`` when streaming);
         returns their ids."""
         if self._sending is None:
-            return await self._send(self.staged_blocks)
-        receiving = await self._sending
-        if receiving and self.staged_blocks == 0:  # P staged nothing after all: none comes
-            self._kv.release("P staged no KV", [self._p, *receiving])
-            return set()
+            receiving = await self._send(self.staged_blocks)
+        else:
+            receiving = await self._sending
+            if receiving and self.staged_blocks == 0:  # P staged nothing after all: none comes
+                self._kv.release("P staged no KV", [self._p, *receiving])
+                return set()
+        if not receiving:  # here, not in _send: a streamed one may beat P's Generate to P
+            self._kv.release("nothing to send", [self._p])
         return receiving
 
     async def _send(self, staged_blocks: int) -> set[str]:
@@ -163,7 +166,6 @@ class PStage:
             elif not t.from_cache:  # its Generate will not name this KV: free the lease now
                 self._kv.release("nothing to send", [t.worker_id])
         if not dests:
-            self._kv.release("nothing to send", [self._p])
             return set()
         policy = self._run.policy
         client = self._pool.client(self._p)
