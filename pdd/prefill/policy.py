@@ -297,12 +297,14 @@ class PrefillRole:
 
     def _pump(self, stage: _Stage) -> None:
         """Start the next part to every destination whose last part ended and that has blocks
-        to go: the last part once the prompt is done; before, what is staged, except the last
-        block (the last part is never empty)."""
+        to go: the last part once the prompt is done; before, what is staged while some block
+        is not (once every block is, the engine's final output is moments away: one last part
+        carries the rest, never an empty one)."""
         if stage.closed is not None or stage.send_by is None:
             return
         if stage.generating and stage.fence is not None:
             stage.staged = max(stage.staged, self._plane.fences.exported(stage.fence))
+        pending = stage.staged < len(stage.slots)
         for dest in stage.dests:
             if dest.ended or dest.part is not None:
                 continue
@@ -312,9 +314,8 @@ class PrefillRole:
                     self._start_part(stage, dest, first, stage.staged, last=True)
                 else:  # the export fell short of this destination's first block
                     dest.ended = True
-            elif min(stage.staged, len(stage.slots) - 1) > dest.next_block:
-                end = min(stage.staged, len(stage.slots) - 1)
-                self._start_part(stage, dest, dest.next_block, end, last=False)
+            elif pending and stage.staged > dest.next_block:
+                self._start_part(stage, dest, dest.next_block, stage.staged, last=False)
 
     def _start_part(self, stage: _Stage, dest: _Dest, first: int, end: int, last: bool) -> None:
         """Send blocks [first, end) to ``dest`` (a last part resends the last block when the
