@@ -87,9 +87,11 @@ class InboundState:
     parts: int | None = None  # transfers in all, once a whole send or a last part said
 
     def seen(self, transfer_id: int, request_id: str) -> None:
+        """A chunk of ``transfer_id`` arrived (its part mark is read once, on the first)."""
+        if transfer_id in self.open or transfer_id in self.ended:
+            return
         self._part(request_id)
-        if transfer_id not in self.ended:
-            self.open.add(transfer_id)
+        self.open.add(transfer_id)
 
     def finish(self, result: InboundResult) -> None:
         self._part(result.request_id)
