@@ -59,6 +59,22 @@ class TransferConfig(Section):
         description="TCP: most unacknowledged bytes per WAN peer (chunks reference pinned KV, "
         "so this bounds no copy; 2 GiB covers a chunk loop, 2 RTTs, of 100 Gbit/s at 80 ms).",
     )
+    warmup_bytes: int = Field(
+        64 * 1024**2,
+        ge=0,
+        description="TCP: most bytes a link's warm-up probe sends (WarmKv: the router has P "
+        "open and measure its link to each MainDecode before the first request). The probe "
+        "stops sooner, once the link's bandwidth estimate stops growing, and only ever takes "
+        "what real transfers leave of the link. 0: no warm-up (the first transfer ramps up).",
+    )
+    keep_warm_s: float = Field(
+        0.5,
+        ge=0,
+        description="TCP: an idle WAN stream sends an empty PROBE this often, so its "
+        "congestion control's path model stays fresh (BBR re-measures its minimum RTT every "
+        "10 s, and when that falls due at a transfer's start it holds the window at 4 packets "
+        "for 200 ms). 0: never.",
+    )
     deadline_s: float = Field(60.0, gt=0, description="Default deadline of one transfer.")
     inbound_grace_s: float = Field(
         1.0, ge=0, description="Receiver keeps a transfer this long past the sender's deadline."

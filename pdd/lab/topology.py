@@ -18,9 +18,13 @@ from pdd.lab.plan import MGMT_IFNAME, WAN_IFNAME, DcPlan, LabPlan
 
 log = logging.getLogger(__name__)
 
-# Per-namespace sysctls: no IPv6 (no stray router solicitations on the WAN), and TCP buffers
-# big enough for the bandwidth-delay product of a fast long link (1 Gbit/s x 50 ms = 6 MB).
+# Per-namespace sysctls: no IPv6 (no stray router solicitations on the WAN), TCP buffers
+# big enough for the bandwidth-delay product of a fast long link (1 Gbit/s x 50 ms = 6 MB), and
+# a connection that sat idle keeps its congestion window (Linux's default drops it to 10
+# segments after an idle RTO: a warmed-up KV link would ramp up again at its first transfer).
+# What a datacenter host serving a WAN link is tuned to (docs/operations.md).
 _SYSCTLS = {
+    "net.ipv4.tcp_slow_start_after_idle": "0",
     "net.ipv6.conf.all.disable_ipv6": "1",
     "net.ipv6.conf.default.disable_ipv6": "1",
     "net.ipv4.tcp_rmem": "4096 131072 33554432",

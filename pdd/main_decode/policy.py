@@ -221,6 +221,7 @@ class MainDecodeRole:
             arena_blocks=drc.capacity_blocks,
             free_blocks=drc.free_blocks + drc.evictable_blocks + self._landing.kept_room(),
             open_transfers=self._plane.open_transfers(),
+            address=self._plane.address(),
             drc=drc,
             drc_query_tokens=self._landing.query_tokens,
             drc_hit_tokens=self._landing.hit_tokens,

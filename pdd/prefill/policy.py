@@ -66,6 +66,8 @@ from pdd.worker.roles import (
     RoleContext,
     SendKvCall,
     SendKvResult,
+    WarmKvCall,
+    WarmKvResult,
 )
 from pdd.worker.slots import SlotPool
 from pdd.worker.ticker import Ticker
@@ -116,7 +118,7 @@ class _Stage:
 
 class PrefillRole:
     name = "prefill"
-    supports = frozenset({KV_STAGE, "SendKv", "CancelKv"})
+    supports = frozenset({KV_STAGE, "SendKv", "CancelKv", "WarmKv"})
 
     @staticmethod
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
@@ -350,6 +352,10 @@ class PrefillRole:
             for stage in streaming:
                 self._pump(stage)
             await asyncio.sleep(POLL_S)
+
+    async def warm_kv(self, call: WarmKvCall) -> WarmKvResult:
+        """Open and measure the links to the receivers the router named (``WarmKvRequest``)."""
+        return WarmKvResult(self._plane.warm(call.peers))
 
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult:
         stage = self._stages.get(call.kv_request_id)

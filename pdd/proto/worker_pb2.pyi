@@ -304,7 +304,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks", "kv_in_waits", "prefill_tokens_per_s", "prefill_fixed_s", "own_blocks_stored", "kv_arena_blocks", "kv_free_blocks")
+    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks", "kv_in_waits", "prefill_tokens_per_s", "prefill_fixed_s", "own_blocks_stored", "kv_arena_blocks", "kv_free_blocks", "kv_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class StatsResponse(_message.Message):
     OWN_BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
     KV_ARENA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_requests: int
@@ -369,4 +370,17 @@ class StatsResponse(_message.Message):
     own_blocks_stored: int
     kv_arena_blocks: int
     kv_free_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ..., kv_in_waits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., own_blocks_stored: _Optional[int] = ..., kv_arena_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ...) -> None: ...
+    kv_address: PeerAddress
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ..., kv_in_waits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., own_blocks_stored: _Optional[int] = ..., kv_arena_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_address: _Optional[_Union[PeerAddress, _Mapping]] = ...) -> None: ...
+
+class WarmKvRequest(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerAddress]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerAddress, _Mapping]]] = ...) -> None: ...
+
+class WarmKvResponse(_message.Message):
+    __slots__ = ("warming",)
+    WARMING_FIELD_NUMBER: _ClassVar[int]
+    warming: int
+    def __init__(self, warming: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class WorkerStub:
                 request_serializer=pdd_dot_proto_dot_worker__pb2.DrcEventsRequest.SerializeToString,
                 response_deserializer=pdd_dot_proto_dot_worker__pb2.DrcEventsResponse.FromString,
                 _registered_method=True)
+        self.WarmKv = channel.unary_unary(
+                '/pdd.worker.v1.Worker/WarmKv',
+                request_serializer=pdd_dot_proto_dot_worker__pb2.WarmKvRequest.SerializeToString,
+                response_deserializer=pdd_dot_proto_dot_worker__pb2.WarmKvResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -146,6 +151,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmKv(self, request, context):
+        """P: open and measure the links to these receivers before the first request needs them
+        (the router names every MainDecode's TCP address; see WarmKvRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +206,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.DrcEvents,
                     request_deserializer=pdd_dot_proto_dot_worker__pb2.DrcEventsRequest.FromString,
                     response_serializer=pdd_dot_proto_dot_worker__pb2.DrcEventsResponse.SerializeToString,
+            ),
+            'WarmKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmKv,
+                    request_deserializer=pdd_dot_proto_dot_worker__pb2.WarmKvRequest.FromString,
+                    response_serializer=pdd_dot_proto_dot_worker__pb2.WarmKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +456,33 @@ class Worker:
             '/pdd.worker.v1.Worker/DrcEvents',
             pdd_dot_proto_dot_worker__pb2.DrcEventsRequest.SerializeToString,
             pdd_dot_proto_dot_worker__pb2.DrcEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.worker.v1.Worker/WarmKv',
+            pdd_dot_proto_dot_worker__pb2.WarmKvRequest.SerializeToString,
+            pdd_dot_proto_dot_worker__pb2.WarmKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

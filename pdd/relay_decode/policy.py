@@ -270,6 +270,7 @@ class RelayDecodeRole:
             arena_blocks=self._pool.num_slots,
             free_blocks=self._pool.num_slots - self._pool.in_use,
             open_transfers=self._plane.open_transfers(),
+            address=self._plane.address(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_bytes_received=self._plane.bytes_received,
             kv_refused_chunks=self._landings.wire_check.refused + self._landings.refused_chunks,

@@ -258,6 +258,12 @@ class Transport(ABC):
     def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
         """Live bandwidth/RTT toward `peer`, or None before any traffic."""
 
+    def warm(self, peer: PeerAddress) -> bool:
+        """Open the link to ``peer`` and measure it before a transfer needs it (TCP: module
+        doc of pdd.transfer.tcp_send); returns at once, whether a warm-up started. A transport
+        with nothing to ramp up (UCX, in-process) does nothing."""
+        return False
+
     def wire_ratio(self, peer: PeerAddress | None = None) -> float:
         """Learned wire/raw byte ratio of what this transport sends to `peer` (1.0: raw)."""
         return 1.0

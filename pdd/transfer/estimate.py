@@ -167,6 +167,15 @@ def socket_inflight_limit(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
     return max(64 * 1024, min(maxima) // 2)
 
 
+def idle_restarts_window(proc: Path = Path("/proc/sys/net/ipv4")) -> bool:
+    """The kernel drops an idle connection's congestion window (tcp_slow_start_after_idle):
+    a warmed-up link then ramps up again at its next transfer."""
+    try:
+        return (proc / "tcp_slow_start_after_idle").read_text().strip() != "0"
+    except OSError:
+        return False
+
+
 def plan_flow(
     est: LinkEstimate | None,
     config: TransferConfig,

@@ -10,18 +10,21 @@ is open, shuts every socket down and joins every thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from pdd.transfer.api import LinkEstimate, PeerAddress
 from pdd.transfer.base import BaseTransport
-from pdd.transfer.estimate import plan_flow, socket_inflight_limit
+from pdd.transfer.estimate import idle_restarts_window, plan_flow, socket_inflight_limit
 from pdd.transfer.ledger import OutRecord
 from pdd.transfer.tcp_io import client_tls, server_tls
 from pdd.transfer.tcp_recv import Listener
 from pdd.transfer.tcp_send import PeerLink
 from pdd.transfer.ucx_auth import kv_token
 from pdd.transfer.wire import CancelReason
+
+log = logging.getLogger(__name__)
 
 
 class TcpTransport(BaseTransport):
@@ -38,6 +41,7 @@ class TcpTransport(BaseTransport):
         self._dead: list[PeerLink] = []
         self._links_lock = threading.Lock()
         self._listener: Listener | None = None
+        self._warned_idle = False
 
     @property
     def address(self) -> PeerAddress:
@@ -120,6 +124,23 @@ class TcpTransport(BaseTransport):
             self._dead = [link for link in self._dead if link not in done]
         for link in done:
             link.close()
+
+    def warm(self, peer: PeerAddress) -> bool:
+        if not self._started or self._closed:
+            return False
+        if not self._warned_idle and idle_restarts_window():
+            self._warned_idle = True
+            log.warning("net.ipv4.tcp_slow_start_after_idle is 1: a KV link that sat idle "
+                        "longer than its RTO ramps up from 10 segments again, warm-up or not; "
+                        "set it to 0 on hosts that send KV over a WAN")  # fmt: skip
+        self._retire_moved(peer)
+        return self._link(peer).warm(self.config.warmup_bytes)
+
+    def warming(self, peer: PeerAddress) -> bool:
+        """The link to ``peer`` is still warming up."""
+        with self._links_lock:
+            link = self._links.get(peer.key())
+        return link is not None and link.warming
 
     def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
         with self._links_lock:

@@ -34,6 +34,8 @@ from pdd.transfer.tcp_io import (
 )
 from pdd.transfer.ucx_auth import new_nonce, proof_ok
 from pdd.transfer.wire import (
+    MAX_PROBE_BYTES,
+    PROBE_ID,
     TRAILER,
     AckStatus,
     ChunkHeader,
@@ -42,6 +44,7 @@ from pdd.transfer.wire import (
     pack_challenge,
     unpack_cancel,
     unpack_hello,
+    unpack_probe,
 )
 
 if TYPE_CHECKING:
@@ -162,6 +165,12 @@ class ReceiverStream:
             elif kind is FrameKind.CANCEL:
                 tid, reason = unpack_cancel(body)
                 inbound.stop(tid, *cancel_outcome(reason))
+            elif kind is FrameKind.PROBE:  # a link's warm-up: drop the bytes, ack them
+                nbytes = unpack_probe(body)
+                if nbytes > MAX_PROBE_BYTES:
+                    raise TransferError(f"probe of {nbytes} bytes (at most {MAX_PROBE_BYTES})")
+                self.reader.skip(nbytes)
+                send_all(self.sock, [pack_ack(PROBE_ID, 0, AckStatus.OK, nbytes)])
             else:
                 raise TransferError(f"unexpected {kind.name} frame from sender")
 

@@ -23,6 +23,20 @@ peer, cut before any estimate, has the smallest, and a window counted in chunks 
 the starting rate however far the plan grew), and a path whose bandwidth-delay product needs
 more streams than the link has opens them. Any socket error breaks the whole link: every open
 transfer to that peer fails, the link's threads exit, and the next send opens a fresh link.
+
+Warm-up (``PeerLink.warm``, from WarmKv): a link's first transfer would pay its connections'
+set-up (TCP, TLS, the token's challenge: ~3 RTTs before a byte of KV) and the ramp of a plan
+that starts from nothing measured (measured on the lab at 1 Gbit/s x 40 ms: 45-53% of the link
+over a first 64 MiB; 83-95% once 4-16 MiB had crossed). So before any request the link
+connects its streams and sends PROBE frames (bytes the receiver drops and acks) when nothing
+else waits, as the lowest class after deferred transfers, until its delivery rate grew by
+less than PROBE_GROWTH for PROBE_FLAT intervals in a row (the path, not the window, limits it;
+BBR leaves its start-up the same way) or ``transfer.warmup_bytes`` went out. The estimate and
+the sockets' congestion state stay with the link for the first real transfer. An idle WAN
+stream then sends an empty PROBE every ``transfer.keep_warm_s`` (not counted in the estimate):
+BBR re-measures its minimum RTT every 10 s, and when that falls due at a transfer's first ack
+it holds the window at 4 packets for 200 ms (measured: a warmed link's first 64 MiB at 75% of
+the link after 10 s idle, 90% after 1 s); the keep-warm ack takes that turn while idle.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdd.errors import TransferError
@@ -58,12 +73,15 @@ from pdd.transfer.tcp_io import (
 )
 from pdd.transfer.ucx_auth import hello_proof
 from pdd.transfer.wire import (
+    MAX_PROBE_BYTES,
+    PROBE_ID,
     TRAILER,
     FrameKind,
     Hasher,
     pack_auth,
     pack_cancel,
     pack_hello,
+    pack_probe,
     unpack_ack,
 )
 
@@ -71,7 +89,47 @@ if TYPE_CHECKING:
     from pdd.transfer.tcp import TcpTransport
 
 RTT_REFRESH_S = 0.05
+PROBE_GROWTH = 1.25  # a warm-up goes on while its delivery rate grows by this per interval
+PROBE_FLAT = 5  # intervals in a row that did not: the path is full, the warm-up ends
+PROBE_INTERVAL_S = 0.05  # an interval lasts this or an RTT, whichever is longer
+_ZEROS = memoryview(bytes(1 << 20))  # what a PROBE carries
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Probe:
+    """A link's warm-up under way (module doc). It judges the path by its own acks' rate over
+    intervals of an RTT, at least PROBE_INTERVAL_S (the link's estimate is smoothed, and lags
+    a ramp). PROBE_FLAT intervals leave the senders' TCP the rounds it needs to see the path
+    full too (BBR: 3 rounds, then it drains its queue), so the first transfer does not start
+    in TCP's start-up, which overshoots the bottleneck's queue."""
+
+    left: int  # bytes it may still send
+    started: float
+    sent: int = 0
+    unacked: int = 0  # probe chunks on the wire
+    best_bps: float = 0.0
+    flat: int = 0  # intervals in a row that did not beat best_bps by PROBE_GROWTH
+    t0: float | None = None  # when the current interval began (its first ack)
+    acked: int = 0  # bytes acked since t0
+
+    def on_ack(self, nbytes: int, now: float, rtt_s: float) -> None:
+        self.unacked -= 1
+        if self.t0 is None:
+            self.t0, self.acked = now, 0
+            return
+        self.acked += nbytes
+        if now - self.t0 < max(PROBE_INTERVAL_S, rtt_s):
+            return
+        rate = self.acked * 8 / (now - self.t0)
+        self.t0, self.acked = now, 0
+        if rate > self.best_bps * PROBE_GROWTH:
+            self.best_bps, self.flat = rate, 0
+            return
+        self.best_bps = max(self.best_bps, rate)
+        self.flat += 1
+        if self.flat >= PROBE_FLAT:
+            self.left = 0
 
 
 class PeerLink:
@@ -90,6 +148,39 @@ class PeerLink:
         n = self.plan.streams
         self.streams = [SenderStream(self, i, n) for i in range(n)]  # replaced, never mutated
         self._started = False
+        self._probe: _Probe | None = None  # the warm-up under way
+
+    def warm(self, budget_bytes: int) -> bool:
+        """Probe this link (module doc) unless it was measured, is being probed or is broken.
+        Returns whether a probe started."""
+        est = self.estimator.estimate()
+        with self._lock:
+            if budget_bytes <= 0 or self.broken is not None or self._probe is not None:
+                return False
+            if est is not None and est.samples > 0:
+                return False
+            self._probe = _Probe(budget_bytes, time.monotonic())
+        self._wake_all()
+        return True
+
+    @property
+    def warming(self) -> bool:
+        """A warm-up is under way (bytes to send or acks to come)."""
+        with self._lock:
+            return self._probe is not None and self.broken is None
+
+    def probe_acked(self, nbytes: int, now: float) -> None:
+        est = self.estimator.estimate()
+        with self._lock:
+            probe = self._probe
+            if probe is None:
+                return
+            probe.on_ack(nbytes, now, est.rtt_s if est else 0.0)
+            if probe.left > 0 or probe.unacked > 0:
+                return
+            self._probe = None
+        log.info("link to %s warmed up: %.1f MiB probed in %.0f ms (%s)", self.key,
+                 probe.sent / 2**20, (time.monotonic() - probe.started) * 1000, est)  # fmt: skip
 
     def start(self) -> None:
         with self._lock:
@@ -147,10 +238,10 @@ class PeerLink:
             self._control.append(pack_cancel(transfer_id, reason))
         self._wake_all()
 
-    def take(self) -> bytes | tuple[OutRecord, int] | None:
+    def take(self) -> bytes | tuple[OutRecord, int] | int | None:
         """Next thing to send: a control frame first, else the next chunk of the open transfer
         with the fewest bytes left (deferred transfers only when no other has a chunk
-        waiting)."""
+        waiting), else a warm-up's next PROBE (its size)."""
         with self._lock:
             if self._control:
                 return self._control.popleft()
@@ -175,6 +266,13 @@ class PeerLink:
                     else:
                         del queue[at]
                     return rec, index
+            probe = self._probe
+            if probe is not None and probe.left > 0:
+                n = min(probe.left, self.plan.chunk_bytes, MAX_PROBE_BYTES)
+                probe.left -= n
+                probe.sent += n
+                probe.unacked += 1
+                return n
         return None
 
     def fail(self, reason: str) -> None:
@@ -224,6 +322,8 @@ class SenderStream:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._last_rtt = 0.0
+        self._last_send = time.monotonic()
+        self._keep_warm_head = False  # the oldest unacked frame is an empty keep-warm PROBE
         name = f"tcp-send-{link.key}-{index}"
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -280,15 +380,31 @@ class SenderStream:
             item = self.link.take() if self.unacked_bytes < window else None
             if isinstance(item, bytes):
                 send_all(self.sock, [item])
+            elif isinstance(item, int):
+                self._send_probe(item)
             elif item is not None:
                 self._send_chunk(*item)
+            elif self._keep_warm_due():
+                self._keep_warm_head = True
+                send_all(self.sock, [pack_probe(0)])
+                self.unacked.append(0)
+                self._last_send = time.monotonic()
             else:
                 self._sleep()
+
+    def _keep_warm_due(self) -> bool:
+        """An idle WAN stream's keep-warm PROBE is due (module doc)."""
+        every = self.config.keep_warm_s
+        if every <= 0 or self.unacked or time.monotonic() - self._last_send < every:
+            return False
+        est = self.link.estimator.estimate()
+        return est is not None and est.rtt_s >= LAN_RTT_S
 
     def _sleep(self) -> None:
         if self.reader.has_data():
             return
-        select.select([self.sock, self._wake_r], [], [], 1.0)
+        every = self.config.keep_warm_s
+        select.select([self.sock, self._wake_r], [], [], min(1.0, every) if every > 0 else 1.0)
         try:
             while os.read(self._wake_r, 64):
                 pass
@@ -303,13 +419,28 @@ class SenderStream:
                 raise TransferError(f"unexpected {kind.name} frame from receiver")
             tid, _index, status, nbytes = unpack_ack(body)
             wire = self.unacked.popleft()  # the link carried the wire bytes, nbytes is raw
+            if self._keep_warm_head:  # its ack: nothing to count
+                self._keep_warm_head = False
+                continue
             self.unacked_bytes -= wire
             now = time.monotonic()
             self.link.estimator.on_ack(wire, now)
-            transport.outbound.ack(tid, status, nbytes)
+            if tid == PROBE_ID:
+                self.link.probe_acked(wire, now)
+            else:
+                transport.outbound.ack(tid, status, nbytes)
             if now - self._last_rtt > RTT_REFRESH_S:
                 self._last_rtt = now
                 self.link.estimator.on_rtt(kernel_rtt_s(self.sock))
+
+    def _send_probe(self, nbytes: int) -> None:
+        self.link.estimator.on_send(nbytes, time.monotonic())
+        send_all(self.sock, [pack_probe(nbytes)])
+        for off in range(0, nbytes, len(_ZEROS)):
+            send_all(self.sock, [_ZEROS[: min(len(_ZEROS), nbytes - off)]])
+        self.unacked.append(nbytes)
+        self.unacked_bytes += nbytes
+        self._last_send = time.monotonic()
 
     def _send_chunk(self, rec: OutRecord, index: int) -> None:
         transport = self.link.transport
@@ -333,5 +464,6 @@ class SenderStream:
             send_all(self.sock, [*parts, TRAILER.pack(hasher.digest())])
             self.unacked.append(wire)
             self.unacked_bytes += wire
+            self._last_send = time.monotonic()
         finally:
             transport.outbound.end_chunk(rec.transfer_id)

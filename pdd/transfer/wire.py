@@ -66,6 +66,7 @@ class FrameKind(enum.IntEnum):
     BYE = 5
     CHALLENGE = 6
     AUTH = 7
+    PROBE = 8  # TCP warm-up: that many bytes follow, which the receiver drops and acks
 
 
 class AckStatus(enum.IntEnum):
@@ -156,6 +157,9 @@ _CANCEL = struct.Struct("<QB7x")
 _HELLO = struct.Struct("<QHH4x")
 _BYE = struct.Struct("<Q")
 _NONCE = struct.Struct("<32s")  # CHALLENGE's nonce and AUTH's proof
+_PROBE = struct.Struct("<I4x")
+PROBE_ID = 0  # the transfer id of a PROBE's ack (real transfer ids are never 0)
+MAX_PROBE_BYTES = 64 << 20  # one PROBE frame's bytes (a sender probes in its plan's chunks)
 # checksum and deadline_ms sit right after the 12 leading fields of the DATA body
 _SENT = struct.Struct("<II")
 _SENT_OFFSET = PREFIX.size + struct.calcsize("<QIIHIIHHQIQQ")
@@ -167,6 +171,7 @@ BODY_SIZE = {
     FrameKind.BYE: _BYE.size,
     FrameKind.CHALLENGE: _NONCE.size,
     FrameKind.AUTH: _NONCE.size,
+    FrameKind.PROBE: _PROBE.size,
 }
 
 
@@ -339,6 +344,14 @@ def pack_auth(proof: bytes) -> bytes:
 
 def pack_bye(sender_id: int) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, FrameKind.BYE) + _BYE.pack(sender_id)
+
+
+def pack_probe(nbytes: int) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.PROBE) + _PROBE.pack(nbytes)
+
+
+def unpack_probe(body: bytes) -> int:
+    return _PROBE.unpack(body)[0]
 
 
 def unpack_prefix(prefix: bytes) -> FrameKind:

@@ -28,6 +28,8 @@ from pdd.worker.roles import (
     PrepareKvResult,
     SendKvCall,
     SendKvResult,
+    WarmKvCall,
+    WarmKvResult,
 )
 
 _SOURCES = {pb.KvIn.TRANSFER: "transfer", pb.KvIn.DRC: "drc"}
@@ -128,6 +130,8 @@ def stats_to_proto(
     resp.kv_free_blocks = kv.free_blocks
     resp.drc_query_tokens = kv.drc_query_tokens
     resp.drc_hit_tokens = kv.drc_hit_tokens
+    if kv.address is not None:
+        resp.kv_address.CopyFrom(address_to_proto(kv.address))
     if kv.drc is not None:
         resp.drc_capacity_blocks = kv.drc.capacity_blocks
         resp.drc_used_blocks = kv.drc.committed_blocks
@@ -217,6 +221,14 @@ def cancel_kv_response(r: CancelKvResult) -> pb.CancelKvResponse:
 
 def drc_events_call(req: pb.DrcEventsRequest) -> DrcEventsCall:
     return DrcEventsCall(req.since)
+
+
+def warm_kv_call(req: pb.WarmKvRequest) -> WarmKvCall:
+    return WarmKvCall(tuple(address_from_proto(a) for a in req.peers))
+
+
+def warm_kv_response(r: WarmKvResult) -> pb.WarmKvResponse:
+    return pb.WarmKvResponse(warming=r.warming)
 
 
 def drc_events_response(r: DrcEventsResult) -> pb.DrcEventsResponse:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from prometheus_client import Counter, Histogram
@@ -240,6 +240,16 @@ class KvPlane:
             transport=self.spec.receiver, host=host, port=a.port, ucx_address=a.ucx_address,
             host_id=a.host_id, name=a.name or self._worker.id,
         )  # fmt: skip
+
+    def warm(self, peers: Sequence[KvAddress]) -> int:
+        """Warm up the links to ``peers`` this worker has a sender for (``Transport.warm``);
+        returns how many warm-ups started."""
+        started = 0
+        for a in peers:
+            transport = self._senders.get(a.transport)
+            if transport is not None and transport.warm(a.peer()):
+                started += 1
+        return started
 
     def open_transfers(self) -> int:
         """Outbound + inbound transfers not yet terminal, over every transport."""

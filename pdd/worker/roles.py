@@ -98,6 +98,7 @@ class KvStats:
     own_blocks_stored: int = 0  # MD: blocks the engine copied into the DRC after requests
     arena_blocks: int = 0  # P: staging slots, RLD: landing slots, MD: DRC blocks (0: none)
     free_blocks: int = 0  # of those, what a new request can have now (MD: evictable counts)
+    address: KvAddress | None = None  # RLD/MD: where it receives KV (None: it receives none)
 
 
 # --- the KV RPCs' values (wire: pdd.worker.v1 messages of the same names) -----------------
@@ -195,6 +196,16 @@ class DrcEventsResult:
 
 
 @dataclass(frozen=True)
+class WarmKvCall:
+    peers: tuple[KvAddress, ...]  # receivers this worker will send KV to
+
+
+@dataclass(frozen=True)
+class WarmKvResult:
+    warming: int  # links whose warm-up this call started (the others were measured already)
+
+
+@dataclass(frozen=True)
 class RoleContext:
     """Everything a role is built from (the composition root fills it)."""
 
@@ -237,6 +248,12 @@ class CancelsKv(Protocol):
     """Drops whatever KV it holds or expects for a request (every KV role: CancelKv)."""
 
     async def cancel_kv(self, call: CancelKvCall) -> CancelKvResult: ...
+
+
+class WarmsLinks(Protocol):
+    """Opens and measures its links to receivers before a request needs them (P: WarmKv)."""
+
+    async def warm_kv(self, call: WarmKvCall) -> WarmKvResult: ...
 
 
 class PublishesDrc(Protocol):

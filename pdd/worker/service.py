@@ -60,6 +60,7 @@ from pdd.worker.roles import (
     ReceivesKv,
     RolePolicy,
     SendsKv,
+    WarmsLinks,
 )
 
 if TYPE_CHECKING:
@@ -272,6 +273,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         role, call = cast(PublishesDrc, self._role), convert.drc_events_call(request)
         handle = lambda: role.drc_events(call)  # noqa: E731
         return await self._kv("DrcEvents", request, context, handle, convert.drc_events_response)
+
+    async def WarmKv(self, request: pb.WarmKvRequest, context) -> pb.WarmKvResponse:  # noqa: N802
+        role, call = cast(WarmsLinks, self._role), convert.warm_kv_call(request)
+        handle = lambda: role.warm_kv(call)  # noqa: E731
+        return await self._kv("WarmKv", request, context, handle, convert.warm_kv_response)
 
     # --- control --------------------------------------------------------------------------
 

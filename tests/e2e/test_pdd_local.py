@@ -596,8 +596,8 @@ def test_a_lossless_wan_codec_equals_single_engine(served, codec, prompts, oracl
 def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(served, codec,
                                                                              prompts, oracle,
                                                                              tmp_path):  # fmt: skip
-    """router.pdd.md_recompute with a P that has not measured its WAN yet (a fresh engine), so
-    the router's link figure is its config's: at 1 Mbit/s MD computing a miss (at the prefill
+    """router.pdd.md_recompute with a P that has not measured its WAN (a fresh engine, no
+    warm-up: transfer.warmup_bytes 0), so the router's link figure is its config's: at 1 Mbit/s MD computing a miss (at the prefill
     rate its engine measured as it started) is sooner than the KV crossing, so MD computes
     every prompt itself: p_md, greedy text equal to one engine's, no KV reaches MD. At 1 Tbit/s
     a miss waits for its KV instead (MD computes nothing). Each router's requests carry a
@@ -618,7 +618,7 @@ def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(serv
 
     admin = {"Authorization": "Bearer sk-compute"}
     long, want = max(zip(prompts, oracle, strict=True), key=lambda po: len(po[0]))
-    with _extra_worker("p", [], tmp_path / "p.log") as port:
+    with _extra_worker("p", [], tmp_path / "p.log", ("transfer.warmup_bytes=0",)) as port:
         slow = (*sets, "router.pdd.wan_bandwidth_bps=1e6")
         with _router_over(served, {"p": port}, slow, admin) as (router, _):
             root = router.url.removesuffix("/v1")

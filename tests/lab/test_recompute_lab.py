@@ -89,18 +89,25 @@ def route(url: str, request_id: str) -> dict:
 
 def test_the_link_decides_whether_md_waits_for_its_kv_or_computes_it(fleet):
     s, lab = fleet
-    # 1 Gbit/s, P unmeasured: the router weighs its config's 1 Gbit/s against MD's prefill
-    deadline = time.monotonic() + 30  # the router's first Stats poll of MD
-    while "prefill" not in (seen := workers(s.url))["md"] and time.monotonic() < deadline:
+    # 1 Gbit/s: before any request P measured its link to MD (the router had it warm up,
+    # WarmKv); the router weighs that figure against MD's prefill
+    deadline = time.monotonic() + 60  # the router's first Stats polls of MD, then of P
+    while time.monotonic() < deadline:
+        seen = workers(s.url)
+        if "prefill" in seen["md"] and seen["p"]["wan"]["bandwidth_bps"] > 0:
+            time.sleep(3)  # the warm-up's last samples (it ends within a second here)
+            if workers(s.url)["p"]["wan"] == seen["p"]["wan"]:
+                break
         time.sleep(0.5)
     assert "prefill" in seen["md"], seen["md"]
-    assert seen["p"]["wan"]["bandwidth_bps"] == 0  # nothing crossed yet
+    link = seen["p"]["wan"]
+    assert link["bandwidth_bps"] > 0 and 0 < link["rtt_s"] < 1, link  # warmed up: measured
     md = seen["md"]["prefill"]
     assert md["tokens_per_s"] > 0, seen["md"]  # MD's engine measured it as it started
     fast = ask(s.url, "wait", "p_md", 16)
     rec, n = fast["pdd"], fast["usage"]["prompt_tokens"]
     compute_s = md["fixed_s"] + n / md["tokens_per_s"]
-    wan_s = 0.02 + (n // 32) * 32 * 46_080 * 8 / 1e9  # configs/lab.yaml's 20 ms, and 1 Gbit/s
+    wan_s = link["rtt_s"] + (n // 32) * 32 * 46_080 * 8 / link["bandwidth_bps"]
     decided = route(s.url, fast["id"])["md_computes"]
     assert decided == (compute_s < wan_s), (rec, compute_s, wan_s)
     assert (rec["wan_kv_bytes"] > 0) == (not decided), rec

@@ -142,12 +142,16 @@ class FakeKvNode:
         if cached == len(hashes):  # nothing to land
             lease.state = "done"
             lease.landed.set()
-        transport = "tcp" if self.role == "main_decode" else "ucx"
         return worker_pb2.PrepareKvResponse(
-            cached_blocks=cached,
-            reserved_blocks=len(hashes) - cached,
-            address=worker_pb2.PeerAddress(transport=transport, name=self.worker_id),
+            cached_blocks=cached, reserved_blocks=len(hashes) - cached, address=self.address()
         )
+
+    def address(self) -> worker_pb2.PeerAddress | None:
+        """Where this node receives KV (RLD, MD; None: it receives none)."""
+        if self.role not in ("main_decode", "relay_decode"):
+            return None
+        transport = "tcp" if self.role == "main_decode" else "ucx"
+        return worker_pb2.PeerAddress(transport=transport, name=self.worker_id)
 
     def start_landing(self, kv_id: str, source: FakeKvNode) -> bool:
         lease = self.leases.get(kv_id)

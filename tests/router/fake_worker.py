@@ -77,6 +77,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.running: set[str] = set()
         self.aborts: list[str] = []
+        self.warm_calls: list[list[str]] = []  # P: the receivers each WarmKv named
         self.cancelled: list[str] = []
         self.finished: dict[str, str] = {}
         self.violations: list[str] = []
@@ -238,6 +239,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             pinned_slots=len(self.kv.held()) if self.kv else 0,
             kv_arena_blocks=self.kv_arena_blocks,
             kv_free_blocks=self.kv_free_blocks,
+            kv_address=self.kv.address() if self.kv else None,
         )
 
     # --- KV plane ---------------------------------------------------------------------------
@@ -279,6 +281,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def DrcEvents(self, request, context):  # noqa: N802
         return self._node().drc_events(request.since)
+
+    async def WarmKv(self, request, context):  # noqa: N802
+        self.warm_calls.append([a.name for a in request.peers])
+        return worker_pb2.WarmKvResponse(warming=len(request.peers))
 
 
 async def start_fake_worker(fake: FakeWorker) -> tuple[grpc.aio.Server, int]:

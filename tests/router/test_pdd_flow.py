@@ -438,3 +438,18 @@ def test_prompt_shorter_than_a_block_sends_nothing(pdd):
         wait_until(lambda w=wid: pdd.by_id(w).kv.cancels == [(rid, "nothing to send")],
                    f"no CancelKv on {wid}")  # fmt: skip
     assert not gen_requests(pdd, "rld0") or not gen_requests(pdd, "rld0")[0].HasField("kv_in")
+
+
+def test_p_is_asked_once_to_warm_up_its_links_to_each_receiver(pdd):
+    """Before any request needs them, the router has P open and measure its KV links to every
+    receiver (WarmKv, named from their Stats): once per pair, not at every health poll, and
+    again for a P that restarted (its links are gone)."""
+    import time
+
+    p0 = pdd.by_id("p0")
+    named = lambda: sorted(n for call in p0.warm_calls for n in call)  # noqa: E731
+    wait_until(lambda: named() == ["md0", "rld0"], f"P was not named its receivers: {named()}")
+    time.sleep(10 * 0.05)  # ten more health polls (router.health_interval_s 0.05)
+    assert named() == ["md0", "rld0"]
+    p0.instance_id = "second-process"  # P restarted
+    wait_until(lambda: named() == ["md0", "md0", "rld0", "rld0"], "a restarted P was not named")

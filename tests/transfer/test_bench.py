@@ -33,10 +33,13 @@ def test_bench_transfer_writes_json_and_png(tmp_path):
 
 def test_bench_transfer_wan_times_a_first_transfer_and_a_small_one_behind_a_large_one(tmp_path):
     argv = ["transfer", "--transports", "tcp", "--wan", "--first-bytes", str(8 << 20)]
+    argv += ["--idle-s", "0.1"]
     argv += ["--behind-bytes", str(256 << 20), "--out", str(tmp_path)]
     assert bench_main(argv) == 0
     wan = json.loads((tmp_path / "transfer.json").read_text())["wan"]["tcp"]
     assert wan["first"]["bytes"] == 8 << 20 and wan["first"]["seconds"] > 0
+    warmed = wan["first_after_warm_up"]  # another new peer, warmed up first (WarmKv)
+    assert warmed["warm_up_started"] and warmed["estimate_after_warm_up"]["samples"] >= 1
     assert wan["behind"]["states"] == ["done", "done"]  # both land, whole
     # the small one is not queued behind the large one: it ends with most of it still to go
     assert wan["behind"]["big_fraction_acked_when_small_done"] < 1

@@ -310,3 +310,68 @@ def test_a_receiver_id_served_from_another_address_gets_its_kv_there(make_pair):
     assert crc_of(b.zone.take(second.transfer_id)[0]) == crc_of(data)
     assert {h.request_id for h in a.zone.headers} == {"t1"}
     assert a.sender.link_estimates().keys() <= {"md"}
+
+
+def test_a_warmed_up_link_is_measured_before_its_first_transfer_and_lands_nothing(make_pair):
+    """WarmKv's transport half: ``warm`` connects the link and probes it with bytes the
+    receiver drops, so the first transfer finds a measured link (the router's estimate too);
+    the probe lands nothing, ends by itself, is not repeated on a measured link, and the KV
+    sent after it lands byte-exact."""
+    pair = make_pair("tcp", **SMALL)
+    peer = pair.receiver.address
+    assert pair.sender.link_estimate(peer) is None
+    assert pair.sender.warm(peer)
+    wait_for(lambda: not pair.sender.warming(peer), what="the warm-up to end")
+    est = pair.sender.link_estimate(peer)
+    assert est is not None and est.samples >= 1 and est.bandwidth_bps > 0
+    assert pair.zone.headers == []  # no chunk reached the allocator
+    assert pair.receiver.stats().open_inbound == 0 and pair.sender.stats().open_outbound == 0
+    assert not pair.sender.warm(peer)  # measured: nothing to probe
+    data = pattern(5, 2 * MiB)
+    handle = pair.sender.send(peer, SendRequest("after-warm-up", [KVSegment(data)]))
+    assert handle.wait(20).state is TransferState.DONE
+    assert crc_of(pair.zone.take(handle.transfer_id)[0]) == crc_of(data)
+
+
+def test_a_warm_up_probes_only_what_transfers_leave_of_the_link():
+    """A transfer's chunks leave before the probe's (even a deferred one's); the probe sends
+    its next chunk only once nothing else waits, in the plan's chunk size, up to its budget."""
+    from types import SimpleNamespace
+
+    from pdd.transfer.ledger import OutRecord
+    from pdd.transfer.tcp_send import PeerLink
+
+    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
+    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1))
+    try:
+        assert link.warm(3 * link.plan.chunk_bytes)
+        rest = OutRecord(1, "rest", link.key, [0, 1], [], 1e9, 8 * MiB)
+        rest.background = True
+        turn = OutRecord(2, "turn", link.key, [0], [], 1e9, 4 * MiB)
+        link.submit(rest)
+        link.submit(turn)
+        order = [link.take() for _ in range(7)]
+    finally:
+        for s in link.streams:
+            s.close_pipe()
+    chunk = link.plan.chunk_bytes
+    assert order == [(turn, 0), (rest, 0), (rest, 1), chunk, chunk, chunk, None]
+    assert link.warming  # its probes' acks are still to come
+
+
+def test_a_warm_up_ends_once_its_delivery_rate_stops_growing():
+    """The probe goes on while each interval delivers PROBE_GROWTH more than the best so far
+    (the window still limits the path) and stops after PROBE_FLAT intervals that did not."""
+    from pdd.transfer.tcp_send import PROBE_FLAT, PROBE_INTERVAL_S, _Probe
+
+    probe = _Probe(left=1 << 40, started=0.0, unacked=1000)
+    now, step = 0.0, PROBE_INTERVAL_S * 1.01
+    probe.on_ack(0, now, 0.02)  # the first ack starts the first interval
+    for rate in (1, 2, 4, 8, 16):  # doubling: still growing
+        now += step
+        probe.on_ack(int(rate * MiB * step), now, 0.02)
+        assert probe.left > 0
+    for i in range(PROBE_FLAT):  # the path is full: the same rate again
+        now += step
+        probe.on_ack(int(17 * MiB * step), now, 0.02)
+        assert (probe.left > 0) is (i < PROBE_FLAT - 1)

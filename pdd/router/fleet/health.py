@@ -7,7 +7,10 @@ unhealthy after any failure, except that a healthy worker may miss up to
 are logged. A worker with port 0 has no known address (the launcher passes real ports with
 ``--set``) and stays unhealthy. In router.mode pdd the same loop keeps each MainDecode's DRC
 view fresh (``drc_views.DrcViews``). A request that sees a worker fail marks it unhealthy at
-once (``mark_unhealthy``) until its next good poll.
+once (``mark_unhealthy``) until its next good poll. After a good poll of a Prefill worker the
+router names it every healthy receiver (a worker whose Stats give a KV address) it was not
+named before, through WarmKv: P opens and measures those links before a request needs them
+(``pdd.transfer.tcp_send``); a restarted P, or a restarted receiver, is named again.
 
 Lifecycle: ``start()`` inside the serving event loop, ``stop()`` at shutdown.
 """
@@ -21,9 +24,11 @@ import logging
 from pdd.config.router import RouterConfig
 from pdd.errors import PddError
 from pdd.kv_geometry import KvGeometry
+from pdd.proto import worker_pb2
 from pdd.protocol import Role
 from pdd.router.fleet.drc_views import DrcViews
 from pdd.router.fleet.members import Members, WorkerState
+from pdd.router.fleet.workers import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +131,34 @@ class HealthPoller:
         if st.retired:  # removed while polled
             return
         self._set_health(st, True, "")
+        if st.config.role is Role.PREFILL:
+            await self._warm_links(st, client)
         if self._drc is not None and st.config.role is Role.MAIN_DECODE:
             await self._drc.refresh(st.config.id, client)
+
+    async def _warm_links(self, st: WorkerState, client: WorkerClient) -> None:
+        """Name P the receivers it was not named yet (module doc). One try per pair: a P that
+        cannot warm up (an older version, no sender of that kind) sends cold, as before."""
+        new: dict[str, worker_pb2.PeerAddress] = {}
+        for other in list(self._members.states.values()):
+            stats = other.stats
+            if not other.healthy or other.refused is not None or stats is None:
+                continue
+            a = stats.kv_address
+            key = f"{other.config.id}/{other.instance_id}/{a.transport}:{a.host}:{a.port}"
+            if a.transport and key not in st.warmed:
+                new[key] = a
+        if not new:
+            return
+        st.warmed |= new.keys()
+        try:
+            warming = await client.warm_kv(list(new.values()))
+        except PddError as exc:
+            log.info("WarmKv on %s failed (its first transfers start cold): %s",
+                     st.config.id, exc.message)  # fmt: skip
+            return
+        if warming:
+            log.info("%s warms up its KV links to %d receiver(s)", st.config.id, warming)
 
     def _note_instance(self, st: WorkerState, instance_id: str) -> None:
         """A new instance id at the same address is a restarted worker process."""
@@ -135,6 +166,7 @@ class HealthPoller:
             return
         if st.instance_id and instance_id != st.instance_id:
             st.restarts += 1
+            st.warmed.clear()
             log.warning("worker %s restarted (restart %d seen by this router)",
                         st.config.id, st.restarts)  # fmt: skip
         st.instance_id = instance_id

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdd.config import PddConfig, WorkerConfig
 from pdd.errors import InvalidRequestError, UnavailableError
@@ -50,6 +50,7 @@ class WorkerState:
     geometry: KvGeometry | None = None  # from its last Health (or its registration)
     refused: str | None = None  # why its KV geometry is not admitted (None: admitted)
     routed_blocks: int = 0  # KV blocks routed to it since its last Stats (taken before it says)
+    warmed: set[str] = field(default_factory=set)  # P: receivers it was asked to warm up to
 
 
 class Members:

@@ -200,6 +200,12 @@ class WorkerClient:
         )
         return (await self._call(self._stub.CancelKv, msg, "CancelKv")).found
 
+    async def warm_kv(self, peers: list[worker_pb2.PeerAddress]) -> int:
+        """WarmKv (P): open and measure the links to these receivers; returns how many
+        warm-ups started."""
+        msg = worker_pb2.WarmKvRequest(peers=peers)
+        return (await self._call(self._stub.WarmKv, msg, "WarmKv")).warming
+
     async def drc_events(self, since: int) -> worker_pb2.DrcEventsResponse:
         msg = worker_pb2.DrcEventsRequest(since=since)
         return await self._call(self._stub.DrcEvents, msg, "DrcEvents")
