@@ -437,6 +437,7 @@ class PrefillRole:
             open_transfers=self._plane.open_transfers(),
             wan_bandwidth_bps=est.bandwidth_bps if est else 0.0,
             wan_rtt_s=est.rtt_s if est else 0.0,
+            wan_links=self._plane.wan_links(),
             kv_bytes_sent=self._plane.bytes_sent,
             kv_wire_bytes_sent=self._plane.wire_bytes_sent,
             wan_wire_ratio=self._plane.wan_wire_ratio(),

@@ -304,7 +304,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks", "kv_in_waits", "prefill_tokens_per_s", "prefill_fixed_s", "own_blocks_stored", "kv_arena_blocks", "kv_free_blocks", "kv_address")
+    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks", "kv_in_waits", "prefill_tokens_per_s", "prefill_fixed_s", "own_blocks_stored", "kv_arena_blocks", "kv_free_blocks", "kv_address", "wan_links")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,7 @@ class StatsResponse(_message.Message):
     KV_ARENA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WAN_LINKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_requests: int
@@ -371,7 +372,20 @@ class StatsResponse(_message.Message):
     kv_arena_blocks: int
     kv_free_blocks: int
     kv_address: PeerAddress
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ..., kv_in_waits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., own_blocks_stored: _Optional[int] = ..., kv_arena_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_address: _Optional[_Union[PeerAddress, _Mapping]] = ...) -> None: ...
+    wan_links: _containers.RepeatedCompositeFieldContainer[WanLink]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ..., kv_in_waits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., own_blocks_stored: _Optional[int] = ..., kv_arena_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_address: _Optional[_Union[PeerAddress, _Mapping]] = ..., wan_links: _Optional[_Iterable[_Union[WanLink, _Mapping]]] = ...) -> None: ...
+
+class WanLink(_message.Message):
+    __slots__ = ("peer", "bandwidth_bps", "rtt_s", "queued_bytes")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    bandwidth_bps: float
+    rtt_s: float
+    queued_bytes: int
+    def __init__(self, peer: _Optional[str] = ..., bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., queued_bytes: _Optional[int] = ...) -> None: ...
 
 class WarmKvRequest(_message.Message):
     __slots__ = ("peers",)

@@ -218,7 +218,11 @@ def workers_view(pool: WorkerPool) -> list[dict[str, object]]:
                 "arena_blocks": stats.kv_arena_blocks, "free_blocks": stats.kv_free_blocks,
             }  # fmt: skip
         if w.role is Role.PREFILL:
-            row["wan"] = {"bandwidth_bps": w.wan_bandwidth_bps, "rtt_s": w.wan_rtt_s}
+            row["wan"] = {"bandwidth_bps": w.wan_bandwidth_bps, "rtt_s": w.wan_rtt_s,
+                          "links": {peer: {"bandwidth_bps": link.bandwidth_bps,
+                                           "rtt_s": link.rtt_s,
+                                           "queued_bytes": link.queued_bytes}
+                                    for peer, link in w.wan_links}}  # fmt: skip
         if w.role is Role.MAIN_DECODE and stats is not None:
             row["drc_stats"] = _drc_stats(stats)
             row["prefill"] = {"tokens_per_s": w.prefill_tokens_per_s,

@@ -272,6 +272,11 @@ class Transport(ABC):
         """Every peer's estimate keyed by `PeerAddress.key()`, for export (router, metrics)."""
         return {}
 
+    def queued_bytes(self) -> dict[str, int]:
+        """Bytes of open transfers not yet acknowledged, per `PeerAddress.key()` (deferred
+        transfers not counted): what a new transfer to that peer may find ahead of it."""
+        return {}
+
     @abstractmethod
     def stats(self) -> TransportStats:
         """Open transfers, pins, lent buffers and live threads (leak checks)."""

@@ -217,6 +217,9 @@ class BaseTransport(Transport):
     def link_estimate(self, peer: PeerAddress) -> LinkEstimate | None:
         return None
 
+    def queued_bytes(self) -> dict[str, int]:
+        return self.outbound.queued_bytes()
+
     def stats(self) -> TransportStats:
         open_out, pinned = self.outbound.counts()
         open_in, lent = self.inbound.counts() if self.inbound is not None else (0, 0)

@@ -192,6 +192,16 @@ class OutboundLedger:
         with self._cond:
             return len(self._open), sum(len(r.pins) for r in self._open.values())
 
+    def queued_bytes(self) -> dict[str, int]:
+        """Bytes of open transfers not yet acknowledged, per peer key; deferred transfers
+        (served only when nothing else waits) are not counted."""
+        out: dict[str, int] = {}
+        with self._cond:
+            for r in self._open.values():
+                if not r.background:
+                    out[r.peer] = out.get(r.peer, 0) + max(0, r.bytes_total - r.bytes_acked)
+        return out
+
     def open_ids(self, peer: str | None = None) -> list[int]:
         with self._cond:
             return [t for t, r in self._open.items() if peer is None or r.peer == peer]

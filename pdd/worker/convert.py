@@ -132,6 +132,9 @@ def stats_to_proto(
     resp.drc_hit_tokens = kv.drc_hit_tokens
     if kv.address is not None:
         resp.kv_address.CopyFrom(address_to_proto(kv.address))
+    for link in kv.wan_links:
+        resp.wan_links.add(peer=link.peer, bandwidth_bps=link.bandwidth_bps, rtt_s=link.rtt_s,
+                           queued_bytes=link.queued_bytes)  # fmt: skip
     if kv.drc is not None:
         resp.drc_capacity_blocks = kv.drc.capacity_blocks
         resp.drc_used_blocks = kv.drc.committed_blocks

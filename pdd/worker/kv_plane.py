@@ -43,7 +43,7 @@ from pdd.transfer import (
 )
 from pdd.worker.capacity import ArenaSize
 from pdd.worker.faults import WorkerFaults
-from pdd.worker.roles import KvAddress
+from pdd.worker.roles import KvAddress, WanLinkStats
 from pdd.worker.slots import Fences
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,24 @@ class KvPlane:
             return None
         measured = list(estimates().values())
         return max(measured, key=lambda e: (e.samples, e.bandwidth_bps), default=None)
+
+    def wan_links(self) -> tuple[WanLinkStats, ...]:
+        """The TCP (WAN) sender's link to each receiver: its estimate and what is queued."""
+        tcp = self._senders.get("tcp")
+        if tcp is None:
+            return ()
+        estimates = tcp.link_estimates()
+        queued = tcp.queued_bytes()
+        return tuple(
+            WanLinkStats(
+                peer,
+                est.bandwidth_bps if est else 0.0,
+                est.rtt_s if est else 0.0,
+                queued.get(peer, 0),
+            )
+            for peer in sorted(estimates.keys() | queued.keys())
+            for est in (estimates.get(peer),)
+        )
 
     def wan_wire_ratio(self) -> float:
         """Learned wire/raw ratio of the TCP (WAN) sender's default codec; 1.0 raw."""

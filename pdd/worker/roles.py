@@ -99,6 +99,17 @@ class KvStats:
     arena_blocks: int = 0  # P: staging slots, RLD: landing slots, MD: DRC blocks (0: none)
     free_blocks: int = 0  # of those, what a new request can have now (MD: evictable counts)
     address: KvAddress | None = None  # RLD/MD: where it receives KV (None: it receives none)
+    wan_links: tuple[WanLinkStats, ...] = ()  # P: each TCP link it sends KV on
+
+
+@dataclass(frozen=True)
+class WanLinkStats:
+    """P's link to one receiver (wire: WanLink)."""
+
+    peer: str  # the receiver's worker id
+    bandwidth_bps: float  # 0.0 until measured
+    rtt_s: float
+    queued_bytes: int  # open transfers' bytes not yet acknowledged (deferred ones not)
 
 
 # --- the KV RPCs' values (wire: pdd.worker.v1 messages of the same names) -----------------

@@ -20,6 +20,8 @@ from tests.router.harness import MAX_MODEL_LEN, RouterHarness
 MD_DRC = {"drc_capacity_blocks": 4000, "drc_used_blocks": 1000, "drc_query_tokens": 2000,
           "drc_hit_tokens": 1500, "drc_evictions": 7}  # fmt: skip
 P_WAN = {"wan_bandwidth_bps": 93.2e6, "wan_rtt_s": 0.0201}
+# P's link to md0 (its best figure above is another MD's): the router's ETA to md0 uses this
+P_LINK = {"peer": "md0", "bandwidth_bps": 46.6e6, "rtt_s": 0.0302, "queued_bytes": 0}
 
 
 class StatsFake(FakeWorker):
@@ -61,7 +63,10 @@ class StatsFake(FakeWorker):
         merged = worker_pb2.StatsResponse()
         merged.CopyFrom(resp)
         for key, value in self.extra.items():
-            setattr(merged, key, value)
+            if isinstance(value, list):  # a repeated field
+                getattr(merged, key).extend(value)
+            else:
+                setattr(merged, key, value)
         return merged
 
 
@@ -76,7 +81,8 @@ def codec() -> TextCodec:
 def pdd_fleet(codec: TextCodec, **router: object) -> RouterHarness:
     plane = FakeKvPlane()
     fakes = [
-        StatsFake("p0", MAX_MODEL_LEN, "prefill", plane, extra=P_WAN),
+        StatsFake("p0", MAX_MODEL_LEN, "prefill", plane,
+                  extra={**P_WAN, "wan_links": [worker_pb2.WanLink(**P_LINK)]}),
         StatsFake("rld0", MAX_MODEL_LEN, "relay_decode", plane,
                   extra={"waiting_requests": 2, "kv_cache_usage": 0.25}),
         StatsFake("md0", MAX_MODEL_LEN, "main_decode", plane, extra=MD_DRC),

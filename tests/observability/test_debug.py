@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.observability.conftest import P_WAN
+from tests.observability.conftest import P_LINK
 from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE
 from tests.router.test_pdd_flow import complete, prompt_ids, relay_timing, script
 
@@ -35,7 +35,8 @@ def test_p_rld_md_timeline(pdd):
         "pipeline": "p_rld_md",
         "workers": {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"},
         "prompt_tokens": n, "md_cached_tokens": 0, "wan_bytes": wan_bytes,
-        "eta_s": P_WAN["wan_rtt_s"] + wan_bytes * 8 / P_WAN["wan_bandwidth_bps"],
+        # P's link to md0, not its best one (P_WAN)
+        "eta_s": P_LINK["rtt_s"] + wan_bytes * 8 / P_LINK["bandwidth_bps"],
         "md_computes": False, "handoff": "catch_up", "block_size": BLOCK_SIZE,
     }  # fmt: skip
     assert view["route"] == route

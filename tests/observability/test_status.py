@@ -19,7 +19,8 @@ def test_debug_workers_has_load_drc_and_wan(pdd):
         "capacity_blocks": 4000, "used_blocks": 1000, "fill": 0.25, "query_tokens": 2000,
         "hit_tokens": 1500, "hit_rate": 0.75, "evictions": MD_DRC["drc_evictions"],
     }  # fmt: skip
-    assert workers["p0"]["wan"] == {"bandwidth_bps": 93.2e6, "rtt_s": 0.0201}
+    assert workers["p0"]["wan"] == {"bandwidth_bps": 93.2e6, "rtt_s": 0.0201, "links": {
+        "md0": {"bandwidth_bps": 46.6e6, "rtt_s": 0.0302, "queued_bytes": 0}}}  # fmt: skip
     rld = workers["rld0"]
     assert (rld["datacenter"], rld["waiting"], rld["kv_cache_usage"]) == ("dc-a", 2, 0.25)
     assert workers["md0"]["datacenter"] == "dc-b"

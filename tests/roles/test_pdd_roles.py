@@ -131,6 +131,30 @@ async def oracle(c: Client, rid: str, prompt: list[int], n: int) -> list[int]:
     return tokens(await c.generate("p", rid, prompt, n))
 
 
+def test_warm_kv_has_p_measure_its_link_to_md_before_any_kv_crosses(workers) -> None:
+    """The first test of the module: P has sent nothing yet. The receivers' Stats give their
+    KV addresses; WarmKv with both warms the TCP link to MD (UCX to RLD has nothing to ramp
+    up) and, while it runs, not again; then P's Stats report that link measured, with nothing
+    queued on it, and no transfer or landing ever opened."""
+
+    async def scenario(c: Client):
+        md, rld = (await c.stats("md")).kv_address, (await c.stats("rld")).kv_address
+        warming = (await c.stub["p"].WarmKv(pb.WarmKvRequest(peers=[md, rld]))).warming
+        again = (await c.stub["p"].WarmKv(pb.WarmKvRequest(peers=[md]))).warming
+        for _ in range(100):
+            links = {link.peer: link for link in (await c.stats("p")).wan_links}
+            if md.name in links and links[md.name].bandwidth_bps > 0:
+                break
+            await asyncio.sleep(0.1)
+        return md, rld, warming, again, links, (await c.stats("md")).kv_bytes_received
+
+    md, rld, warming, again, links, received = run(workers, scenario)
+    assert (md.transport, md.name, rld.transport) == ("tcp", "md", "ucx")
+    assert (warming, again) == (1, 0)
+    assert list(links) == ["md"] and links["md"].bandwidth_bps > 0 and links["md"].rtt_s > 0
+    assert links["md"].queued_bytes == 0 and received == 0  # the probe lands nothing
+
+
 def test_p_rld_md_equals_a_single_engine(workers) -> None:
     prompt = prompt_of(1, 300)  # 9 whole blocks + a 12-token tail
 

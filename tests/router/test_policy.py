@@ -82,6 +82,26 @@ def test_rtt_counts_and_config_fills_in_unmeasured_link():
     assert (d.pipeline, d.eta_s) == (Pipeline.P_RLD_MD, 1.25)
 
 
+def test_the_eta_uses_p_s_link_to_the_md_it_names_and_what_is_queued_on_it():
+    """P reports each link (its warm-up measures them before the first request): the ETA to
+    an MD is that link's, not P's best one; bytes already queued on it count up to the new
+    transfer's own size (the sender serves the fewest bytes left first)."""
+    from pdd.router.decide.view import WanLinkView
+
+    links = (("md0", WanLinkView(4000.0, 0.0)), ("md1", WanLinkView(16000.0, 0.0, 500)))
+    p0 = p(wan_bandwidth_bps=16000.0, wan_links=links)  # best link: 16 kbit/s
+    one_block = req(40, {"md0": 36, "md1": 36})
+    d = choose(fleet(p0, rld(), md("md0")), one_block)
+    assert (d.pipeline, d.eta_s) == (Pipeline.P_RLD_MD, 2.0)  # 8000 bits at 4 kbit/s
+    d = choose(fleet(p0, rld(), md("md1")), one_block)
+    assert (d.pipeline, d.eta_s) == (Pipeline.P_MD, 0.75)  # (500 queued + 1000) B at 16 kbit/s
+    busy = p(wan_links=(("md0", WanLinkView(8000.0, 0.0, 10**6)),))
+    d = choose(fleet(busy, rld(), md("md0")), one_block)
+    assert d.eta_s == 2.0  # 1 MB queued: only the new transfer's own 1000 B of it go first
+    unmeasured = p(wan_links=(("md0", WanLinkView(0.0, 0.0)),))  # P's best figure stands in
+    assert choose(fleet(unmeasured, rld(), md("md0")), one_block).eta_s == 1.0
+
+
 RECOMPUTE = POLICY.model_copy(update={"md_recompute": True})
 
 

@@ -375,3 +375,22 @@ def test_a_warm_up_ends_once_its_delivery_rate_stops_growing():
         now += step
         probe.on_ack(int(17 * MiB * step), now, 0.02)
         assert (probe.left > 0) is (i < PROBE_FLAT - 1)
+
+
+def test_queued_bytes_count_what_a_new_transfer_may_find_ahead_of_it():
+    """Per peer, the open transfers' bytes not yet acknowledged (the router adds them to its
+    WAN ETA); a deferred transfer goes only when nothing else waits, so it is not counted,
+    and a transfer that ended is gone."""
+    from pdd.transfer.ledger import OutboundLedger, OutRecord
+    from pdd.transfer.wire import AckStatus
+
+    ledger = OutboundLedger()
+    a = OutRecord(1, "a", "md0", [0, 1], [], 1e9, 8 * MiB)
+    b = OutRecord(2, "b", "md1", [0], [], 1e9, 1 * MiB)
+    rest = OutRecord(3, "rest", "md0", [0, 1, 2, 3], [], 1e9, 32 * MiB, background=True)
+    for rec in (a, b, rest):
+        ledger.open(rec)
+    ledger.ack(1, AckStatus.OK, 4 * MiB)
+    assert ledger.queued_bytes() == {"md0": 4 * MiB, "md1": 1 * MiB}
+    ledger.ack(2, AckStatus.OK, 1 * MiB)  # b's only chunk: done
+    assert ledger.queued_bytes() == {"md0": 4 * MiB}

@@ -99,15 +99,28 @@ def wan_estimate(
     raw_bytes = (blocks - cached) * block_bytes
     ratio = p.wan_wire_ratio if 0 < p.wan_wire_ratio <= 1.0 else 1.0
     wan_bytes = round(raw_bytes * ratio)
-    bandwidth, rtt = _link(p, view)
-    eta = rtt + wan_bytes * 8 / bandwidth
+    bandwidth, rtt, queued = _link(p, md, view)
+    ahead = min(queued, wan_bytes)  # shortest remaining first: what goes before these bytes
+    eta = rtt + (ahead + wan_bytes) * 8 / bandwidth
     return WanEstimate(cached, blocks - cached, wan_bytes, eta, raw_bytes)
 
 
-def _link(p: WorkerView, view: FleetView) -> tuple[float, float]:
-    """(bandwidth bit/s, RTT s) of P's WAN: its live estimate, else the router's config."""
+def _link(p: WorkerView, md: WorkerView, view: FleetView) -> tuple[float, float, int]:
+    """(bandwidth bit/s, RTT s, bytes queued) of P's link to ``md``: P's live estimate of
+    that link (measured by its warm-up or its transfers), else P's best-measured link, else the
+    router's config. Queued: bytes of P's open transfers to ``md`` not yet acknowledged; P's
+    sender serves the transfer with the fewest bytes left first, so a new transfer of N bytes
+    waits for those below N: the router sees only their sum and counts at most N of it."""
+    link = p.link_to(md.id)
+    if link is not None and link.bandwidth_bps > 0:
+        return (
+            link.bandwidth_bps,
+            link.rtt_s or p.wan_rtt_s or view.policy.wan_rtt_s,
+            link.queued_bytes,
+        )
+    queued = link.queued_bytes if link is not None else 0
     return (p.wan_bandwidth_bps or view.policy.wan_bandwidth_bps,
-            p.wan_rtt_s or view.policy.wan_rtt_s)  # fmt: skip
+            p.wan_rtt_s or view.policy.wan_rtt_s, queued)  # fmt: skip
 
 
 def md_compute_s(md: WorkerView, tokens: int) -> float:
@@ -143,7 +156,7 @@ def md_computes_rest_sooner(
                                       sent.wan_bytes * landed_new // sent.missing_blocks)  # fmt: skip
     if rest_bytes <= 0:
         return False
-    bandwidth, rtt = _link(p, view)
+    bandwidth, rtt, _ = _link(p, md, view)  # its own rest is among the queued bytes
     rest_s = rtt / 2 + rest_bytes * 8 / bandwidth
     landed = max(cached_tokens, landed_blocks * md.block_size)
     return md_compute_s(md, prompt_tokens - landed) < rest_s

@@ -18,6 +18,15 @@ from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
 
 
 @dataclass(frozen=True, slots=True)
+class WanLinkView:
+    """P's link to one receiver, from P's last Stats."""
+
+    bandwidth_bps: float  # 0.0: not measured yet
+    rtt_s: float
+    queued_bytes: int = 0  # open transfers' bytes not yet acknowledged (deferred ones not)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the router last saw it (config plus its last Stats)."""
 
@@ -32,8 +41,9 @@ class WorkerView:
     max_num_seqs: int = 0  # 0: unknown
     block_size: int = 0  # tokens per KV block (0: not reported)
     kv_block_bytes: int = 0  # bytes of one block across all layers (0: not reported)
-    wan_bandwidth_bps: float = 0.0  # P: live estimate toward MD (0: not measured)
+    wan_bandwidth_bps: float = 0.0  # P: live estimate toward its best-measured receiver (0: none)
     wan_rtt_s: float = 0.0
+    wan_links: tuple[tuple[str, WanLinkView], ...] = ()  # P: per receiver id (WarmKv measures)
     wan_wire_ratio: float = 0.0  # P: learned wire/raw ratio of its WAN codec (0: unknown = raw)
     prefill_tokens_per_s: float = 0.0  # MD: its engine's measured prefill rate (0: unknown)
     prefill_fixed_s: float = 0.0  # MD: a prefill's cost beyond its tokens
@@ -43,6 +53,13 @@ class WorkerView:
     geometry: KvGeometry | None = None  # its KV geometry (None: not reported)
     kv_arena_blocks: int = 0  # its KV arena (P: staging, RLD: landing, MD: DRC; 0: unknown)
     kv_free_blocks: int = 0  # of those, what a new request could have at its last Stats
+
+    def link_to(self, worker_id: str) -> WanLinkView | None:
+        """P's link to receiver ``worker_id``, if it reported one."""
+        for peer, link in self.wan_links:
+            if peer == worker_id:
+                return link
+        return None
 
     @property
     def free_slots(self) -> float:

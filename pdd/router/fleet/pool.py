@@ -25,7 +25,7 @@ from pdd.config import PddConfig, WorkerConfig
 from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2
 from pdd.protocol import Role, RouterMode
-from pdd.router.decide.view import Decision, FleetView, WorkerView
+from pdd.router.decide.view import Decision, FleetView, WanLinkView, WorkerView
 from pdd.router.fleet.deferred import Deferred, DeferredKv
 from pdd.router.fleet.drc_views import DrcViews
 from pdd.router.fleet.health import HealthPoller
@@ -237,6 +237,9 @@ def _worker_view(st: WorkerState) -> WorkerView:
         kv_block_bytes=stats.kv_block_bytes,
         wan_bandwidth_bps=stats.wan_bandwidth_bps,
         wan_rtt_s=stats.wan_rtt_s,
+        wan_links=tuple(
+            (w.peer, WanLinkView(w.bandwidth_bps, w.rtt_s, w.queued_bytes)) for w in stats.wan_links
+        ),  # fmt: skip
         wan_wire_ratio=stats.wan_wire_ratio,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
         prefill_fixed_s=stats.prefill_fixed_s,
