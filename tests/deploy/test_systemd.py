@@ -99,3 +99,18 @@ def test_systemd_accepts_every_directive():
     # The only complaint allowed: pdd is not installed in /opt/pdd on the test machine.
     lines = [ln for ln in (result.stdout + result.stderr).splitlines() if ln.strip()]
     assert [ln for ln in lines if "/opt/pdd/venv/bin/pdd is not executable" not in ln] == []
+
+
+def test_the_wan_sysctl_drop_in_names_only_sysctls_this_kernel_has():
+    """`sysctl --system` applies 99-pdd-wan.conf without an unknown key, and it keeps a
+    warmed-up KV link's window over idle time (what the P hosts need)."""
+    from pathlib import Path
+
+    settings = {}
+    for line in (SYSTEMD / "99-pdd-wan.conf").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, value = (part.strip() for part in line.split("=", 1))
+            settings[key] = value
+    for key in settings:
+        assert Path("/proc/sys", *key.split(".")).exists(), key
+    assert settings["net.ipv4.tcp_slow_start_after_idle"] == "0"
