@@ -71,9 +71,9 @@ class TransferConfig(Section):
         0.5,
         ge=0,
         description="TCP: an idle WAN stream sends an empty PROBE this often, so its "
-        "congestion control's path model stays fresh (BBR re-measures its minimum RTT every "
-        "10 s, and when that falls due at a transfer's start it holds the window at 4 packets "
-        "for 200 ms). 0: never.",
+        "congestion control's view of the path stays fresh for the next transfer (BBR "
+        "re-measures its minimum RTT every 10 s, at 4 packets in flight for 200 ms: better "
+        "while idle than at a transfer's start). 0: never.",
     )
     deadline_s: float = Field(60.0, gt=0, description="Default deadline of one transfer.")
     inbound_grace_s: float = Field(

@@ -34,9 +34,10 @@ less than PROBE_GROWTH for PROBE_FLAT intervals in a row (the path, not the wind
 BBR leaves its start-up the same way) or ``transfer.warmup_bytes`` went out. The estimate and
 the sockets' congestion state stay with the link for the first real transfer. An idle WAN
 stream then sends an empty PROBE every ``transfer.keep_warm_s`` (not counted in the estimate):
-BBR re-measures its minimum RTT every 10 s, and when that falls due at a transfer's first ack
-it holds the window at 4 packets for 200 ms (measured: a warmed link's first 64 MiB at 75% of
-the link after 10 s idle, 90% after 1 s); the keep-warm ack takes that turn while idle.
+the congestion control keeps a fresh view of the path (BBR re-measures its minimum RTT every
+10 s and holds the window at 4 packets for 200 ms when that falls due at a transfer's start;
+a keep-warm ack takes that turn while idle). Measured on the lab after 30 s idle: a warmed
+link's first 64 MiB in 604-622 ms with it, 670-687 ms without (the link's rate: 537 ms).
 """
 
 from __future__ import annotations
