@@ -275,16 +275,12 @@ class KvPlane:
             return ()
         estimates = tcp.link_estimates()
         queued = tcp.queued_bytes()
-        return tuple(
-            WanLinkStats(
-                peer,
-                est.bandwidth_bps if est else 0.0,
-                est.rtt_s if est else 0.0,
-                queued.get(peer, 0),
-            )
-            for peer in sorted(estimates.keys() | queued.keys())
-            for est in (estimates.get(peer),)
-        )
+        links = []
+        for peer in sorted(estimates.keys() | queued.keys()):
+            est = estimates.get(peer)
+            bandwidth, rtt = (est.bandwidth_bps, est.rtt_s) if est is not None else (0.0, 0.0)
+            links.append(WanLinkStats(peer, bandwidth, rtt, queued.get(peer, 0)))
+        return tuple(links)
 
     def wan_wire_ratio(self) -> float:
         """Learned wire/raw ratio of the TCP (WAN) sender's default codec; 1.0 raw."""
