@@ -124,20 +124,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., kv_staged_blocks: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class PeerAddress(_message.Message):
-    __slots__ = ("transport", "host", "port", "ucx_address", "host_id", "name")
+    __slots__ = ("transport", "host", "port", "ucx_address", "host_id", "name", "probes")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
     transport: str
     host: str
     port: int
     ucx_address: bytes
     host_id: str
     name: str
-    def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ucx_address: _Optional[bytes] = ..., host_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    probes: bool
+    def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ucx_address: _Optional[bytes] = ..., host_id: _Optional[str] = ..., name: _Optional[str] = ..., probes: _Optional[bool] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("peer", "first_block", "landing_key")

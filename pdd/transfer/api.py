@@ -63,6 +63,7 @@ class PeerAddress:
     ucx_address: bytes = b""
     host_id: str = ""
     name: str = ""  # inproc transports register under a name
+    probes: bool = False  # TCP: it drops PROBE frames (a sender may warm the link up, tcp_send)
 
     def key(self) -> str:
         return self.name or f"{self.host}:{self.port}"

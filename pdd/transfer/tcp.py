@@ -47,7 +47,7 @@ class TcpTransport(BaseTransport):
     def address(self) -> PeerAddress:
         if self._listener is None:
             return PeerAddress(host=self.config.listen_host, port=0)
-        return PeerAddress(host=self._listener.host, port=self._listener.port)
+        return PeerAddress(host=self._listener.host, port=self._listener.port, probes=True)
 
     def _start_io(self) -> None:
         if self.inbound is not None:

@@ -32,7 +32,10 @@ connects its streams and sends PROBE frames (bytes the receiver drops and acks) 
 else waits, as the lowest class after deferred transfers, until its delivery rate grew by
 less than PROBE_GROWTH for PROBE_FLAT intervals in a row (the path, not the window, limits it;
 BBR leaves its start-up the same way) or ``transfer.warmup_bytes`` went out. The estimate and
-the sockets' congestion state stay with the link for the first real transfer. An idle WAN
+the sockets' congestion state stay with the link for the first real transfer. Only a receiver
+whose address says it drops PROBE frames (``PeerAddress.probes``, set by this version's
+receivers) is probed: an older one would close the connection, and with it every transfer on
+the link (a rolling upgrade moves P before MD). An idle WAN
 stream then sends an empty PROBE every ``transfer.keep_warm_s`` (not counted in the estimate):
 the congestion control keeps a fresh view of the path (BBR re-measures its minimum RTT every
 10 s and holds the window at 4 packets for 200 ms when that falls due at a transfer's start;
@@ -152,11 +155,13 @@ class PeerLink:
         self._probe: _Probe | None = None  # the warm-up under way
 
     def warm(self, budget_bytes: int) -> bool:
-        """Probe this link (module doc) unless it was measured, is being probed or is broken.
-        Returns whether a probe started."""
+        """Probe this link (module doc) unless it was measured, is being probed or is broken,
+        or its receiver does not say it drops PROBE frames. Returns whether a probe started."""
         est = self.estimator.estimate()
         with self._lock:
             if budget_bytes <= 0 or self.broken is not None or self._probe is not None:
+                return False
+            if not self.peer.probes:  # an older receiver: a PROBE would break the link
                 return False
             if est is not None and est.samples > 0:
                 return False
@@ -397,6 +402,8 @@ class SenderStream:
         """An idle WAN stream's keep-warm PROBE is due (module doc)."""
         every = self.config.keep_warm_s
         if every <= 0 or self.unacked or time.monotonic() - self._last_send < every:
+            return False
+        if not self.link.peer.probes:  # an older receiver: a PROBE would break the link
             return False
         est = self.link.estimator.estimate()
         return est is not None and est.rtt_s >= LAN_RTT_S

@@ -165,13 +165,13 @@ def _engine_stats(worker_id: str, role: str, s: EngineStats) -> pb.StatsResponse
 
 
 def address_from_proto(a: pb.PeerAddress) -> KvAddress:
-    return KvAddress(a.transport, a.host, a.port, a.ucx_address, a.host_id, a.name)
+    return KvAddress(a.transport, a.host, a.port, a.ucx_address, a.host_id, a.name, a.probes)
 
 
 def address_to_proto(a: KvAddress) -> pb.PeerAddress:
     return pb.PeerAddress(
         transport=a.transport, host=a.host, port=a.port, ucx_address=a.ucx_address,
-        host_id=a.host_id, name=a.name,
+        host_id=a.host_id, name=a.name, probes=a.probes,
     )  # fmt: skip
 
 

@@ -238,7 +238,7 @@ class KvPlane:
         host = a.host if self.spec.receiver == "inproc" else self._advertise
         return KvAddress(
             transport=self.spec.receiver, host=host, port=a.port, ucx_address=a.ucx_address,
-            host_id=a.host_id, name=a.name or self._worker.id,
+            host_id=a.host_id, name=a.name or self._worker.id, probes=a.probes,
         )  # fmt: skip
 
     def warm(self, peers: Sequence[KvAddress]) -> int:

@@ -125,10 +125,12 @@ class KvAddress:
     ucx_address: bytes = b""  # UCX worker address (same-host shared memory)
     host_id: str = ""  # boot id of its machine
     name: str = ""  # inproc transports register under a name
+    probes: bool = False  # TCP: it drops PROBE frames (a sender may warm its link up)
 
     def peer(self) -> PeerAddress:
         """The transport's view of it (what ``Transport.send`` dials)."""
-        return PeerAddress(self.host, self.port, self.ucx_address, self.host_id, self.name)
+        return PeerAddress(self.host, self.port, self.ucx_address, self.host_id, self.name,
+                           self.probes)  # fmt: skip
 
 
 @dataclass(frozen=True)

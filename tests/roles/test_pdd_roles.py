@@ -149,7 +149,7 @@ def test_warm_kv_has_p_measure_its_link_to_md_before_any_kv_crosses(workers) -> 
         return md, rld, warming, again, links, (await c.stats("md")).kv_bytes_received
 
     md, rld, warming, again, links, received = run(workers, scenario)
-    assert (md.transport, md.name, rld.transport) == ("tcp", "md", "ucx")
+    assert (md.transport, md.name, md.probes, rld.transport) == ("tcp", "md", True, "ucx")
     assert (warming, again) == (1, 0)
     assert list(links) == ["md"] and links["md"].bandwidth_bps > 0 and links["md"].rtt_s > 0
     assert links["md"].queued_bytes == 0 and received == 0  # the probe lands nothing

@@ -342,7 +342,7 @@ def test_a_warm_up_probes_only_what_transfers_leave_of_the_link():
     from pdd.transfer.tcp_send import PeerLink
 
     transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
-    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1))
+    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1, probes=True))
     try:
         assert link.warm(3 * link.plan.chunk_bytes)
         rest = OutRecord(1, "rest", link.key, [0, 1], [], 1e9, 8 * MiB)
@@ -357,6 +357,27 @@ def test_a_warm_up_probes_only_what_transfers_leave_of_the_link():
     chunk = link.plan.chunk_bytes
     assert order == [(turn, 0), (rest, 0), (rest, 1), chunk, chunk, chunk, None]
     assert link.warming  # its probes' acks are still to come
+
+
+def test_a_receiver_that_does_not_drop_probes_is_never_probed():
+    """An older receiver closes the connection on a PROBE (and every transfer on the link with
+    it): a sender neither warms up nor keeps warm a link whose address does not say it drops
+    them; one that says so gets both (keep-warm: once idle for keep_warm_s on a WAN path)."""
+    from types import SimpleNamespace
+
+    from pdd.transfer.tcp_send import PeerLink
+
+    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
+    for probes in (False, True):
+        link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1, probes=probes))
+        try:
+            link.estimator.on_rtt(0.04)  # a WAN path
+            stream = link.streams[0]
+            stream._last_send -= 2 * transport.config.keep_warm_s  # idle long enough
+            assert (link.warm(8 * MiB), stream._keep_warm_due()) == (probes, probes)
+        finally:
+            for s in link.streams:
+                s.close_pipe()
 
 
 def test_a_warm_up_ends_once_its_delivery_rate_stops_growing():
