@@ -327,7 +327,7 @@ def _first_after_warm_up(kind: str, args: argparse.Namespace, config: TransferCo
     try:
         t0 = time.perf_counter()
         started = runner.sender.warm(addr)
-        while getattr(runner.sender, "warming", lambda a: False)(addr):
+        while runner.sender.warming(addr):
             if time.perf_counter() - t0 > 60:
                 raise RuntimeError("the warm-up did not end in 60 s")
             time.sleep(0.005)

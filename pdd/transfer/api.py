@@ -265,6 +265,10 @@ class Transport(ABC):
         with nothing to ramp up (UCX, in-process) does nothing."""
         return False
 
+    def warming(self, peer: PeerAddress) -> bool:
+        """The warm-up ``warm`` started toward ``peer`` is still under way."""
+        return False
+
     def wire_ratio(self, peer: PeerAddress | None = None) -> float:
         """Learned wire/raw byte ratio of what this transport sends to `peer` (1.0: raw)."""
         return 1.0

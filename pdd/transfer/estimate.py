@@ -161,8 +161,8 @@ def socket_inflight_limit(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
     maxima = []
     for name in ("tcp_wmem", "tcp_rmem"):
         try:
-            maxima.append(int((proc / name).read_text().split()[2]))
-        except (OSError, ValueError, IndexError):
+            maxima.append(int(_sysctl(proc, name).split()[2]))
+        except (ValueError, IndexError):
             maxima.append(DEFAULT_SOCKET_BYTES)
     return max(64 * 1024, min(maxima) // 2)
 
@@ -170,10 +170,15 @@ def socket_inflight_limit(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
 def idle_restarts_window(proc: Path = Path("/proc/sys/net/ipv4")) -> bool:
     """The kernel drops an idle connection's congestion window (tcp_slow_start_after_idle):
     a warmed-up link then ramps up again at its next transfer."""
+    return _sysctl(proc, "tcp_slow_start_after_idle").strip() not in ("0", "")
+
+
+def _sysctl(proc: Path, name: str) -> str:
+    """A sysctl's text under ``proc``; "" when it cannot be read."""
     try:
-        return (proc / "tcp_slow_start_after_idle").read_text().strip() != "0"
+        return (proc / name).read_text()
     except OSError:
-        return False
+        return ""
 
 
 def plan_flow(

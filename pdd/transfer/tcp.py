@@ -137,7 +137,6 @@ class TcpTransport(BaseTransport):
         return self._link(peer).warm(self.config.warmup_bytes)
 
     def warming(self, peer: PeerAddress) -> bool:
-        """The link to ``peer`` is still warming up."""
         with self._links_lock:
             link = self._links.get(peer.key())
         return link is not None and link.warming

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -38,6 +40,23 @@ def tls(pki: dict, name: str, ca: str = "ca.pem") -> dict:
         "tls_key_file": pki[f"{name}.key"],
         "tls_ca_file": pki[ca],
     }
+
+
+@contextmanager
+def bare_link(probes: bool = False) -> Iterator:
+    """A PeerLink to a WAN peer nobody listens at (its streams never start): what its queues
+    hand out, and its warm-up's bookkeeping, without sockets."""
+    from types import SimpleNamespace
+
+    from pdd.transfer.tcp_send import PeerLink
+
+    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
+    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1, probes=probes))
+    try:
+        yield link
+    finally:
+        for s in link.streams:
+            s.close_pipe()
 
 
 def test_tls_with_certificates_from_the_ca_delivers(make_pair, pki):
@@ -233,23 +252,15 @@ def test_a_small_transfer_goes_before_a_large_one_already_under_way():
     """A 2-chunk transfer submitted behind a 1 GiB one (256 chunks of 4 MiB) is sent next,
     before the large one's next chunk (the fewest bytes left first), not after the gigabyte;
     each transfer's chunks still leave in order."""
-    from types import SimpleNamespace
-
     from pdd.transfer.ledger import OutRecord
-    from pdd.transfer.tcp_send import PeerLink
 
-    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
-    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1))
-    try:
+    with bare_link() as link:
         big = OutRecord(1, "big", link.key, list(range(256)), [], 1e9, 1 << 30)
         small = OutRecord(2, "small", link.key, [0, 1], [], 1e9, 8 * MiB)
         link.submit(big)
         first = link.take()  # a stream already took the big transfer's first chunk
         link.submit(small)
         order = [link.take() for _ in range(6)]
-    finally:
-        for s in link.streams:
-            s.close_pipe()
     assert first == (big, 0)
     assert order == [(small, 0), (small, 1), (big, 1), (big, 2), (big, 3), (big, 4)]
 
@@ -258,14 +269,9 @@ def test_a_deferred_transfer_takes_only_what_the_others_leave():
     """A deferred transfer (nobody waits for it: MD's prefix after RLD ended the request)
     sends nothing while another transfer has a chunk waiting, and goes on once the link is
     free again; its own chunks still leave in order."""
-    from types import SimpleNamespace
-
     from pdd.transfer.ledger import OutRecord
-    from pdd.transfer.tcp_send import PeerLink
 
-    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
-    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1))
-    try:
+    with bare_link() as link:
         rest = OutRecord(1, "rest", link.key, list(range(8)), [], 1e9, 32 * MiB)
         link.submit(rest)
         assert link.take() == (rest, 0)
@@ -273,9 +279,6 @@ def test_a_deferred_transfer_takes_only_what_the_others_leave():
         turn = OutRecord(2, "next-turn", link.key, [0, 1, 2], [], 1e9, 12 * MiB)
         link.submit(turn)
         order = [link.take() for _ in range(6)]
-    finally:
-        for s in link.streams:
-            s.close_pipe()
     assert order == [(turn, 0), (turn, 1), (turn, 2), (rest, 1), (rest, 2), (rest, 3)]
 
 
@@ -336,14 +339,9 @@ def test_a_warmed_up_link_is_measured_before_its_first_transfer_and_lands_nothin
 def test_a_warm_up_probes_only_what_transfers_leave_of_the_link():
     """A transfer's chunks leave before the probe's (even a deferred one's); the probe sends
     its next chunk only once nothing else waits, in the plan's chunk size, up to its budget."""
-    from types import SimpleNamespace
-
     from pdd.transfer.ledger import OutRecord
-    from pdd.transfer.tcp_send import PeerLink
 
-    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
-    link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1, probes=True))
-    try:
+    with bare_link(probes=True) as link:
         assert link.warm(3 * link.plan.chunk_bytes)
         rest = OutRecord(1, "rest", link.key, [0, 1], [], 1e9, 8 * MiB)
         rest.background = True
@@ -351,9 +349,6 @@ def test_a_warm_up_probes_only_what_transfers_leave_of_the_link():
         link.submit(rest)
         link.submit(turn)
         order = [link.take() for _ in range(7)]
-    finally:
-        for s in link.streams:
-            s.close_pipe()
     chunk = link.plan.chunk_bytes
     assert order == [(turn, 0), (rest, 0), (rest, 1), chunk, chunk, chunk, None]
     assert link.warming  # its probes' acks are still to come
@@ -363,21 +358,12 @@ def test_a_receiver_that_does_not_drop_probes_is_never_probed():
     """An older receiver closes the connection on a PROBE (and every transfer on the link with
     it): a sender neither warms up nor keeps warm a link whose address does not say it drops
     them; one that says so gets both (keep-warm: once idle for keep_warm_s on a WAN path)."""
-    from types import SimpleNamespace
-
-    from pdd.transfer.tcp_send import PeerLink
-
-    transport = SimpleNamespace(config=TransferConfig(), socket_bytes=2 * MiB)
     for probes in (False, True):
-        link = PeerLink(transport, PeerAddress(host="10.0.0.2", port=1, probes=probes))
-        try:
+        with bare_link(probes=probes) as link:
             link.estimator.on_rtt(0.04)  # a WAN path
             stream = link.streams[0]
-            stream._last_send -= 2 * transport.config.keep_warm_s  # idle long enough
+            stream._last_send -= 2 * link.transport.config.keep_warm_s  # idle long enough
             assert (link.warm(8 * MiB), stream._keep_warm_due()) == (probes, probes)
-        finally:
-            for s in link.streams:
-                s.close_pipe()
 
 
 def test_a_warm_up_ends_once_its_delivery_rate_stops_growing():
