@@ -102,8 +102,8 @@ def test_systemd_accepts_every_directive():
 
 
 def test_the_wan_sysctl_drop_in_names_only_sysctls_this_kernel_has():
-    """`sysctl --system` applies 99-pdd-wan.conf without an unknown key, and it keeps a
-    warmed-up KV link's window over idle time (what the P hosts need)."""
+    """`sysctl --system` applies 99-pdd-wan.conf without an unknown key (of those this host
+    shows), and it keeps a warmed-up KV link's window over idle time (what P hosts need)."""
     from pathlib import Path
 
     settings = {}
@@ -112,5 +112,8 @@ def test_the_wan_sysctl_drop_in_names_only_sysctls_this_kernel_has():
             key, value = (part.strip() for part in line.split("=", 1))
             settings[key] = value
     for key in settings:
-        assert Path("/proc/sys", *key.split(".")).exists(), key
+        path = Path("/proc/sys", *key.split("."))
+        # net.core's buffer maxima are not per network namespace: a container (a CI runner)
+        # may not show them; the rest are, and must be there.
+        assert path.exists() or (key.startswith("net.core.") and key.endswith("mem_max")), key
     assert settings["net.ipv4.tcp_slow_start_after_idle"] == "0"
