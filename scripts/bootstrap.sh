@@ -23,4 +23,7 @@ else
   "$PIP" uninstall -q -y torchvision torchaudio torchcodec triton opencv-python-headless 2>/dev/null || true
 fi
 "$PIP" install -q -e ".[test]"
+# NIXL, for `pdd bench serve`'s vllm_nixl mode (vLLM's own P/D flow, the real peer). Without its
+# dependencies: they are torch and numpy (installed above), and the CUDA variants' packages.
+"$PIP" install -q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
 echo "$HASH" > "$STAMP"

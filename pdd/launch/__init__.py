@@ -11,8 +11,8 @@ worker.py      one worker process (`pdd worker`, `python -m pdd.launch.worker`):
                role, builds the KV plane, engine and gRPC service, serves and drains
 """
 
-from pdd.launch.children import child_env
+from pdd.launch.children import child_env, die_with_parent
 from pdd.launch.cli import main
 from pdd.launch.placement import free_port, resolve_ports
 
-__all__ = ["child_env", "free_port", "main", "resolve_ports"]
+__all__ = ["child_env", "die_with_parent", "free_port", "main", "resolve_ports"]

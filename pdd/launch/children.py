@@ -111,7 +111,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM when the launcher dies, whatever kills it."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -146,7 +146,7 @@ class Child:
             env=env,
             text=True,
             bufsize=1,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         pump = threading.Thread(
             target=self._pump, args=(self.proc, self.ready), name=f"pump-{self.name}", daemon=True

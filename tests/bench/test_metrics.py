@@ -14,6 +14,7 @@ from pdd.bench.serve.metrics import (
     meets_sla,
     percentile,
     summarize,
+    time_to_nth,
     tpot,
 )
 from pdd.errors import ConfigError
@@ -56,6 +57,15 @@ def test_tpot_and_gaps():
     assert tpot(0.5, 0.5, 0) is None
     assert gaps([0.5, 0.75, 1.5, 1.625]) == [0.25, 0.75, 0.125]
     assert gaps([0.5]) == []
+
+
+def test_time_to_the_32nd_token_counts_only_streams_that_long():
+    long = [0.5 + 0.1 * i for i in range(40)]
+    assert time_to_nth(rec(0, 0.5, 4.4, 40, long)) == pytest.approx(3.6)  # chunk 32 of 40
+    assert time_to_nth(rec(1, 0.5, 1.0, 31, long[:31])) is None
+    assert time_to_nth(rec(2, 0.5, 4.4, 40, long, error="cut")) is None
+    s = summarize([rec(0, 0.5, 4.4, 40, long), rec(1, 0.5, 1.0, 31, long[:31])], 5.0, SLA, 0.0)
+    assert (s.t32_p50_s, s.t32_p90_s) == (pytest.approx(3.6), pytest.approx(3.6))
 
 
 def test_sla_and_goodput():

@@ -93,7 +93,7 @@ def test_report_files_from_synthetic_results(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "**Mode pd_wan did not run:** `pdd serve` exited" in md
     assert (
-        "| pdd | 2/2 (+1 not sent) | 0 | 450 / 570 / 597 | 50 / 50 | 100 | 100 | 650 / 797 "
+        "| pdd | 2/2 (+1 not sent) | 0 | 450 / 570 / 597 | - / - | 50 / 50 | 100 | 100 | 650 / 797 "
         "| 0.667 | 100.0% | 27.5 KB | 55.0 KB | - | 50.0% | 0.0% | 0.0% | none 2 | none 2 | 2 | 0.333 |"
     ) in md
     assert "| hit=1 | 1 / 0.5 / 400 / 50.0% | 1 / 0.5 / 300 / 50.0% |" in md

@@ -155,9 +155,25 @@ class CostConfig(Section):
 class ModeConfig(Section):
     """One system under test: a running endpoint, or a topology started with `pdd serve`."""
 
-    name: str = Field(..., min_length=1, description="colocated | pd_local | pd_wan | pdd | ...")
+    name: str = Field(
+        ..., min_length=1, description="colocated | pd_local | pd_wan | pdd | vllm_nixl | ..."
+    )
     url: str | None = Field(None, description="Base URL of a running OpenAI-compatible server.")
     config: Path | None = Field(None, description="Topology YAML started with `pdd serve`.")
+    server: Literal["pdd", "vllm_nixl"] = Field(
+        "pdd",
+        description="What serves a `config` mode: pdd (`pdd serve` of the topology), or "
+        "vllm_nixl: vLLM's own P/D flow on the topology's first prefill and first main_decode "
+        "worker (their engine settings and sites, the lab included): `vllm serve` as P and as "
+        "D with its NixlConnector, D pulling only the blocks its prefix cache lacks, behind "
+        "vLLM's proxy flow (pdd.bench.serve.nixl_proxy) next to P.",
+    )
+    nixl_progress_delay_us: int = Field(
+        100,
+        ge=0,
+        description="vllm_nixl: microseconds NIXL's progress threads sleep between polls "
+        "(pdd.bench.serve.nixl_progress); 0: NIXL's own busy poll, a core per process.",
+    )
     overrides: list[str] = Field(default_factory=list, description="`--set` for `pdd serve`.")
     workers: dict[str, int] = Field(
         default_factory=dict,
@@ -174,8 +190,10 @@ class ModeConfig(Section):
     def _one_target(self) -> ModeConfig:
         if (self.url is None) == (self.config is None):
             raise ValueError(f"mode {self.name!r}: give exactly one of url and config")
-        if self.api_key and self.config is None:
+        if self.api_key and (self.config is None or self.server != "pdd"):
             raise ValueError(f"mode {self.name!r}: api_key needs a config (pdd serve) mode")
+        if self.server != "pdd" and self.config is None:
+            raise ValueError(f"mode {self.name!r}: server {self.server} needs a config")
         return self
 
 

@@ -5,6 +5,9 @@ Pure functions over ``RequestRecord``s; no I/O. Definitions (DESIGN.md, PDD-FACT
 - TTFT: client send -> first content chunk. E2E: send -> end of the stream.
 - TPOT = (E2E - TTFT) / (output tokens - 1); undefined for one-token answers.
 - ITL: gaps between content chunks; the largest stall is the largest gap.
+- T32: send -> the 32nd content chunk (the 32nd token where the server streams one token per
+  chunk, as vLLM and pdd do), over requests that streamed that many: the whole stream's start,
+  not only its first token.
 - SLA goodput = requests meeting TTFT <= sla.ttft_s and TPOT <= sla.tpot_s, per second of the
   phase's wall time (an undefined TPOT meets the TPOT limit).
 - BCR = SLA goodput / hardware cost per hour (sum over worker kinds of count * price).
@@ -57,6 +60,14 @@ def gaps(times: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
+NTH_TOKEN = 32
+
+
+def time_to_nth(rec: RequestRecord, n: int = NTH_TOKEN) -> float | None:
+    """Send -> the ``n``-th content chunk; None when the stream had fewer."""
+    return rec.chunk_s[n - 1] if rec.ok and len(rec.chunk_s) >= n else None
+
+
 def meets_sla(rec: RequestRecord, sla: SlaConfig) -> bool:
     if not rec.ok or rec.ttft_s is None or rec.ttft_s > sla.ttft_s:
         return False
@@ -99,6 +110,8 @@ class Summary:
     tpot_p50_s: float | None = None
     tpot_p90_s: float | None = None
     tpot_p99_s: float | None = None
+    t32_p50_s: float | None = None  # send -> 32nd token (time_to_nth)
+    t32_p90_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
     max_stall_s: float | None = None
@@ -148,6 +161,7 @@ def summarize(
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     tpots = [t for t in (record_tpot(r) for r in ok) if t is not None]
     itl = [g for r in ok for g in gaps(r.chunk_s)]
+    t32 = [t for t in map(time_to_nth, ok) if t is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     targets = [r.target_hit for r in ok if r.target_hit is not None]
@@ -167,6 +181,8 @@ def summarize(
         tpot_p50_s=percentile(tpots, 50),
         tpot_p90_s=percentile(tpots, 90),
         tpot_p99_s=percentile(tpots, 99),
+        t32_p50_s=percentile(t32, 50),
+        t32_p90_s=percentile(t32, 90),
         itl_p50_s=percentile(itl, 50),
         itl_p99_s=percentile(itl, 99),
         max_stall_s=max(itl) if itl else None,

@@ -97,7 +97,8 @@ def _counts(d: dict[str, int]) -> str:
 
 
 MODE_COLUMNS = (
-    "mode | ok/sent | errors | TTFT P50 / P90 / P99 ms | TPOT P50 / P99 ms | ITL P99 ms "
+    "mode | ok/sent | errors | TTFT P50 / P90 / P99 ms | 32nd token P50 / P90 ms "
+    "| TPOT P50 / P99 ms | ITL P99 ms "
     "| max stall ms | E2E P50 / P99 ms | goodput req/s | SLA met | WAN KV / req | WAN KV total "
     "| link total "
     "| prefix hit | DRC hit | RLD share | pipelines | handoffs | cost/h | BCR"
@@ -110,6 +111,7 @@ def mode_row(name: str, s: Summary) -> str:
         f"{s.ok}/{s.requests}" + (f" (+{s.not_sent} not sent)" if s.not_sent else ""),
         str(s.errors),
         f"{_ms(s.ttft_p50_s)} / {_ms(s.ttft_p90_s)} / {_ms(s.ttft_p99_s)}",
+        f"{_ms(s.t32_p50_s)} / {_ms(s.t32_p90_s)}",
         f"{_ms(s.tpot_p50_s)} / {_ms(s.tpot_p99_s)}",
         _ms(s.itl_p99_s),
         _ms(s.max_stall_s),

@@ -12,7 +12,6 @@ The child gets PR_SET_PDEATHSIG, so it goes down with the benchmark however that
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import secrets
@@ -26,12 +25,13 @@ from pathlib import Path
 from typing import Protocol
 
 from pdd.bench.serve.config import CostConfig, ModeConfig
+from pdd.bench.serve.nixl import VllmNixl, pair_workers
 from pdd.config import load_config
 from pdd.errors import ConfigError, PddError
+from pdd.launch import die_with_parent
 
 _READY = re.compile(r"pdd ready: (https?://\S+)")
 STOP_GRACE_S = 60.0
-_PR_SET_PDEATHSIG = 1
 
 
 class System(Protocol):
@@ -58,11 +58,6 @@ class Endpoint:
 
     def stop(self) -> None:
         return None
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 class ServedTopology:
@@ -106,7 +101,7 @@ class ServedTopology:
             stdin=subprocess.DEVNULL,
             text=True,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._pump_thread = threading.Thread(
             target=self._pump, name=f"serve-{self.mode.name}", daemon=True
@@ -163,6 +158,8 @@ def ready_url(line: str) -> str | None:
 def open_system(mode: ModeConfig, ready_timeout_s: float, results: Path) -> System:
     if mode.url is not None:
         return Endpoint(mode.url)
+    if mode.server == "vllm_nixl":
+        return VllmNixl(mode, ready_timeout_s, results)
     return ServedTopology(mode, ready_timeout_s, results / f"serve-{mode.name}.log")
 
 
@@ -174,8 +171,11 @@ def mode_workers(mode: ModeConfig, cost: CostConfig) -> dict[str, int]:
     if mode.config is None:
         return {}
     topo = load_config(mode.config, list(mode.overrides))
+    served = set(pair_workers(topo)) if mode.server == "vllm_nixl" else None
     kinds: Counter[str] = Counter()
     for w in topo.workers:
+        if served is not None and w.id not in served:
+            continue
         if w.role not in cost.role_kind:
             raise ConfigError(f"mode {mode.name}: no cost.role_kind for role {w.role.value}")
         kinds[cost.role_kind[w.role]] += 1
