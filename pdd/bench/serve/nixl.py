@@ -71,12 +71,14 @@ class Engine:
 def pair_workers(topo: PddConfig) -> tuple[str, str]:
     """The ids of the topology's first prefill and first main_decode worker. Raises
     ConfigError when it lacks either."""
-    ids = {}
-    for role in (Role.PREFILL, Role.MAIN_DECODE):
-        ids[role] = next((w.id for w in topo.workers if w.role is role), None)
-        if ids[role] is None:
-            raise ConfigError(f"vllm_nixl needs a {role.value} worker in the topology")
-    return ids[Role.PREFILL], ids[Role.MAIN_DECODE]  # type: ignore[return-value]
+
+    def first(role: Role) -> str:
+        for w in topo.workers:
+            if w.role is role:
+                return w.id
+        raise ConfigError(f"vllm_nixl needs a {role.value} worker in the topology")
+
+    return first(Role.PREFILL), first(Role.MAIN_DECODE)
 
 
 def vllm_argv(topo: PddConfig, e: Engine, model_path: Path) -> list[str]:
@@ -163,14 +165,8 @@ class VllmNixl:
         for name, wid in zip(("p", "d"), pair_workers(topo), strict=True):
             worker = next(w for w in topo.workers if w.id == wid)
             site = where[worker.datacenter]
-            pick = sites.pick_port
-            engines.append(
-                Engine(
-                    name, site, topo.engine_for(wid),
-                    port=pick(site.dc, site.worker_host),
-                    side_channel_port=pick(site.dc, site.worker_host),
-                )
-            )  # fmt: skip
+            port, side = (sites.pick_port(site.dc, site.worker_host) for _ in range(2))
+            engines.append(Engine(name, site, topo.engine_for(wid), port, side))
         for e in engines:
             env = vllm_env(e, in_lab, self.mode.nixl_progress_delay_us)
             self._spawn(sites, e.site.dc, e.name, vllm_argv(topo, e, model_path), env)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,18 +48,33 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
     return dict(body, kv_transfer_params=kv_transfer_params)
 
 
-def build_app(prefill: str, decode: str, timeout_s: float = 600.0) -> FastAPI:
-    app = FastAPI(title="vLLM P/D proxy (pdd bench serve, vllm_nixl)")
+def bad_gateway(message: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "server_error", "code": 502}}, status_code=502
+    )
+
+
+def build_app(
+    prefill: str,
+    decode: str,
+    timeout_s: float = 600.0,
+    transport: httpx.AsyncBaseTransport | None = None,  # tests only
+) -> FastAPI:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     clients = {
-        url: httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits)
+        url: httpx.AsyncClient(
+            base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport
+        )
         for url in (prefill, decode)
     }
 
-    @app.on_event("shutdown")
-    async def _close() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
         for client in clients.values():
             await client.aclose()
+
+    app = FastAPI(title="vLLM P/D proxy (pdd bench serve, vllm_nixl)", lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> Response:
@@ -80,19 +96,21 @@ def build_app(prefill: str, decode: str, timeout_s: float = 600.0) -> FastAPI:
 
     async def relay(path: str, request: Request) -> Response:
         body = await request.json()
-        first = await clients[prefill].post(path, json=prefill_body(body))
+        try:
+            first = await clients[prefill].post(path, json=prefill_body(body))
+        except httpx.HTTPError as exc:
+            return bad_gateway(f"prefill {prefill}: {type(exc).__name__}: {exc}")
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type="application/json")
         params = first.json().get("kv_transfer_params")
         if not isinstance(params, dict):
-            return JSONResponse(
-                {"error": {"message": "prefill returned no kv_transfer_params: is its "
-                           "kv_transfer_config a NixlConnector?", "type": "server_error",
-                           "code": 502}},
-                status_code=502,
-            )  # fmt: skip
+            return bad_gateway("prefill returned no kv_transfer_params: is its "
+                               "kv_transfer_config a NixlConnector?")  # fmt: skip
         req = clients[decode].build_request("POST", path, json=decode_body(body, params))
-        resp = await clients[decode].send(req, stream=True)
+        try:
+            resp = await clients[decode].send(req, stream=True)
+        except httpx.HTTPError as exc:
+            return bad_gateway(f"decode {decode}: {type(exc).__name__}: {exc}")
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
 
         async def chunks() -> AsyncIterator[bytes]:
