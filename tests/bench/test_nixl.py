@@ -107,7 +107,7 @@ def test_p_and_d_run_the_topology_s_engine_settings_in_its_sites():
     assert flags["--max-model-len"] == "4096" and flags["--max-num-seqs"] == "16"
     assert flags["--kv-cache-memory-bytes"] == str(1 << 30)
     assert (flags["--host"], flags["--port"]) == (p.host, "8100") and p.host == "10.77.0.1"
-    assert '"kv_connector": "NixlConnector"' in flags["--kv-transfer-config"]
+    assert json.loads(flags["--kv-transfer-config"])["kv_role"] == "kv_producer"
     assert "--enforce-eager" in argv and "--enable-prompt-tokens-details" in argv
     env = vllm_env(d, in_lab=True, progress_delay_us=100)
     # D's NIXL side channel on its WAN address; UCX over TCP on the lab's WAN device; one

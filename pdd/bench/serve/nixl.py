@@ -46,7 +46,8 @@ from pdd.protocol import Role
 
 GiB = 1 << 30
 STOP_GRACE_S = 30.0
-KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+# P produces KV, D consumes it; the KV stays in host memory (this platform's only choice)
+KV_ROLES = {"p": "kv_producer", "d": "kv_consumer"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ def pair_workers(topo: PddConfig) -> tuple[str, str]:
     return first(Role.PREFILL), first(Role.MAIN_DECODE)
 
 
+def kv_transfer_config(name: str) -> dict[str, str]:
+    return {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[name], "kv_buffer_device": "cpu"}
+
+
 def vllm_argv(topo: PddConfig, e: Engine, model_path: Path) -> list[str]:
     """`vllm serve` with the worker's engine settings (as pdd's engine passes them to vLLM)."""
     c = e.engine
@@ -93,7 +98,7 @@ def vllm_argv(topo: PddConfig, e: Engine, model_path: Path) -> list[str]:
         "--kv-cache-memory-bytes", str(int(c.kv_cache_space_gib * GiB)),
         "--host", e.host, "--port", str(e.port),
         "--no-enable-log-requests", "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(KV_TRANSFER),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(e.name)),
     ]  # fmt: skip
     if c.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
@@ -115,6 +120,9 @@ def vllm_env(e: Engine, in_lab: bool, progress_delay_us: int) -> dict[str, str]:
         VLLM_NIXL_SIDE_CHANNEL_HOST=e.host,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(e.side_channel_port),
         ONEDNN_PRIMITIVE_CACHE_CAPACITY="0",  # as pdd.engine.env sets for pdd's engines
+        # what vLLM's NIXL module sets itself when it imports NIXL first (here
+        # pdd.bench.serve.nixl_progress may)
+        UCX_RCACHE_MAX_UNRELEASED="1024",
         # the lab: TCP on the WAN device (the datacenters reach each other only there);
         # one host: shared memory, TCP on loopback
         UCX_TLS="tcp,self" if in_lab else "self,sm,tcp",
