@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args(argv)
     app = build_app(args.prefill.rstrip("/"), args.decode.rstrip("/"))
+    print(f"vllm_nixl proxy on {args.host}:{args.port}: prefill {args.prefill}, decode "
+          f"{args.decode}", flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
