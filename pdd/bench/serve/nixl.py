@@ -3,8 +3,8 @@
 From a pdd topology config it takes the first prefill and the first main_decode worker (their
 engine settings, datacenters and the lab) and runs, in those sites::
 
-    P      `vllm serve` with NixlConnector (kv_role kv_both, host buffer)   in P's datacenter
-    D      the same, in D's datacenter (across the lab's WAN from P)
+    P      `vllm serve` with NixlConnector (kv_producer, KV in host memory)   in P's datacenter
+    D      the same as kv_consumer, in D's datacenter (across the lab's WAN from P)
     proxy  pdd.bench.serve.nixl_proxy, next to P (where pdd's router runs): the client's
            endpoint; P prefills for one token and keeps the blocks, D pulls the blocks its own
            prefix cache lacks from P (NIXL READ over UCX/TCP) and streams every token
