@@ -8,6 +8,7 @@ import or spawn time.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 from pdd.errors import ConfigError
 
@@ -58,9 +59,11 @@ def omp_env(bind: str, multiproc: bool) -> dict[str, str | None]:
     }
 
 
-def update_env(values: dict[str, str | None]) -> None:
+def update_env(values: dict[str, str | None], env: MutableMapping[str, str] = os.environ) -> None:
+    """Set each key of ``values`` in ``env`` (this process's environment by default); a None
+    value removes the key."""
     for key, value in values.items():
         if value is None:
-            os.environ.pop(key, None)
+            env.pop(key, None)
         else:
-            os.environ[key] = value
+            env[key] = value

@@ -34,7 +34,7 @@ from pdd.bench.serve.config import ModeConfig
 from pdd.bench.serve.nixl_progress import ENV as PROGRESS_ENV
 from pdd.config import PddConfig, load_config
 from pdd.config.model import EngineConfig
-from pdd.engine.env import omp_env
+from pdd.engine.env import omp_env, update_env
 from pdd.engine.model import prepare_model
 from pdd.errors import ConfigError, PddError
 from pdd.lab.plan import WAN_IFNAME
@@ -129,11 +129,7 @@ def vllm_env(e: Engine, in_lab: bool, progress_delay_us: int) -> dict[str, str]:
         UCX_NET_DEVICES=WAN_IFNAME if in_lab else "lo",
         **{PROGRESS_ENV: str(progress_delay_us)},
     )
-    for key, value in omp_env(e.engine.omp_threads_bind, multiproc=False).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    update_env(omp_env(e.engine.omp_threads_bind, multiproc=False), env)
     return env
 
 
