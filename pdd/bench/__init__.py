@@ -9,7 +9,7 @@ import sys
 # subcommand -> (module, help); the module's main(argv) returns an exit code.
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("pdd.bench.transfer", "KV transports against raw socket / raw ucxx baselines"),
-    "serve": ("pdd.bench.serve", "serving benchmark: agentic / sweep / trace across modes"),
+    "serve": ("pdd.bench.serve", "serving benchmark: agentic / sweep / trace / turns across modes"),
     "codec": ("pdd.bench.codec", "WAN KV codecs on real KV: wire ratio, GB/s per core, quality"),
     "overhead": ("pdd.bench.serve_overhead", "pdd's router + worker vs vLLM's own OpenAI server"),
     "handoff-gap": ("pdd.bench.handoff_gap", "stalls around One-Shot / Catch-Up handoffs"),

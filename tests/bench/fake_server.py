@@ -35,6 +35,7 @@ class FakeServer:
     max_model_len: int = 4096
     health: list[int] = field(default_factory=list)  # statuses /health answers, then 200
     keys: list[str | None] = field(default_factory=list)  # each request's Authorization
+    debug: dict[str, dict[str, Any]] = field(default_factory=dict)  # /debug/requests/{id}
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -43,6 +44,9 @@ class FakeServer:
         path = request.url.path
         if path == "/health":
             return httpx.Response(self.health.pop(0) if self.health else 200)
+        if path.startswith("/debug/requests/"):
+            view = self.debug.get(path.rsplit("/", 1)[1])
+            return httpx.Response(404) if view is None else httpx.Response(200, json=view)
         if path == "/v1/models":
             card = {"id": "fake-model", "max_model_len": self.max_model_len}
             return httpx.Response(200, json={"object": "list", "data": [card]})
@@ -62,31 +66,32 @@ class FakeServer:
 
     async def _events(self, name: str, a: Answer):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
-        yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}], "usage": None})
+        rid = f"chatcmpl-{name}"  # every chunk of a completion carries its id
+        yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}], "usage": None}, rid)
         await asyncio.sleep(a.delay_s)
         for i in range(a.tokens):
             if i:
                 await asyncio.sleep(a.gap_s)
-            yield _sse({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]})
+            yield _sse({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]}, rid)
         if a.error_chunk:
-            yield _sse({"error": {"message": "worker died", "type": "worker_error"}})
+            yield _sse({"error": {"message": "worker died", "type": "worker_error"}}, rid)
         if a.finish:
             final: dict[str, Any] = {
                 "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
             }
             if a.pdd is not None:
                 final["pdd"] = a.pdd
-            yield _sse(final)
+            yield _sse(final, rid)
             usage = {
                 "prompt_tokens": 100,
                 "completion_tokens": a.tokens,
                 "total_tokens": 100 + a.tokens,
                 "prompt_tokens_details": {"cached_tokens": 64},
             }
-            yield _sse({"choices": [], "usage": usage})
+            yield _sse({"choices": [], "usage": usage}, rid)
             yield b"data: [DONE]\n\n"
         self.log[name] = (start, time.perf_counter())
 
 
-def _sse(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+def _sse(body: dict[str, Any], rid: str) -> bytes:
+    return b"data: " + json.dumps(dict(body, id=rid)).encode() + b"\n\n"

@@ -192,3 +192,16 @@ def test_run_mode_sends_the_api_key_on_every_request():
 def test_api_base():
     assert api_base("http://h:1") == "http://h:1/v1"
     assert api_base("http://h:1/v1/") == "http://h:1/v1"
+
+
+def test_timelines_keep_the_routers_view_of_each_request():
+    view = {"request_id": "chatcmpl-a", "timeline": [{"at_ms": 0.0, "event": "arrival"}]}
+    server = FakeServer(debug={"chatcmpl-a": view})
+    wl = Workload("w", [Group("g")], [req("a", 0), req("b", 1)])
+    for timelines, expected in ((True, [view, None]), (False, [None, None])):
+        cfg = BenchConfig.model_validate({"progress_interval_s": 60, "timelines": timelines})
+        phases = asyncio.run(run_mode(cfg, "http://fake", {"w": wl}, "m", server.transport()))
+        records = phases["w"][0].records
+        assert [r.response_id for r in records] == ["chatcmpl-a", "chatcmpl-b"]
+        assert [r.debug for r in records] == expected  # b: not kept by the server (404)
+        assert records[0].to_json()["debug"] == expected[0]

@@ -1,14 +1,16 @@
-"""Workload generators: the agentic hit-rate distribution, exact sweep buckets, determinism,
-and (with the model's tokenizer) that the token arithmetic matches what the router computes."""
+"""Workload generators: the agentic hit-rate distribution, exact sweep buckets, cold prompts
+and their next turns, determinism, and (with the model's tokenizer) that the token arithmetic
+matches what the router computes."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdd.bench.serve.agentic import generate_agentic
-from pdd.bench.serve.config import AgenticConfig, SweepConfig
+from pdd.bench.serve.config import AgenticConfig, SweepConfig, TurnsConfig
 from pdd.bench.serve.sweep import generate_sweep, plan_cut
 from pdd.bench.serve.tokens import common_prefix
+from pdd.bench.serve.turns import generate_turns
 
 BUCKETS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
@@ -104,3 +106,24 @@ def test_sweep_cut_inside_template_tokens_moves_to_a_content_boundary(estimate):
     assert plan_cut(estimate, 4096, 0.5) == (2048, "user")
     assert plan_cut(estimate, 4096, 0.0) == (0, "none")
     assert plan_cut(estimate, 4096, 1.0) == (4096, "all")
+
+
+def test_turns_are_cold_prompts_then_their_next_turns_per_size(model_tokens):
+    cfg = TurnsConfig(sizes=[300, 1000], rounds=2, output_tokens=40, new_tokens=64)
+    wl = generate_turns(cfg, model_tokens, 0)
+    assert [g.name for g in wl.groups] == ["cold-300", "warm-300", "cold-1000", "warm-1000"]
+    assert [(r.group, r.warmup) for r in wl.requests][:1] == [("cold-300", True)]  # the opener
+    ids = {r.index: model_tokens.encode_prompt(r.messages) for r in wl.requests}
+    for size in cfg.sizes:
+        cold, warm = wl.phase(f"cold-{size}", False), wl.phase(f"warm-{size}", False)
+        assert len(cold) == len(warm) == 2
+        for c, w in zip(cold, warm, strict=True):
+            assert len(ids[c.index]) == c.prompt_tokens == size
+            assert len(ids[w.index]) == w.prompt_tokens == size + 64
+            assert w.after == c.index and w.max_tokens == c.max_tokens == 40
+            assert common_prefix(ids[c.index], ids[w.index]) == w.shared_tokens >= size - 1
+    opening = model_tokens.message_overhead("system")[0]
+    for a in wl.requests:  # every cold prompt is new: only the template's opening is shared
+        for b in wl.requests:
+            if a.index < b.index and b.after != a.index:
+                assert common_prefix(ids[a.index], ids[b.index]) == opening

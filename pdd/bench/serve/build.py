@@ -1,4 +1,4 @@
-"""Build a named workload (agentic, sweep, trace) from the bench config.
+"""Build a named workload (agentic, sweep, trace, turns) from the bench config.
 
 Above the generators and ``workload`` (the types they share): workload -> generators -> build,
 no circle.
@@ -11,6 +11,7 @@ from pdd.bench.serve.config import BenchConfig
 from pdd.bench.serve.sweep import generate_sweep
 from pdd.bench.serve.tokens import TokenModel
 from pdd.bench.serve.trace import load_trace
+from pdd.bench.serve.turns import generate_turns
 from pdd.bench.serve.workload import Workload
 
 
@@ -23,6 +24,8 @@ def build_workload(name: str, cfg: BenchConfig, tokens: TokenModel) -> Workload:
     elif name == "trace":
         assert cfg.trace.path is not None  # checked by BenchConfig
         wl = load_trace(cfg.trace.path, cfg.trace)
+    elif name == "turns":
+        wl = generate_turns(cfg.turns, tokens, cfg.seed)
     else:
         raise ValueError(f"unknown workload {name!r}")
     wl.token_model = tokens.name

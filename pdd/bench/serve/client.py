@@ -61,6 +61,8 @@ class RequestRecord:
     pdd: PddFacts = field(default_factory=PddFacts)
     status: int | None = None
     error: str | None = None
+    response_id: str | None = None  # the server's id of the completion
+    debug: dict[str, Any] | None = None  # the router's /debug/requests/{id} view (timelines)
 
     @property
     def ok(self) -> bool:
@@ -108,6 +110,8 @@ class _Stream:
             raise ValueError(f"chunk is not an object: {data[:80]}")
         if "error" in body:
             raise ValueError(f"error in stream: {json.dumps(body['error'])[:300]}")
+        if self.rec.response_id is None and isinstance(body.get("id"), str):
+            self.rec.response_id = body["id"]
         if body.get("usage"):
             self._usage(body["usage"])
         if isinstance(body.get("pdd"), dict):
@@ -180,3 +184,17 @@ async def stream_request(
     else:
         rec.e2e_s = time.perf_counter() - t0
     return rec
+
+
+async def fetch_debug(http: httpx.AsyncClient, root: str, rec: RequestRecord) -> None:
+    """Attach the router's view of the finished request (``GET {root}/debug/requests/{id}``:
+    its route, timeline of RPCs and first tokens per worker) to ``rec``; a server without
+    that view (vLLM's, or the request no longer kept) leaves ``rec.debug`` None."""
+    if rec.response_id is None:
+        return
+    try:
+        resp = await http.get(f"{root}/debug/requests/{rec.response_id}", timeout=10)
+        if resp.status_code == 200:
+            rec.debug = resp.json()
+    except (httpx.HTTPError, ValueError):
+        pass

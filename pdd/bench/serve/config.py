@@ -10,14 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pdd.config import apply_overrides, read_yaml_mapping
 from pdd.config.base import Section
 from pdd.errors import ConfigError
 from pdd.protocol import Role
 
-WorkloadName = Literal["agentic", "sweep", "trace"]
+WorkloadName = Literal["agentic", "sweep", "trace", "turns"]
 
 
 class HitClass(Section):
@@ -93,6 +93,27 @@ class SweepConfig(Section):
         if len(set(self.buckets)) != len(self.buckets):
             raise ValueError(f"buckets must differ, got {self.buckets}")
         return self
+
+
+class TurnsConfig(Section):
+    """Cold prompts and their next turns, per size: the whole stream of each (turns.py)."""
+
+    sizes: list[int] = Field(
+        default_factory=lambda: [512, 1500, 3000], min_length=1,
+        description="Prompt tokens of the cold requests, one pair of groups each.",
+    )  # fmt: skip
+    rounds: int = Field(3, gt=0, description="Cold requests (and their next turns) per size.")
+    output_tokens: int = Field(64, gt=0, description="max_tokens of every request.")
+    new_tokens: int = Field(
+        64, ge=24, description="Tokens a next turn adds: a tool call and its result."
+    )
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes(cls, v: list[int]) -> list[int]:
+        if min(v) < 64 or len(set(v)) != len(v):
+            raise ValueError(f"turns.sizes must be distinct sizes of at least 64 tokens: {v}")
+        return v
 
 
 class TraceConfig(Section):
@@ -229,6 +250,7 @@ class BenchConfig(Section):
     agentic: AgenticConfig = Field(default_factory=AgenticConfig, description="Agentic.")
     sweep: SweepConfig = Field(default_factory=SweepConfig, description="Hit-rate sweep.")
     trace: TraceConfig = Field(default_factory=TraceConfig, description="Trace replay.")
+    turns: TurnsConfig = Field(default_factory=TurnsConfig, description="Cold and next turns.")
     load: LoadConfig = Field(default_factory=LoadConfig, description="Arrivals.")
     sla: SlaConfig = Field(default_factory=SlaConfig, description="SLA limits.")
     cost: CostConfig = Field(default_factory=CostConfig, description="Hardware cost.")
@@ -249,6 +271,12 @@ class BenchConfig(Section):
     )
     compare: CompareConfig = Field(
         default_factory=CompareConfig, description="Headline comparison (when both modes ran)."
+    )
+    timelines: bool = Field(
+        False,
+        description="After each request, keep the router's /debug/requests/{id} view in "
+        "requests.jsonl (`debug`: route, each RPC and each worker's first token): where the "
+        "time went. Needs router.debug_requests > 0; servers without the view record null.",
     )
 
     @model_validator(mode="after")

@@ -183,7 +183,7 @@ def markdown(
 def _group_table(name: str, wl: Workload, modes: list[ModeResult]) -> list[str]:
     ran = [m for m in modes if name in m.workloads]
     header = "group | " + " | ".join(
-        f"{m.name} goodput / BCR / TTFT P50 ms / prefix hit" for m in ran
+        f"{m.name} goodput / BCR / TTFT P50 ms / 32nd token P50 ms / prefix hit" for m in ran
     )
     rows = []
     for g in wl.groups:
@@ -195,7 +195,7 @@ def _group_table(name: str, wl: Workload, modes: list[ModeResult]) -> list[str]:
                 continue
             cells.append(
                 f"{_num(s.goodput_rps)} / {_num(s.bcr)} / {_ms(s.ttft_p50_s)} / "
-                f"{_pct(s.prefix_hit_rate)}"
+                f"{_ms(s.t32_p50_s)} / {_pct(s.prefix_hit_rate)}"
             )
         rows.append("| " + " | ".join(cells) + " |")
     return [f"### `{name}` by group", "", *_table(header, rows)]

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from pdd.bench.serve.client import RequestRecord, stream_request
+from pdd.bench.serve.client import RequestRecord, fetch_debug, stream_request
 from pdd.bench.serve.config import BenchConfig
 from pdd.bench.serve.link import LinkMeter
 from pdd.bench.serve.results import PhaseResult
@@ -113,6 +113,7 @@ class PhaseRunner:
         self.model = model
         self.progress = progress
         self.meter = meter
+        self.root = str(http.base_url).rstrip("/").removesuffix("/v1")
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         body = dict(req.payload(), model=self.model, temperature=self.cfg.temperature)
@@ -152,8 +153,10 @@ class PhaseRunner:
                 rec = await stream_request(
                     self.http, req, self.body(req), self.cfg.load.request_timeout_s, start
                 )
-                records.append(rec)
                 ends.append(time.perf_counter())
+                if self.cfg.timelines:
+                    await fetch_debug(self.http, self.root, rec)
+                records.append(rec)
                 self.progress.finished(rec.ok)
             finally:
                 done[req.index].set()

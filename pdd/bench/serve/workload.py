@@ -6,7 +6,7 @@ bucket, the trace) runs as one phase: its warm-up requests first (not measured),
 measured requests under the load pattern. ``after`` orders requests that build on each other:
 a turn is sent only once the request that sent its prefix has ended.
 
-The workload generators (agentic, sweep, trace) build on these types; ``build`` picks one by
+The workload generators (agentic, sweep, trace, turns) build on these types; ``build`` picks one by
 name (so this module imports none of them).
 """
 
