@@ -96,7 +96,7 @@ def test_report_files_from_synthetic_results(tmp_path):
         "| pdd | 2/2 (+1 not sent) | 0 | 450 / 570 / 597 | - / - | 50 / 50 | 100 | 100 | 650 / 797 "
         "| 0.667 | 100.0% | 27.5 KB | 55.0 KB | - | 50.0% | 0.0% | 0.0% | none 2 | none 2 | 2 | 0.333 |"
     ) in md
-    assert "| hit=1 | 1 / 0.5 / 400 / 50.0% | 1 / 0.5 / 300 / 50.0% |" in md
+    assert "| hit=1 | 1 / 0.5 / 400 / - / 50.0% | 1 / 0.5 / 300 / - / 50.0% |" in md
 
 
 def test_no_bathtub_without_hit_buckets(tmp_path):
