@@ -165,12 +165,14 @@ def error(sim: float | None, real: float | None) -> float | None:
     return sim / real - 1
 
 
-def _request_log(run: Path) -> str:
-    """The run's requests.jsonl (or requests.jsonl.gz, as results pages keep it)."""
+def request_records(run: Path) -> list[dict[str, Any]]:
+    """The records of the run's requests.jsonl (or requests.jsonl.gz, as results pages keep it)."""
     plain = run / "requests.jsonl"
     if plain.exists() or not plain.with_suffix(".jsonl.gz").exists():
-        return plain.read_text()
-    return gzip.decompress(plain.with_suffix(".jsonl.gz").read_bytes()).decode()
+        text = plain.read_text()
+    else:
+        text = gzip.decompress(plain.with_suffix(".jsonl.gz").read_bytes()).decode()
+    return [json.loads(x) for x in text.splitlines() if x]
 
 
 def validate(run: Path, profiles: dict[str, ChipProfile], chips: dict[Role, str], wan: Wan,
@@ -178,7 +180,7 @@ def validate(run: Path, profiles: dict[str, ChipProfile], chips: dict[Role, str]
              sla: Sla | None = None) -> dict[str, Any]:  # fmt: skip
     """Every mode of ``run`` measured against simulated (``sla``: default the run's own)."""
     results = json.loads((run / "results.json").read_text())
-    records = [json.loads(x) for x in _request_log(run).splitlines() if x]
+    records = request_records(run)
     config = results["config"]
     sla = sla or Sla(config["sla"]["ttft_s"], config["sla"]["tpot_s"])
     out.mkdir(parents=True, exist_ok=True)

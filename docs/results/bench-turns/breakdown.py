@@ -19,22 +19,14 @@ group's measured requests; ms.
 
 from __future__ import annotations
 
-import gzip
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from pdd.plan.validate import request_records
+
 N = 32
-
-
-def _load(run: Path) -> list[dict]:
-    path = run / "requests.jsonl"
-    opener = open if path.exists() else gzip.open
-    path = path if path.exists() else run / "requests.jsonl.gz"
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f]
 
 
 def _p50(xs: list[float]) -> float | None:
@@ -66,7 +58,7 @@ def _row(rec: dict) -> dict:
 
 def main(run: Path) -> None:
     rows: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for rec in _load(run):
+    for rec in request_records(run):
         if rec["warmup"] or rec["error"] or len(rec["chunk_s"]) < N:
             continue
         rows[(rec["group"], rec["mode"])].append(_row(rec))

@@ -1,6 +1,6 @@
 # Reproduce: sudo .venv/bin/python docs/results/bench-wan-nixl/cold_breakdown.py (brings up and takes down the lab pddbk).
 """vllm_nixl, one cold prompt at a time, the proxy's two steps timed from here: P's answer, then D's first token."""
-import time, json
+import time
 from pathlib import Path
 import httpx
 from pdd.bench.serve.config import ModeConfig
@@ -10,12 +10,11 @@ m = ModeConfig(name="x", config=Path("configs/lab.yaml"), server="vllm_nixl",
                overrides=["lab.prefix=pddbk", "lab.subnet=10.99.9.0/28"])
 out = Path("/tmp/nx/break"); out.mkdir(exist_ok=True)
 s = VllmNixl(m, 600, out)
-url = s.start()
-# P and D as the proxy reaches them (from the host: their lab addresses are reachable? use proxy's view)
+s.start()
+# P's and D's addresses, as the proxy was told them
 p_url = [a for a in s._procs[2][1].args if a.startswith("http://")][0]
 d_url = [a for a in s._procs[2][1].args if a.startswith("http://")][1]
 print("P", p_url, "D", d_url)
-import contextlib
 ns = s._sites.lab.enter("dc-a")  # the proxy's seat: P local, D across the WAN
 try:
   with ns:

@@ -21,7 +21,16 @@ import random
 from dataclasses import dataclass
 
 from pdd.bench.serve.config import AgenticConfig, HitClass
-from pdd.bench.serve.text import Msg, TextGen, branch, branch_room, find_cut, fresh
+from pdd.bench.serve.text import (
+    Msg,
+    TextGen,
+    branch,
+    branch_room,
+    find_cut,
+    fresh,
+    tool_turn,
+    turn_shared,
+)
 from pdd.bench.serve.tokens import TokenModel
 from pdd.bench.serve.workload import BenchRequest, Group, Workload
 
@@ -105,14 +114,9 @@ class _Agentic:
         length = max(math.ceil(before / hit), before + assistant + user + 2)
         if length > self.cfg.prompt_tokens_max:
             return False
-        content = length - before - assistant - user
-        call = max(1, min(64, content // 4))
-        conv.msgs += [Msg("assistant", self.gen.tool_call(call))]
-        conv.msgs += [Msg("user", self.gen.tool_result(content - call))]
-        # The old prompt ended with the answer cue, which is the new assistant turn's opening.
-        opening = tk.message_overhead("assistant")[0]
-        shared = before - tk.generation_prompt + min(tk.generation_prompt, opening)
-        self._emit(conv, length, out, shared, after=conv.states[-1][0], warmup=False)
+        conv.msgs += tool_turn(self.gen, length - before - assistant - user)
+        self._emit(conv, length, out, turn_shared(tk, before), after=conv.states[-1][0],
+                   warmup=False)  # fmt: skip
         return True
 
     def _fresh(self, length: int, out: int, warmup: bool, anomaly: bool = False) -> _Conv:

@@ -94,6 +94,20 @@ def fresh(gen: TextGen, total: int, system_tokens: int) -> list[Msg]:
     return [Msg("system", gen.fill(system_tokens)), Msg("user", gen.fill(user_tokens))]
 
 
+def tool_turn(gen: TextGen, content: int) -> list[Msg]:
+    """The two messages an agent's next turn adds: its tool call and the tool's result,
+    ``content`` tokens of content between them (message overheads not included)."""
+    call = max(1, min(64, content // 4))
+    return [Msg("assistant", gen.tool_call(call)), Msg("user", gen.tool_result(content - call))]
+
+
+def turn_shared(tokens: TokenModel, before: int) -> int:
+    """Leading tokens a next turn shares with the ``before``-token prompt it extends: that
+    prompt ended with the answer cue, which is the new assistant turn's opening."""
+    cue = min(tokens.generation_prompt, tokens.message_overhead("assistant")[0])
+    return before - tokens.generation_prompt + cue
+
+
 @dataclass(frozen=True)
 class Cut:
     """Where a prompt is cut: message index, atoms kept, and the tokens before the cut."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 from pdd.bench.serve.config import TurnsConfig
-from pdd.bench.serve.text import Msg, TextGen, fresh
+from pdd.bench.serve.text import Msg, TextGen, fresh, tool_turn, turn_shared
 from pdd.bench.serve.tokens import TokenModel
 from pdd.bench.serve.workload import BenchRequest, Group, Workload
 
@@ -54,12 +54,7 @@ def generate_turns(cfg: TurnsConfig, tokens: TokenModel, seed: int) -> Workload:
             msgs = fresh(gen, size, size // 4)
             turns.append((msgs, emit(cold, f"{size}-{r}", msgs, size, opening)))
         for r, (msgs, first) in enumerate(turns):
-            content = cfg.new_tokens - assistant - user
-            call = max(1, min(32, content // 4))
-            nxt = [*msgs, Msg("assistant", gen.tool_call(call)),
-                   Msg("user", gen.tool_result(content - call))]  # fmt: skip
-            # The cold prompt ended with the answer cue, which opens the new assistant turn.
-            cue = min(tokens.generation_prompt, tokens.message_overhead("assistant")[0])
-            shared = size - tokens.generation_prompt + cue
-            emit(warm, f"{size}-{r}", nxt, size + cfg.new_tokens, shared, after=first)
+            nxt = msgs + tool_turn(gen, cfg.new_tokens - assistant - user)
+            emit(warm, f"{size}-{r}", nxt, size + cfg.new_tokens, turn_shared(tokens, size),
+                 after=first)  # fmt: skip
     return Workload("turns", groups, requests)
