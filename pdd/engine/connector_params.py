@@ -14,8 +14,9 @@ and in ``RequestOutput.kv_transfer_params`` (final output only) on the way out:
 
 ``slots[i]`` is the arena slot of prompt block ``i`` (tokens ``[i * block_size, (i+1) *
 block_size)``), or of block ``first_block + i`` for an export that skips the blocks its caller
-holds; only whole prompt blocks travel, so ``first_block + len(slots)`` must not exceed
-``len(prompt) // block_size``. Also: ``ConnectorSettings``, the connector's
+holds; ``first_block + len(slots)`` must not exceed the prompt's blocks, ``ceil(len(prompt) /
+block_size)``. A last block cut short (the prompt's tail) is exported once the whole prompt is
+computed, and a load of it takes only the tokens ``LoadParams.tokens`` says the slots hold. Also: ``ConnectorSettings``, the connector's
 ``kv_connector_extra_config`` (one per engine).
 """
 
@@ -71,6 +72,13 @@ class ExportParams(_SlotParams):
 class LoadParams(_SlotParams):
     """On a consumer (RLD/MD): take prompt block i from ``slots[i]`` instead of computing it."""
 
+    tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt tokens the slots hold (None: len(slots) * block_size); less when "
+        "the last slot holds a block cut short (the sender's prompt ended inside it).",
+    )
+
 
 class RequestKvParams(_Msg):
     """What a request asks of the connector; at most one of the two."""
@@ -97,7 +105,10 @@ class ExportResult(_Msg):
         description="slots[:num_blocks - first_block] hold prompt blocks "
         "first_block..num_blocks-1 (first_block: ExportParams')."
     )
-    num_tokens: int = Field(description="num_blocks * block_size.")
+    num_tokens: int = Field(
+        description="Prompt tokens the blocks hold (a last block may be "
+        "cut short: the prompt's tail)."
+    )
     complete: bool = Field(description="Every requested slot was filled.")
     error: str | None = Field(None, description="Why the export was refused.")
 

@@ -52,6 +52,7 @@ class _Req:
     first: int = 0  # export: slots[i] is block first + i (ExportParams.first_block)
     next_block: int = 0  # export: first block not yet handed to the worker
     local_hit: int = 0  # load: block-aligned local prefix hit seen by the last match query
+    tokens: int = 1 << 62  # load: prompt tokens the slots hold (LoadParams.tokens)
     loaded: LoadResult | None = None
 
 
@@ -78,7 +79,7 @@ class SchedulerHalf:
         if rec is None or rec.is_export or rec.error is not None or rec.loaded is not None:
             return 0, False  # loaded once already: preempted and back, it computes
         rec.local_hit = local_hit
-        end = min(len(rec.slots) * self._block_size, request.num_tokens - 1)
+        end = min(len(rec.slots) * self._block_size, rec.tokens, request.num_tokens - 1)
         if end <= local_hit:
             return 0, False  # vLLM's own prefix cache already holds every slotted block
         return end - local_hit, False
@@ -115,10 +116,11 @@ class SchedulerHalf:
         ``[next_block, end)``, end = min(tokens computed after this step // block_size,
         first + slots); the export starts at ``first``.
         """
-        req = rec.request
+        req, bs = rec.request, self._block_size
         done = min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
         first = rec.first
-        end = min(done // self._block_size, first + len(rec.slots))
+        whole = -(-done // bs) if done == req.num_prompt_tokens else done // bs  # tail: at the end
+        end = min(whole, first + len(rec.slots))
         if end <= rec.next_block:
             return None
         block_ids = self._block_ids_of(req.request_id)[0]
@@ -155,7 +157,7 @@ class SchedulerHalf:
             done = rec.next_block
             result = ExportResult(
                 num_blocks=done,
-                num_tokens=done * self._block_size,
+                num_tokens=min(done * self._block_size, request.num_prompt_tokens),
                 complete=rec.error is None and done == rec.first + len(rec.slots),
                 error=rec.error,
             )
@@ -187,6 +189,8 @@ class SchedulerHalf:
         rec = _Req(request, tuple(p.slots), params.export is not None, p.fence)
         if params.export is not None:
             rec.first = rec.next_block = params.export.first_block
+        elif params.load is not None and params.load.tokens is not None:
+            rec.tokens = params.load.tokens
         rec.error = self._refusal(request, params)
         if rec.error is not None:
             log.warning("request %s: pdd KV params refused: %s", rid, rec.error)
@@ -206,14 +210,22 @@ class SchedulerHalf:
             return "load asked of an engine that is not a kv_consumer"
         if max(p.slots) >= self._num_slots:
             return f"slot {max(p.slots)} out of range: the arena has {self._num_slots} slots"
-        whole = request.num_prompt_tokens // self._block_size
+        blocks = -(-request.num_prompt_tokens // self._block_size)  # the last may be cut short
         first = params.export.first_block if params.export is not None else 0
-        if first + len(p.slots) > whole:
+        if first + len(p.slots) > blocks:
             after = f" from block {first}" if first else ""
             return (
                 f"{len(p.slots)} slots{after} but the prompt ({request.num_prompt_tokens} "
-                f"tokens) has only {whole} whole blocks of {self._block_size} tokens"
+                f"tokens) has only {blocks} blocks of {self._block_size} tokens"
             )
+        tokens = params.load.tokens if params.load is not None else None
+        if (
+            tokens is not None
+            and not (len(p.slots) - 1) * self._block_size
+            < tokens
+            <= len(p.slots) * self._block_size
+        ):
+            return f"{tokens} tokens do not end in the last of {len(p.slots)} slots"
         if p.fence is not None and p.fence.index >= self._num_fences:
             return f"fence index {p.fence.index} out of range: the board has {self._num_fences}"
         return None

@@ -7,7 +7,8 @@ Steps of one request, after ``routing.choose`` picked the pipeline, workers and 
     p_md:      MD Generate(prompt + [t1]) after landing + one RTT: extend(tail + 1), decode;
                md_computes (router.pdd.md_recompute): no transfer; MD's warm-up prefills
                what its DRC lacks while P prefills; after t1 + one RTT MD extends tail + 1.
-    p_rld_md:  landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes
+    p_rld_md:  RLD loads every block, P's tail too where it holds KV in P's geometry (it
+               extends t1 alone); landed before RLD ends -> handoff (One-Shot | Catch-Up rounds), MD decodes
                the rest; RLD ends first -> handoff rld_finished, and the transfer goes on
                behind every other (``Simulation.defer``): MD's cache gets the prompt when it
                lands; the conversation's next request to that MD cuts it (``supersede``),
@@ -57,7 +58,9 @@ def run_pdd(sim: Simulation, conv: int, turn: Turn, rec: Record):  # noqa: ANN20
     assert rld.decode is not None
     yield env.timeout(sim.local_s(n * p.profile.kv_bytes_per_token))
     seq = Seq(float(out - 1), n + 1, env.event())
-    rld.decode.add(seq, rld.profile.extend_s(tail + 1))
+    same = (rld.profile.block_size, rld.profile.kv_bytes_per_token) == (
+        p.profile.block_size, p.profile.kv_bytes_per_token)  # fmt: skip
+    rld.decode.add(seq, rld.profile.extend_s(1 if same else tail + 1))  # P's tail: KvDestination
     yield transfer.landed | seq.done
     if seq.done.triggered:  # RLD finished before MD's KV: the rest crosses in the background
         rec.wan_bytes = int(transfer.sent)

@@ -1,9 +1,13 @@
 """The Prefill (P) role: stage a prompt's KV blocks in the arena, send them where told.
 
-Owns the *stages*: per kv_request_id, the arena slots holding the prompt's whole blocks from
-its Generate(kv_stage) on, and the sends reading them. Lifecycle of one stage::
+Owns the *stages*: per kv_request_id, the arena slots holding the prompt's blocks from its
+Generate(kv_stage) on, and the sends reading them. Lifecycle of one stage::
 
-    Generate(kv_stage)  allocate len(prompt) // block_size slots (RESOURCE_EXHAUSTED if the
+    Generate(kv_stage)  allocate ceil(len(prompt) / block_size) slots: the whole blocks, and
+                        the tail (a last block cut short, exported once the prompt is done;
+                        it goes only to a destination that asks for it, ``KvDestination.tail``:
+                        a relay in P's own geometry, which then computes just P's token)
+                        (RESOURCE_EXHAUSTED if the
                         staging arena is full now; INVALID_ARGUMENT, a 400, if it could never
                         hold them: the worker's start check makes that unreachable for prompts
                         within max_model_len, pdd.worker.capacity); the engine exports block i
@@ -16,7 +20,7 @@ its Generate(kv_stage) on, and the sends reading them. Lifecycle of one stage::
                         prefills, what is staged goes out in *parts*, one transfer after the
                         other (pdd.worker.inbound.wire_id), the last once the prompt is done;
                         the lease is extended to the send deadline
-    final response      kv_staged_blocks = blocks exported; the stage is leased
+    final response      kv_staged_blocks = whole blocks exported; the stage is leased
                         (worker.kv_stage_lease_s) for a SendKv still to come
     CancelKv(background) the request no longer waits: its sends are deferred (they go when no
                         other transfer has a chunk waiting) and end as ever; a Generate that
@@ -90,6 +94,7 @@ class _Dest:
     peer: PeerAddress
     landing_key: str
     next_block: int  # the first block no part carried yet
+    end: int  # one past the last block it gets (the stage's whole blocks, or its tail too)
     parts: int = 0  # parts started
     part: TransferHandle | None = None  # the part on its way
     ended: bool = False  # its last part started, or a part failed: nothing more goes
@@ -98,7 +103,8 @@ class _Dest:
 @dataclass
 class _Stage:
     kv_id: str
-    slots: list[int]  # slots[i] holds prompt block i, for i < staged
+    slots: list[int]  # slots[i] holds prompt block i, for i < staged (the last: maybe the tail)
+    whole: int  # the prompt's whole blocks (len(slots) - 1 when it has a tail)
     deadline: float
     fence: FenceRef | None = None  # the engine request's (its progress: ``staged``)
     staged: int = 0  # blocks the engine copied so far
@@ -169,8 +175,9 @@ class PrefillRole:
     # --- Generate -------------------------------------------------------------------------
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
-        blocks = len(call.prompt) // self._block_size
-        if not call.kv_stage or blocks == 0:
+        whole = len(call.prompt) // self._block_size
+        blocks = -(-len(call.prompt) // self._block_size)  # and the tail, if any
+        if not call.kv_stage or whole == 0:
             async with aclosing(plain(self._engine, call)) as stream:
                 async for delta in stream:
                     yield KvDelta(delta)
@@ -189,7 +196,7 @@ class PrefillRole:
             )
         slots = await self._allocate(kv_id, blocks)  # OverloadedError: the arena is full now
         lease = time.monotonic() + self._worker.kv_stage_lease_s
-        stage = self._stages[kv_id] = _Stage(kv_id, slots, lease)
+        stage = self._stages[kv_id] = _Stage(kv_id, slots, whole, lease)
         if kv_id in self._cancelled:  # the router gave it up before this Generate got here
             self._close(stage, self._cancelled.pop(kv_id))
 
@@ -213,7 +220,8 @@ class PrefillRole:
                 n = exported_blocks(delta.kv_transfer_params)
                 staged = n > 0 and delta.finish_reason in ("stop", "length")
                 self._prefilled(stage, n if staged else 0)
-                yield KvDelta(delta, staged_blocks=n if stage.closed is None else 0)
+                whole = min(n, stage.whole) if stage.closed is None else 0
+                yield KvDelta(delta, staged_blocks=whole)
 
     def _prefilled(self, stage: _Stage, n: int) -> None:
         """The engine request finished: ``n`` blocks are staged (0: none usable)."""
@@ -269,7 +277,10 @@ class PrefillRole:
             if dest.first_block < 0:
                 raise InvalidRequestError("first_block must be >= 0", param="destinations")
             transport = self._plane.sender(dest.peer.transport)
-            dests.append(_Dest(transport, dest.peer.peer(), dest.landing_key, dest.first_block))
+            end = len(stage.slots) if dest.tail else stage.whole
+            dests.append(
+                _Dest(transport, dest.peer.peer(), dest.landing_key, dest.first_block, end)
+            )
         deadline_s = call.deadline_s if call.deadline_s > 0 else self._plane.transfer_deadline_s
         now = time.monotonic()
         stage.send_by = now + deadline_s
@@ -278,17 +289,18 @@ class PrefillRole:
         sent: list[int] = []
         wire: list[int] = []  # expected on the wire: raw x the codec's learned ratio
         for dest, call_dest in zip(dests, call.destinations, strict=True):
-            sent.append(max(0, total - dest.next_block) * self._plane.arena.slot_bytes)
+            end = min(total, dest.end)
+            sent.append(max(0, end - dest.next_block) * self._plane.arena.slot_bytes)
             ratio = self._plane.wire_ratio(call_dest.peer.transport, dest.peer)
             wire.append(round(sent[-1] * ratio))
-            dest.ended = dest.next_block >= total
+            dest.ended = dest.next_block >= end
             if not dest.ended:
                 stage.dests.append(dest)
         self._pump(stage)
         if stage.generating and stage.dests:
             self._streaming.set()
         self._settle(stage)  # nothing to send: the router is done with it
-        return SendKvResult(total, tuple(sent), tuple(wire))
+        return SendKvResult(min(total, stage.whole), tuple(sent), tuple(wire))
 
     async def _stage_of(self, kv_id: str) -> _Stage | None:
         """The stage of ``kv_id``; a SendKv sent right after its Generate may get here first."""
@@ -306,18 +318,18 @@ class PrefillRole:
             return
         if stage.generating and stage.fence is not None:
             stage.staged = max(stage.staged, self._plane.fences.exported(stage.fence))
-        pending = stage.staged < len(stage.slots)
         for dest in stage.dests:
             if dest.ended or dest.part is not None:
                 continue
+            staged = min(stage.staged, dest.end)
             if not stage.generating:
-                first = min(dest.next_block, stage.staged - 1) if dest.parts else dest.next_block
-                if first < stage.staged:
-                    self._start_part(stage, dest, first, stage.staged, last=True)
+                first = min(dest.next_block, staged - 1) if dest.parts else dest.next_block
+                if first < staged:
+                    self._start_part(stage, dest, first, staged, last=True)
                 else:  # the export fell short of this destination's first block
                     dest.ended = True
-            elif pending and stage.staged > dest.next_block:
-                self._start_part(stage, dest, dest.next_block, stage.staged, last=False)
+            elif dest.next_block < staged < dest.end:
+                self._start_part(stage, dest, dest.next_block, staged, last=False)
 
     def _start_part(self, stage: _Stage, dest: _Dest, first: int, end: int, last: bool) -> None:
         """Send blocks [first, end) to ``dest`` (a last part resends the last block when the

@@ -142,14 +142,16 @@ class PeerAddress(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ucx_address: _Optional[bytes] = ..., host_id: _Optional[str] = ..., name: _Optional[str] = ..., probes: _Optional[bool] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("peer", "first_block", "landing_key")
+    __slots__ = ("peer", "first_block", "landing_key", "tail")
     PEER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LANDING_KEY_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     peer: PeerAddress
     first_block: int
     landing_key: str
-    def __init__(self, peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., first_block: _Optional[int] = ..., landing_key: _Optional[str] = ...) -> None: ...
+    tail: bool
+    def __init__(self, peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., first_block: _Optional[int] = ..., landing_key: _Optional[str] = ..., tail: _Optional[bool] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
     __slots__ = ("kv_request_id", "destinations", "deadline_s")

@@ -3,7 +3,7 @@
 Its inbound KV runs the shell's landing state machine (``pdd.worker.landing.Landings``) over
 ``PoolSlots``: per kv_request_id, staging slots of its own pool, one per prompt block::
 
-    PrepareKv (or the first chunk)   slots for the prompt's whole blocks (RESOURCE_EXHAUSTED /
+    PrepareKv (or the first chunk)   slots for the prompt's blocks (RESOURCE_EXHAUSTED /
                                      a refused chunk when the staging arena is full); leased
                                      (PrepareKv.lease_s, else worker.kv_landing_lease_s). With
                                      fleet credentials: a fresh landing key the router hands only
@@ -14,7 +14,10 @@ Its inbound KV runs the shell's landing state machine (``pdd.worker.landing.Land
                                      regrouped into RLD's slots (``PoolSource``)
     Generate(kv_in)                  waits up to kv_in.wait_s for the transfer to be DONE, then
                                      loads the landed prefix (LoadParams); otherwise computes
-                                     the prompt (still correct). Later chunks are refused.
+                                     the prompt (still correct). Later chunks are refused. P's
+                                     tail (the block its prompt ends inside, sent when the
+                                     router asks: KvDestination.tail) loads too, up to the end
+                                     of PrepareKv's prompt: RLD computes only P's token.
     release                          consumed by a Generate and that Generate is done with the
                                      slots (final output or fence), or CancelKv, or the lease
                                      expired -- and in every case only once no transfer is open
@@ -71,17 +74,32 @@ class PoolSlots:
 
     slots: dict[int, int] = field(default_factory=dict)
     expected: int | None = None  # RLD takes whatever P sends
+    prompt_tokens: int = 0  # PrepareKv's prompt (P's): where its tail block's KV ends
+    tail: int = -1  # that block (-1: the prompt ends on a block boundary, or no PrepareKv)
+    tail_came: bool = False  # a chunk of it landed (P sends it only when the router asks)
     scratch: Scratch | None = None  # P sends KV in another geometry (``PoolSource``)
     converted: set[int] = field(default_factory=set)  # then: RLD's blocks whole in their slots
 
-    def loadable(self, whole_blocks: int) -> list[int]:
-        """Slots of the landed prefix [0, k), k <= whole_blocks (converted: the blocks every
-        token of which came; P's whole blocks may not cover the last one)."""
+    def loadable(self, blocks: int) -> list[int]:
+        """Slots of the landed prefix [0, k), k <= blocks (converted: the blocks every token
+        of which came; P's whole blocks may not cover the last one; the tail: if it came)."""
         out: list[int] = []
         landed = self.converted if self.scratch is not None else self.slots
-        while len(out) < whole_blocks and len(out) in landed:
+        while len(out) < blocks and len(out) in landed:
+            if len(out) == self.tail and not self.tail_came:
+                break
             out.append(self.slots[len(out)])
         return out
+
+    def load(self, prompt_len: int, block_size: int) -> tuple[list[int], int | None]:
+        """The slots a Generate of ``prompt_len`` tokens loads, and the tokens they hold (None:
+        whole blocks): the landed whole blocks, and P's tail after them when it came (KV in
+        RLD's own geometry, PrepareKv's prompt shorter than this one and ending inside it)."""
+        if self.scratch is None and self.tail_came and self.prompt_tokens < prompt_len:
+            slots = self.loadable(self.tail + 1)
+            if len(slots) == self.tail + 1:
+                return slots, self.prompt_tokens
+        return self.loadable(prompt_len // block_size), None
 
 
 class PoolSource:
@@ -107,9 +125,16 @@ class PoolSource:
     def open(self, kv_id: str) -> PoolSlots:
         return PoolSlots()
 
-    def reserve(self, kv_id: str, held: PoolSlots | None, blocks: int) -> PoolSlots:
-        """Slots for the prompt's whole blocks the landing has none for (OverloadedError)."""
+    def reserve(
+        self, kv_id: str, held: PoolSlots | None, prompt_len: int, block_size: int
+    ) -> PoolSlots:
+        """Slots for the prompt's blocks the landing has none for (OverloadedError): its whole
+        blocks and its tail, which P sends (KvDestination.tail) when RLD holds KV in its own
+        geometry."""
+        blocks = -(-prompt_len // block_size)
         slots = held if held is not None else PoolSlots()
+        slots.prompt_tokens = prompt_len
+        slots.tail = prompt_len // block_size if prompt_len % block_size else -1
         missing = [b for b in range(blocks) if b not in slots.slots]
         taken = self._pool.allocate(kv_id, len(missing))  # OverloadedError: full
         slots.slots.update(zip(missing, taken, strict=True))
@@ -126,6 +151,8 @@ class PoolSource:
         slot = slots.get(block)
         if slot is None:
             slot = slots[block] = self._pool.allocate(rec.kv_id, 1)[0]
+        if block == rec.slots.tail:
+            rec.slots.tail_came = True
         view = self._arena.view(slot)
         return view[header.offset : header.offset + header.nbytes]
 
@@ -217,7 +244,9 @@ class RelayDecodeRole:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
         landing = await self._take(call) if call.kv_in is not None else None
-        slots = landing.slots.loadable(len(call.prompt) // self._block_size) if landing else []
+        slots, tokens = (
+            landing.slots.load(len(call.prompt), self._block_size) if landing else ([], None)
+        )
         if not slots:
             if landing is not None:
                 self._landings.done_with(landing)
@@ -227,7 +256,7 @@ class RelayDecodeRole:
             return
         release = lambda: self._landings.done_with(landing)  # noqa: E731
         stream = stream_loading(
-            self._engine, self._plane.fences, call, slots, self._block_size, release
+            self._engine, self._plane.fences, call, slots, self._block_size, release, tokens
         )
         async with aclosing(stream):
             async for kv_delta in stream:
@@ -245,12 +274,14 @@ class RelayDecodeRole:
     # --- KV RPCs --------------------------------------------------------------------------
 
     async def prepare_kv(self, call: PrepareKvCall) -> PrepareKvResult:
-        """Reserve slots for every whole block (RLD holds no cache: cached_blocks is 0)."""
-        kv_id, n = call.kv_request_id, len(call.prompt) // self._block_size
+        """Reserve slots for every block, the tail's too (RLD holds no cache: cached_blocks is
+        0)."""
+        kv_id, n = call.kv_request_id, len(call.prompt)
         source, keyed = self._source, kv_token() is not None
-        take = lambda held, _lease: source.reserve(kv_id, held, n)  # noqa: E731
+        take = lambda held, _lease: source.reserve(kv_id, held, n, self._block_size)  # noqa: E731
         landing = self._landings.reserve(kv_id, call.lease_s, keyed, take)
-        return PrepareKvResult(0, n, self._plane.address(), landing.key)
+        reserved = -(-n // self._block_size)
+        return PrepareKvResult(0, reserved, self._plane.address(), landing.key)
 
     async def await_kv(self, call: AwaitKvCall) -> AwaitKvResult:
         return await self._landings.await_kv(call.kv_request_id, call.timeout_s)

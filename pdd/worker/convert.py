@@ -177,7 +177,7 @@ def address_to_proto(a: KvAddress) -> pb.PeerAddress:
 
 def send_kv_call(req: pb.SendKvRequest) -> SendKvCall:
     dests = tuple(
-        KvDestination(address_from_proto(d.peer), d.first_block, d.landing_key)
+        KvDestination(address_from_proto(d.peer), d.first_block, d.landing_key, d.tail)
         for d in req.destinations
     )
     return SendKvCall(req.kv_request_id, dests, req.deadline_s)

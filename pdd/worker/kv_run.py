@@ -91,14 +91,21 @@ async def plain(engine: Engine, call: GenerateCall) -> AsyncIterator[EngineDelta
             yield delta
 
 
-def load_params(slots: list[int]) -> Callable[[FenceRef], dict[str, Any]]:
-    """kv_transfer_params that load prompt block i from ``slots[i]``."""
-    return lambda fence: wrap(load=LoadParams(slots=slots, fence=fence))
+def load_params(
+    slots: list[int], tokens: int | None = None
+) -> Callable[[FenceRef], dict[str, Any]]:
+    """kv_transfer_params that load prompt block i from ``slots[i]`` (``tokens``: the prompt
+    tokens they hold, when the last is a block cut short)."""
+    return lambda fence: wrap(load=LoadParams(slots=slots, tokens=tokens, fence=fence))
 
 
-def offered_tokens(num_slots: int, block_size: int, prompt_len: int) -> int:
-    """Prompt tokens a load of ``num_slots`` blocks provides (vLLM computes at least one)."""
-    return min(num_slots * block_size, prompt_len - 1) if num_slots else 0
+def offered_tokens(
+    num_slots: int, block_size: int, prompt_len: int, tokens: int | None = None
+) -> int:
+    """Prompt tokens a load of ``num_slots`` blocks (holding ``tokens``) provides (vLLM
+    computes at least one)."""
+    held = num_slots * block_size if tokens is None else tokens
+    return min(held, prompt_len - 1) if num_slots else 0
 
 
 def loaded_tokens(delta: EngineDelta, offered: int, block_size: int) -> int:
@@ -130,12 +137,14 @@ async def stream_loading(
     slots: list[int],
     block_size: int,
     release: Callable[[], None],
+    tokens: int | None = None,
 ) -> AsyncIterator[KvDelta]:
-    """Run ``call`` loading prompt block i from ``slots[i]``; ``release`` as in run_with_kv,
-    or earlier: at the first delta with a token, since the connector reads the slots in the
-    request's first step only (it loads once). The first delta reports the tokens offered,
-    the final one what the connector copied."""
-    offered = offered_tokens(len(slots), block_size, len(call.prompt))
+    """Run ``call`` loading prompt block i from ``slots[i]`` (``tokens``: what they hold, as
+    in load_params); ``release`` as in run_with_kv, or earlier: at the first delta with a
+    token, since the connector reads the slots in the request's first step only (it loads
+    once). The first delta reports the tokens offered, the final one what the connector
+    copied."""
+    offered = offered_tokens(len(slots), block_size, len(call.prompt), tokens)
     released = False
 
     def release_once() -> None:
@@ -144,7 +153,7 @@ async def stream_loading(
             released = True
             release()
 
-    stream = run_with_kv(engine, fences, call, load_params(slots), release_once)
+    stream = run_with_kv(engine, fences, call, load_params(slots, tokens), release_once)
     first = True
     async with aclosing(stream):
         async for delta in stream:

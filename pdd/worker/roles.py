@@ -140,6 +140,7 @@ class KvDestination:
     peer: KvAddress
     first_block: int = 0
     landing_key: str = ""  # the destination's PrepareKvResult.landing_key, if it gave one
+    tail: bool = False  # also the prompt's last block cut short (KvDestination.tail, proto)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class PrepareKvCall:
 @dataclass(frozen=True)
 class PrepareKvResult:
     cached_blocks: int  # blocks already held here (not to be sent)
-    reserved_blocks: int  # landing slots reserved for the rest of the whole blocks
+    reserved_blocks: int  # landing slots reserved for the rest of the blocks (RLD: the tail's too)
     address: KvAddress  # where to send them
     landing_key: str = ""  # chunks must carry "kv_request_id#landing_key" ("": any sender)
 

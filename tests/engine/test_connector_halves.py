@@ -201,6 +201,32 @@ def test_load_covers_slotted_blocks_past_the_local_hit_and_leaves_one_token():
                                          "ok": True, "seconds": None, "error": None}}}  # fmt: skip
 
 
+def test_the_prompts_tail_block_is_exported_with_the_last_chunk_and_loaded_to_its_end():
+    """A prompt of 100 tokens (3 whole blocks and 4 tokens): P copies the block cut short once
+    the whole prompt is computed; a consumer given its slot and ``tokens`` (the sender's
+    prompt) loads exactly those tokens and computes only what follows (P's token)."""
+    s = _sched()
+    req = _request("p", 100, wrap(export=ExportParams(slots=[9, 8, 7, 6])))
+    s.bind(_Table({"p": [40, 41, 42, 43]}))
+    s.update_state_after_alloc(req, None, 0)
+    saves = [_step(s, req, 64).saves, _step(s, req, 30).saves, _step(s, req, 6).saves]
+    assert saves == [
+        [CopyJob("p", (40, 41), (9, 8))],
+        [],  # tokens 64-93: block 2 not whole yet, the prompt not done
+        [CopyJob("p", (42, 43), (7, 6))],  # block 2 whole, and the tail: the prompt is done
+    ]
+    assert s.request_finished(req)[1]["pdd"]["exported"] == {
+        "num_blocks": 4, "num_tokens": 100, "complete": True, "error": None}  # fmt: skip
+    d = _request("d", 101, wrap(load=LoadParams(slots=[3, 2, 1, 0], tokens=100)))
+    assert s.get_num_new_matched_tokens(d, 0) == (100, False)  # P's token is computed
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+    s.update_state_after_alloc(d, blocks, 100)
+    assert _step(s, d, 1).loads == [CopyJob("d", (10, 11, 12, 13), (3, 2, 1, 0))]
+    assert s.request_finished(d)[1]["pdd"]["loaded"]["num_tokens"] == 100
+    longer = _request("d2", 140, wrap(load=LoadParams(slots=[3, 2, 1, 0], tokens=100)))
+    assert s.get_num_new_matched_tokens(longer, 0) == (100, False)  # never past the tail
+
+
 def test_a_request_loads_once_and_computes_after_a_preemption():
     """The shell frees the slots at the first token, so a preempted request scheduled again
     must not read them: vLLM computes what it lost."""
@@ -231,7 +257,8 @@ def test_an_export_from_a_first_block_saves_only_the_blocks_after_it():
 @pytest.mark.parametrize(
     ("params", "producer", "error"),
     [
-        (wrap(load=LoadParams(slots=list(range(4)))), False, "only 3 whole blocks"),
+        (wrap(load=LoadParams(slots=list(range(5)))), False, "only 4 blocks"),
+        (wrap(load=LoadParams(slots=[0, 1], tokens=30)), False, "do not end in the last"),
         (wrap(load=LoadParams(slots=[0, 16])), False, "slot 16 out of range"),
         (wrap(load=LoadParams(slots=[0], fence=FenceRef(index=4, ticket=1))), False, "fence"),
         (wrap(load=LoadParams(slots=[0])), True, "not a kv_consumer"),

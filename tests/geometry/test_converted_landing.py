@@ -264,7 +264,8 @@ def test_rld_regroups_ps_blocks_into_its_own_slots(case: str):
     n_rld = n // own.block_size
     land, source, pool, arena = relay(own)
     try:
-        land.reserve("kv", 60, False, lambda held, _lease: source.reserve("kv", held, n_rld))
+        take = lambda held, _lease: source.reserve("kv", held, n, own.block_size)  # noqa: E731
+        land.reserve("kv", 60, False, take)
         land.received(send(land, src, p_blocks))
         rec = land.take("kv")
         assert rec is not None
@@ -285,7 +286,7 @@ def test_rld_loads_nothing_of_a_converted_transfer_cut_mid_way():
     src, own = BF16_SPLIT, F32
     land, source, pool, arena = relay(own)
     try:
-        land.reserve("kv", 60, False, lambda held, _lease: source.reserve("kv", held, 3))
+        land.reserve("kv", 60, False, lambda held, _lease: source.reserve("kv", held, 3 * BS, BS))
         land.received(send(land, src, blocks_of(src, 3), stop_at=4))
         rec = land.take("kv")  # a failed transfer: the Generate computes the prompt
         in_use = pool.in_use
@@ -293,3 +294,33 @@ def test_rld_loads_nothing_of_a_converted_transfer_cut_mid_way():
         arena.close()
         arena.unlink()
     assert (rec, in_use, land.open_records) == (None, 0, 0)
+
+
+def test_rld_loads_ps_tail_to_the_end_of_its_prompt_once_it_came():
+    """P's tail (the block its prompt ends inside), which P sends an RLD of its own geometry
+    when the router asks: once it came, a Generate of P's prompt and token loads it up to the
+    end of PrepareKv's prompt (RLD computes P's token alone); without it, only the whole
+    blocks load. A Generate no longer than P's prompt loads whole blocks either way. Every
+    slot (the reserved tail's too) is released after."""
+    n = 3 * BS + 2  # 3 whole blocks and a 2-token tail
+    blocks = blocks_of(F32, 4)
+    for sent, want in ((blocks[:3], (3, None)), (blocks, (4, n))):
+        land, source, pool, arena = relay(F32)
+        try:
+            take = lambda held, _lease, source=source: source.reserve("kv", held, n, BS)  # noqa: E731
+            land.reserve("kv", 60, False, take)
+            land.received(send(land, F32, sent))
+            rec = land.take("kv")
+            assert rec is not None
+            slots, tokens = rec.slots.load(n + 1, BS)  # P's prompt and P's token
+            alone = rec.slots.load(n, BS)
+            got = [bytes(arena.view(slot)) for slot in slots]
+            land.done_with(rec)
+            in_use = pool.in_use
+        finally:
+            arena.close()
+            arena.unlink()
+        assert (len(slots), tokens) == want
+        assert got == sent[: len(slots)]
+        assert alone == (slots[:3], None)
+        assert (in_use, land.open_records) == (0, 0)

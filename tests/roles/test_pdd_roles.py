@@ -104,19 +104,25 @@ async def p_stage(c: Client, rid: str, prompt: list[int]):
     return tokens(resps), resps[-1].kv_staged_blocks, prep_rld, prep_md
 
 
-async def send(c: Client, rid: str, dests: list[tuple[pb.PeerAddress, int]]):
+async def send(c: Client, rid: str, dests: list[tuple[pb.PeerAddress, int]], tail: int = -1):
+    """SendKv to ``dests`` (address, first block); dests[tail] also gets P's tail."""
     msg = pb.SendKvRequest(
         kv_request_id=rid,
-        destinations=[pb.KvDestination(peer=a, first_block=f) for a, f in dests],
+        destinations=[
+            pb.KvDestination(peer=a, first_block=f, tail=i == tail)
+            for i, (a, f) in enumerate(dests)
+        ],
         deadline_s=30,
     )
     return await c.stub["p"].SendKv(msg, timeout=10)
 
 
 async def pdd_turn(c: Client, rid: str, prompt: list[int], k: int, m: int) -> dict:
-    """One p_rld_md request: P -> RLD (k tokens incl. t1) -> MD (m more)."""
+    """One p_rld_md request: P -> RLD (k tokens incl. t1; its tail too, as the router asks of
+    an RLD in P's own geometry) -> MD (m more)."""
     t1, staged, prep_rld, prep_md = await p_stage(c, rid, prompt)
-    sent = await send(c, rid, [(prep_rld.address, 0), (prep_md.address, prep_md.cached_blocks)])
+    dests = [(prep_rld.address, 0), (prep_md.address, prep_md.cached_blocks)]
+    sent = await send(c, rid, dests, tail=0)
     rld = await c.generate("rld", rid, prompt + t1, k - 1, kv_in=kv_in(pb.KvIn.TRANSFER, rid))
     emitted = t1 + tokens(rld)
     done = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id=rid, timeout_s=30))
@@ -156,6 +162,8 @@ def test_warm_kv_has_p_measure_its_link_to_md_before_any_kv_crosses(workers) -> 
 
 
 def test_p_rld_md_equals_a_single_engine(workers) -> None:
+    """RLD gets P's tail (the block the prompt ends inside) as well as its whole blocks, and
+    computes only t1; MD gets the whole blocks. Both continue exactly as one engine."""
     prompt = prompt_of(1, 300)  # 9 whole blocks + a 12-token tail
 
     async def scenario(c: Client):
@@ -165,13 +173,13 @@ def test_p_rld_md_equals_a_single_engine(workers) -> None:
     turn, want = run(workers, scenario)
     assert turn["tokens"] == want
     assert turn["staged"] == 9
-    assert (turn["prep_rld"].cached_blocks, turn["prep_rld"].reserved_blocks) == (0, 9)
+    assert (turn["prep_rld"].cached_blocks, turn["prep_rld"].reserved_blocks) == (0, 10)
     assert turn["prep_rld"].address.transport == "ucx"
     assert (turn["prep_md"].cached_blocks, turn["prep_md"].reserved_blocks) == (0, 9)
     assert turn["prep_md"].address.transport == "tcp"
-    assert list(turn["sent"].bytes_per_destination) == [9 * BLOCK_BYTES, 9 * BLOCK_BYTES]
-    assert turn["rld"][0].kv_loaded_tokens == 288  # RLD loaded the prompt's whole blocks
-    assert turn["rld"][-1].kv_loaded_tokens == 288  # ... as the connector confirmed
+    assert list(turn["sent"].bytes_per_destination) == [10 * BLOCK_BYTES, 9 * BLOCK_BYTES]
+    assert turn["rld"][0].kv_loaded_tokens == 300  # RLD loaded the whole prompt, tail too
+    assert turn["rld"][-1].kv_loaded_tokens == 300  # ... as the connector confirmed
     assert (turn["await"].state, turn["await"].blocks_ready) == ("done", 9)
     assert turn["await"].bytes_received == 9 * BLOCK_BYTES
     assert turn["md"][0].kv_loaded_tokens == 288  # MD loaded them from the DRC
@@ -256,9 +264,9 @@ def test_second_turn_sends_only_the_new_blocks(workers) -> None:
     assert cached == (len(first) + 32 - 1) // BLOCK  # + the block MD computed itself (10)
     staged = t2["staged"]
     assert staged == (len(first) + 32 + len(user)) // BLOCK  # 11
-    # Only the blocks MD lacks crossed the WAN; RLD got everything.
+    # Only the blocks MD lacks crossed the WAN; RLD got everything, P's tail too (372 tokens).
     assert list(t2["sent"].bytes_per_destination) == [
-        staged * BLOCK_BYTES, (staged - cached) * BLOCK_BYTES,
+        (staged + 1) * BLOCK_BYTES, (staged - cached) * BLOCK_BYTES,
     ]  # fmt: skip
     received = after.kv_bytes_received - before.kv_bytes_received
     assert received == (9 + staged - cached) * BLOCK_BYTES
@@ -395,8 +403,9 @@ def test_rld_generate_cancelled_before_its_first_delta_gives_its_slots_back(work
 def test_each_worker_reports_the_kv_blocks_a_new_request_can_have(workers) -> None:
     """Stats' kv_arena_blocks / kv_free_blocks (what the router routes by): idle, all of P's
     staging and RLD's landing slots are free; a request staged on P and reserved on RLD and MD
-    holds its 9 blocks on each until it is given up, and then they are free again."""
-    prompt = prompt_of(13, 300)  # 9 whole blocks
+    holds its 9 blocks on each (P and RLD: and its tail's) until it is given up, and then they
+    are free again."""
+    prompt = prompt_of(13, 300)  # 9 whole blocks and a tail
 
     async def scenario(c: Client):
         idle = {w: await c.stats(w) for w in IDS}
@@ -414,7 +423,8 @@ def test_each_worker_reports_the_kv_blocks_a_new_request_can_have(workers) -> No
         assert arena > 9, (w, idle[w])
         if w != "md":  # MD's DRC may hold earlier tests' blocks: evictable, so they count free
             assert idle[w].kv_free_blocks == arena, (w, idle[w])
-        assert held[w].kv_free_blocks == idle[w].kv_free_blocks - 9, (w, held[w])
+        tail = 1 if w != "md" else 0  # P stages the tail too, and RLD makes room for it
+        assert held[w].kv_free_blocks == idle[w].kv_free_blocks - 9 - tail, (w, held[w])
         assert after[w].kv_free_blocks == idle[w].kv_free_blocks, (w, after[w])
 
 
@@ -426,7 +436,7 @@ def test_staged_kv_is_released_when_its_lease_expires(workers) -> None:
         return resps[-1].kv_staged_blocks, held.pinned_slots, s.pinned_slots
 
     staged, held, left = run(workers, scenario)
-    assert (staged, held, left) == (3, 3, 0)
+    assert (staged, held, left) == (3, 4, 0)  # 3 whole blocks and the tail held, then none
 
 
 def test_roles_refuse_what_they_do_not_serve(workers) -> None:

@@ -45,11 +45,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Target:
     """A KV destination. ``from_cache``: send only the blocks its cache lacks (MD in pdd).
-    ``recorded``: its cached tokens and bytes are the record's md_cached / wan_kv_bytes."""
+    ``recorded``: its cached tokens and bytes are the record's md_cached / wan_kv_bytes.
+    ``tail``: also P's last block cut short, where it holds KV in P's own geometry (RLD: it
+    then computes only P's token, not the prompt's tail)."""
 
     worker_id: str
     from_cache: bool = False
     recorded: bool = False
+    tail: bool = False
     prepared: asyncio.Task[Prepared] | None = field(default=None, repr=False)
 
 
@@ -124,6 +127,11 @@ class PStage:
             return cached_blocks
         return cached_blocks * size // self._block_size
 
+    def _same_geometry(self, worker_id: str) -> bool:
+        """P's KV lands in ``worker_id``'s cache as it is, with no conversion."""
+        p = self._pool.geometry(self._p)
+        return p is not None and p == self._pool.geometry(worker_id)
+
     async def send(self) -> set[str]:
         """SendKv to every target that lacks blocks (started by ``prefill`` when streaming);
         returns their ids."""
@@ -160,8 +168,10 @@ class PStage:
                 continue
             first = self._first_block(t, prep.cached_blocks)
             if first < staged_blocks:
+                tail = t.tail and self._same_geometry(t.worker_id)
                 dests.append(worker_pb2.KvDestination(
-                    peer=prep.address, first_block=first, landing_key=prep.landing_key))  # fmt: skip
+                    peer=prep.address, first_block=first, landing_key=prep.landing_key,
+                    tail=tail))  # fmt: skip
                 receiving.append(t)
             elif not t.from_cache:  # its Generate will not name this KV: free the lease now
                 self._kv.release("nothing to send", [t.worker_id])

@@ -74,7 +74,7 @@ class PddPipeline:
         try:
             md = decision.worker(Role.MAIN_DECODE)
             rld = decision.maybe_worker(Role.RELAY_DECODE)
-            targets = [Target(rld)] if rld is not None else []
+            targets = [Target(rld, tail=True)] if rld is not None else []
             if decision.md_computes:  # no KV crosses: MD computes the prompt while P prefills
                 run.kv.supersede(md)
                 warm = asyncio.get_running_loop().create_task(_warm_md(run, md))

@@ -103,6 +103,11 @@ class WorkerPool:
         """The worker's last Stats answer (None before the first good poll)."""
         return self._members.states[worker_id].stats
 
+    def geometry(self, worker_id: str) -> KvGeometry | None:
+        """The KV geometry the worker reported (None: none yet, or it left the fleet)."""
+        st = self._members.states.get(worker_id)
+        return None if st is None else st.geometry
+
     @contextlib.contextmanager
     def track(self, worker_id: str) -> Iterator[None]:
         """Count one request in flight on a worker for as long as the block runs."""
