@@ -16,8 +16,8 @@ and in ``RequestOutput.kv_transfer_params`` (final output only) on the way out:
 block_size)``), or of block ``first_block + i`` for an export that skips the blocks its caller
 holds; ``first_block + len(slots)`` must not exceed the prompt's blocks, ``ceil(len(prompt) /
 block_size)``. A last block cut short (the prompt's tail) is exported once the whole prompt is
-computed, and a load of it takes only the tokens ``LoadParams.tokens`` says the slots hold. Also: ``ConnectorSettings``, the connector's
-``kv_connector_extra_config`` (one per engine).
+computed; a load of it takes only the tokens ``LoadParams.tokens`` says the slots hold. Also:
+``ConnectorSettings``, the connector's ``kv_connector_extra_config`` (one per engine).
 """
 
 from __future__ import annotations
@@ -106,8 +106,7 @@ class ExportResult(_Msg):
         "first_block..num_blocks-1 (first_block: ExportParams')."
     )
     num_tokens: int = Field(
-        description="Prompt tokens the blocks hold (a last block may be "
-        "cut short: the prompt's tail)."
+        description="Prompt tokens the blocks hold (the last may be cut short: the prompt's tail)."
     )
     complete: bool = Field(description="Every requested slot was filled.")
     error: str | None = Field(None, description="Why the export was refused.")

@@ -219,12 +219,8 @@ class SchedulerHalf:
                 f"tokens) has only {blocks} blocks of {self._block_size} tokens"
             )
         tokens = params.load.tokens if params.load is not None else None
-        if (
-            tokens is not None
-            and not (len(p.slots) - 1) * self._block_size
-            < tokens
-            <= len(p.slots) * self._block_size
-        ):
+        held = len(p.slots) * self._block_size
+        if tokens is not None and not held - self._block_size < tokens <= held:
             return f"{tokens} tokens do not end in the last of {len(p.slots)} slots"
         if p.fence is not None and p.fence.index >= self._num_fences:
             return f"fence index {p.fence.index} out of range: the board has {self._num_fences}"

@@ -3,16 +3,15 @@
 Owns the *stages*: per kv_request_id, the arena slots holding the prompt's blocks from its
 Generate(kv_stage) on, and the sends reading them. Lifecycle of one stage::
 
-    Generate(kv_stage)  allocate ceil(len(prompt) / block_size) slots: the whole blocks, and
-                        the tail (a last block cut short, exported once the prompt is done;
-                        it goes only to a destination that asks for it, ``KvDestination.tail``:
-                        a relay in P's own geometry, which then computes just P's token)
-                        (RESOURCE_EXHAUSTED if the
-                        staging arena is full now; INVALID_ARGUMENT, a 400, if it could never
-                        hold them: the worker's start check makes that unreachable for prompts
-                        within max_model_len, pdd.worker.capacity); the engine exports block i
-                        into slots[i] as the forward that computed it ends, and says how far it
-                        got after every step (``Fences.exported``: ``staged``)
+    Generate(kv_stage)  allocate ceil(len(prompt) / block_size) slots: the whole blocks and
+                        the tail, a last block cut short (exported once the prompt is done; it
+                        goes only to a destination that asks, ``KvDestination.tail``: an RLD in
+                        P's own geometry, which then computes just P's token). RESOURCE_EXHAUSTED
+                        if the staging arena is full now; INVALID_ARGUMENT, a 400, if it could
+                        never hold them (the worker's start check makes that unreachable for
+                        prompts within max_model_len, pdd.worker.capacity); the engine exports
+                        block i into slots[i] as the forward that computed it ends, and says how
+                        far it got after every step (``Fences.exported``: ``staged``)
     SendKv              at any time, even before P's token (the router streams the KV while P
                         prefills) and before this Generate reached P (it waits a moment): one
                         send per destination (UCX to a relay_decode, TCP to a main_decode:
