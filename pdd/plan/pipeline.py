@@ -9,10 +9,10 @@ Steps of one request, after ``routing.choose`` picked the pipeline, workers and 
                what its DRC lacks while P prefills; after t1 + one RTT MD extends tail + 1.
     p_rld_md:  RLD loads every block, P's tail too where it holds KV in P's geometry (it
                extends t1 alone); landed before RLD ends -> handoff (One-Shot | Catch-Up
-               rounds), MD decodes the rest; RLD ends first -> handoff rld_finished, and the transfer goes on
-               behind every other (``Simulation.defer``): MD's cache gets the prompt when it
-               lands; the conversation's next request to that MD cuts it (``supersede``),
-               MD keeping the blocks that crossed.
+               rounds), MD decodes the rest; RLD ends first -> handoff rld_finished, and
+               the transfer goes on behind every other (``Simulation.defer``): MD's cache
+               gets the prompt when it lands; the conversation's next request to that MD
+               cuts it (``supersede``), MD keeping the blocks that crossed.
     end:       MD's DRC stores prompt + answer (what MD re-exports when a request ends).
 """
 
