@@ -213,18 +213,18 @@ def test_a_whole_block_prompt_leaves_its_last_token_to_compute(loop, engines, sh
     assert last.kv_transfer_params["pdd"]["loaded"]["num_tokens"] == 255
 
 
-def test_more_slots_than_whole_prompt_blocks_is_refused_and_computed(loop, engines, shell):
+def test_more_slots_than_prompt_blocks_is_refused_and_computed(loop, engines, shell):
     p, d = engines
-    prompt = prompt_of(5, 200)  # 6 whole blocks + 8 tokens
+    prompt = prompt_of(5, 200)  # 6 whole blocks + 8 tokens: 7 blocks, the last cut short
     want, _ = run(loop, p, "base-5", prompt, 6)
     fence = shell.fence(2)
-    params = wrap(load=LoadParams(slots=list(range(7)), fence=fence))
+    params = wrap(load=LoadParams(slots=list(range(8)), fence=fence))
     got, last = run(loop, d, "d-5", prompt, 6, params)
     assert got == want
     assert last.num_cached_tokens == 0
     assert last.kv_transfer_params["pdd"]["loaded"] == {
         "num_blocks": 0, "first_block": 0, "num_tokens": 0, "ok": False, "seconds": None,
-        "error": "7 slots but the prompt (200 tokens) has only 6 whole blocks of 32 tokens"}  # fmt: skip
+        "error": "8 slots but the prompt (200 tokens) has only 7 blocks of 32 tokens"}  # fmt: skip
     shell.wait_fence(fence)  # a refused request still releases its slots through the fence
 
 
