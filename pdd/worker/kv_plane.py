@@ -37,12 +37,14 @@ from pdd.transfer import (
     LinkEstimate,
     PeerAddress,
     ReceiverHooks,
+    TransferState,
     TransferStatus,
     Transport,
     create_transport,
 )
 from pdd.worker.capacity import ArenaSize
 from pdd.worker.faults import WorkerFaults
+from pdd.worker.inbound import split_wire_id
 from pdd.worker.roles import KvAddress, WanLinkStats
 from pdd.worker.slots import Fences
 
@@ -330,5 +332,11 @@ class KvPlane:
             self.bytes_received += result.bytes_received
         if result.internal_error:
             _INTERNAL_ERRORS.labels(self._worker.role.value).inc()
+        if result.state is TransferState.FAILED:  # P's log has only the ack; this says why
+            log.warning(  # the kv_id alone: the wire id carries the landing key
+                "inbound KV of %s failed after %d chunks (%d bytes): %s",
+                split_wire_id(result.request_id)[0], result.chunks, result.bytes_received,
+                result.reason,
+            )  # fmt: skip
         if self._on_received is not None:
             self._on_received(result)

@@ -6,7 +6,7 @@ block of every layer per segment): dtype, shape (layers, KV heads held, tokens p
 it carries. Receiver (RLD, MD): ``KvWireCheck`` runs on every inbound chunk before it is
 given a place in the arena (``allocate``): a chunk whose description differs from the
 receiver's own geometry is refused (TransferError: the transfer fails, the request recomputes
-its prompt, the landing slots go back), counted in ``refused`` and logged once per request,
+its prompt, the landing slots go back), counted in ``refused`` (the failed transfer is logged by ``KvPlane``),
 unless it differs only in fields the receiver converts (``converts``, from
 ``pdd.kv_geometry.RECEIVER_CONVERTS``: RelayDecode and MainDecode convert dtype, layout and
 block size): then the check returns the chunk's geometry and the receiver lands it converted
@@ -24,9 +24,7 @@ block size): then the check returns the chunk's geometry and the receiver lands 
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +32,6 @@ from pdd.errors import TransferError
 from pdd.kv_geometry import KvGeometry, convertible, interiors_known
 from pdd.transfer.wire import ChunkHeader
 from pdd.worker.inbound import whole_slot
-
-log = logging.getLogger(__name__)
-
-_LOGGED = 256  # request ids whose refusal was logged (bounded)
 
 
 def describe(geometry: KvGeometry | None) -> dict[str, Any]:
@@ -104,7 +98,7 @@ class KvWireCheck:
 
     ``geometry`` is read per chunk (the engine's, known once it started; None: size only);
     ``converts``: the geometry fields this receiver converts on landing.
-    Called on transport threads: the counter and the log memory are under a lock.
+    Called on transport threads: the counter is under a lock.
     """
 
     def __init__(self, slot_bytes: int, geometry: Callable[[], KvGeometry | None],
@@ -113,7 +107,6 @@ class KvWireCheck:
         self._geometry = geometry
         self._converts = converts
         self._lock = threading.Lock()
-        self._logged: OrderedDict[str, None] = OrderedDict()
         self.refused = 0  # chunks refused because they describe other KV than ours
 
     def __call__(self, header: ChunkHeader) -> KvGeometry | None:
@@ -131,15 +124,7 @@ class KvWireCheck:
         return src if src is not own else None
 
     def _refuse(self, wire_id: str, why: str) -> None:
-        kv_id = wire_id.split("#", 1)[0]  # never log a landing key
+        kv_id = wire_id.split("#", 1)[0]  # never a landing key (the failed transfer is logged)
         with self._lock:
             self.refused += 1
-            first = kv_id not in self._logged
-            if first:
-                self._logged[kv_id] = None
-                if len(self._logged) > _LOGGED:
-                    self._logged.popitem(last=False)
-        if first:
-            log.warning("KV of %s refused: not in this worker's KV geometry (%s); the "
-                        "request recomputes its prompt", kv_id, why)  # fmt: skip
         raise TransferError(f"KV of {kv_id!r} is not in this worker's KV geometry ({why})")

@@ -234,11 +234,6 @@ class Landings(Generic[S]):
             rec = self._recs.get(split_wire_id(result.request_id)[0])
             if rec is None:
                 return
-            if result.state is TransferState.FAILED:  # the sender logs only what it was told
-                log.warning(
-                    "inbound KV %s failed after %d chunks (%d bytes): %s", result.request_id,
-                    result.chunks, result.bytes_received, result.reason,
-                )  # fmt: skip
             rec.inbound.finish(result)
             done = result.state is TransferState.DONE
             if done and parts_of(result.request_id) is None:

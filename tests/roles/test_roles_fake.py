@@ -397,9 +397,12 @@ def test_md_refuses_kv_it_did_not_reserve() -> None:
     assert state == "unknown"
 
 
-def test_a_keyed_rld_takes_kv_only_from_the_p_given_its_landing_key() -> None:
+def test_a_keyed_rld_takes_kv_only_from_the_p_given_its_landing_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """With fleet credentials RLD keys every landing (as MD keys its reservations): P's chunks
-    carry ``kv_id#key``; a wrong key, or KV for a request nobody prepared, is refused."""
+    carry ``kv_id#key``; a wrong key, or KV for a request nobody prepared, is refused, and RLD's
+    log says why (P hears only the ack), without the key."""
     from pdd.transfer.ucx_auth import set_kv_token
 
     prompt = list(range(500, 516))  # 4 blocks
@@ -429,9 +432,17 @@ def test_a_keyed_rld_takes_kv_only_from_the_p_given_its_landing_key() -> None:
 
     set_kv_token(b"fleet-token-for-this-test")
     try:
-        states, refused, stats = asyncio.run(scenario())
+        with caplog.at_level("WARNING", logger="pdd.worker.kv_plane"):
+            states, refused, stats = asyncio.run(scenario())
     finally:
         set_kv_token(None)
+    failed = [r.getMessage() for r in caplog.records if r.name == "pdd.worker.kv_plane"]
+    assert any(
+        m.startswith("inbound KV of k4 failed after 0 chunks (0 bytes): ")
+        and m.endswith("no landing prepared for the KV of 'k4'")
+        for m in failed
+    ), failed
+    assert not any("#" in m or "A" * 12 in m for m in failed), failed
     assert states["k1"] == "done"  # the key the router handed to P
     assert states["k2"] != "done" and states["k3"] != "done" and states["k4"] != "done"
     assert refused >= 3

@@ -158,16 +158,3 @@ def test_a_landing_no_transfer_reached_is_given_up_when_consumed() -> None:
 
     released, answer = asyncio.run(run())
     assert released == ["kv"] and answer == ("cancelled", "consumed before its KV arrived")
-
-
-def test_a_failed_transfer_is_logged_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
-    # The sender hears only an ack status ("receiver refused a chunk"); the receiver's log says
-    # why (here: the source refused the chunk's buffer), once per transfer.
-    machine, _ = landings(caches=False)
-    with caplog.at_level("WARNING", logger="pdd.worker.landing"):
-        machine.received(InboundResult(1, "kv", TransferState.FAILED, "allocator refused chunk: "
-                                       "the staging arena is full", 0, 1))  # fmt: skip
-        ended(machine, TransferState.CANCELLED, transfer_id=2)
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["inbound KV kv failed after 1 chunks (0 bytes): allocator refused chunk: "
-                     "the staging arena is full"]  # fmt: skip
