@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", required=True, help="router base URL ending in /v1")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--prompt-words", type=int, default=560, help="~3.6 tokens per word")
+    ap.add_argument("--prompt-words", type=int, default=560, help="~9 tokens per word (each a fresh tag and number)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--handoffs", default="one_shot,catch_up", help="handoff modes, in order")
     ap.add_argument("--out", default="results/handoff_gap")
     args = ap.parse_args(argv)
     runs = []
     for _ in range(args.repeats):
-        for handoff in ("one_shot", "catch_up"):
+        for handoff in args.handoffs.split(","):
             tag = uuid.uuid4().hex[:6]
             prompt = " ".join(f"{tag}{j}" for j in range(args.prompt_words))
             runs.append(stream_times(args.url, args.model, prompt, args.tokens, handoff))
