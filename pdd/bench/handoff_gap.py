@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", required=True, help="router base URL ending in /v1")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--prompt-words", type=int, default=560, help="~9 tokens per word (each a fresh tag and number)")
+    ap.add_argument("--prompt-words", type=int, default=250, help="~9 tokens per word (fresh tags)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--handoffs", default="one_shot,catch_up", help="handoff modes, in order")
     ap.add_argument("--out", default="results/handoff_gap")
