@@ -167,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--baseline-routing", choices=("affinity", "least_loaded"), default="affinity")
     ap.add_argument("--exact-cache", action="store_true", help="RadixIndex per block (slow)")
     ap.add_argument("--max-instances", type=int, default=512)
-    ap.add_argument("--max-sims", type=int, default=60)
+    ap.add_argument(
+        "--max-sims",
+        type=int,
+        default=150,
+        help="simulations per searched mode and chip set (growth, shrink, trades)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write plan.json, plan.md, plan.png")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--bathtub", default=None,

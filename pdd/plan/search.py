@@ -8,18 +8,23 @@ For one mode and one chip per role:
      new tokens, one decode step at batch 1), and the WAN the mode needs (pd_wan and pdd: at
      least the blocks no decoder's cache can hold, the new tokens) against its bandwidth.
      Over the SLA's allowance: infeasible, that resource named.
-  2. Grow: from one instance per role, simulate; while the SLA is missed, grow the role that
-     binds (the most loaded of the roles on the failing metric: TTFT -> P (pd: P or D),
-     TPOT -> MD or RLD (RLD when p_rld_md was due but no RLD had a slot)) by half; a role
-     whose growth did not help twice in a row (attainment, median TTFT or TPOT) is set
-     aside for the next one; when every role is set aside, no fleet is found.
+  2. Grow: from one instance per role, simulate; while the SLA is missed, simulate each role
+     grown by half and keep the growth that gains the most attainment per unit of added
+     cost; when none gains, the role that likely binds (the most loaded of the roles on the
+     failing metric: TTFT -> P (pd: P or D), TPOT -> MD or RLD (RLD when p_rld_md was due but
+     no RLD had a slot)); a role whose growth did not help twice in a row (attainment,
+     median TTFT or TPOT) is set aside for the next one; when every role is set aside, no
+     fleet is found.
   3. Shrink: for each role, the fewest instances that still meet the SLA (bisection).
-Fewer instances at the same goodput is a higher BCR: the answer is the met fleet after 3.
+  4. Trade: grow one role by half and shrink the others again; keep it when the met fleet
+     costs less, and repeat (the growth may have spent on the wrong role).
+Fewer instances at the same goodput is a higher BCR: the answer is the met fleet after 4.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdd.plan.fleet import ROLES, SHORT, Fleet, Group
@@ -91,7 +96,7 @@ def _offered_rate(workload: Workload) -> float:
 class Searcher:
     def __init__(self, profiles: dict[str, ChipProfile], wan: Wan, workload: Workload,
                  sla: Sla, settings: SimSettings, max_instances: int = 512,
-                 max_sims: int = 60, prices: dict[str, float] | None = None) -> None:  # fmt: skip
+                 max_sims: int = 150, prices: dict[str, float] | None = None) -> None:  # fmt: skip
         self.profiles, self.wan, self.workload, self.sla = profiles, wan, workload, sla
         self.settings, self.max_instances, self.max_sims = settings, max_instances, max_sims
         self.prices = prices or {}
@@ -133,15 +138,14 @@ class Searcher:
                                   f"TPOT {res.fail_tpot:.0%}); binds: {order[0].value} "
                                   f"at {res.fleet}")  # fmt: skip
                 return out
-            role = live[0]
             if total >= self.max_instances or len(seen) >= self.max_sims:
                 out.infeasible = (f"not met within {self.max_instances} instances / "
-                                  f"{self.max_sims} runs; binds: {role.value} "
+                                  f"{self.max_sims} runs; binds: {live[0].value} "
                                   f"(at {res.fleet}: attainment {res.attainment:.0%})")  # fmt: skip
                 return out
-            n = fleet.count(role)
-            fleet = fleet.with_count(role, min(max(n + 1, math.ceil(n * 1.5)),
-                                               n + self.max_instances - total))  # fmt: skip
+            grown = {r: self._grow(fleet, r, total) for r in live}
+            role = self._steepest(fleet, res, grown, {r: run(f) for r, f in grown.items()}, live)
+            fleet = grown[role]
             prev, res = res, run(fleet)
             if _progress(prev, res):
                 stale, stuck = 0, set()
@@ -151,7 +155,15 @@ class Searcher:
                     stuck.add(role)
                     stale = 0
             best_att = max(best_att, res.attainment)
-        for role in sorted(ROLES[mode], key=lambda r: -self._price(fleet, r)):
+        fleet = self._shrink(fleet, list(ROLES[mode]), run, seen)
+        out.best = run(self._trade(fleet, run, seen))
+        return out
+
+    def _shrink(self, fleet: Fleet, roles: list[Role], run: Callable[[Fleet], SimResult],
+                seen: dict[tuple[int, ...], SimResult]) -> Fleet:  # fmt: skip
+        """Each role (the dearest first) cut to the fewest instances that still meet the SLA
+        (bisection; ``fleet`` meets it)."""
+        for role in sorted(roles, key=lambda r: -self._price(fleet, r)):
             lo, hi = 1, fleet.count(role)  # hi meets
             while lo < hi and len(seen) < self.max_sims:
                 mid = (lo + hi) // 2
@@ -160,8 +172,56 @@ class Searcher:
                 else:
                     lo = mid + 1
             fleet = fleet.with_count(role, hi)
-        out.best = run(fleet)
-        return out
+        return fleet
+
+    def _trade(self, fleet: Fleet, run: Callable[[Fleet], SimResult],
+               seen: dict[tuple[int, ...], SimResult]) -> Fleet:  # fmt: skip
+        """Trade instances between roles while that makes the met fleet cheaper: grow one role
+        by half, shrink the others again; keep the first trade that costs less, and repeat.
+        The growth phase can spend on the wrong role (its guess of what binds), and the shrink
+        keeps every instance another role's shortfall needs."""
+        prices = self._prices()
+        roles = [g.role for g in fleet.groups]
+        traded = True
+        while traded and len(seen) < self.max_sims:
+            traded = False
+            for up in roles:
+                total = sum(g.count for g in fleet.groups)
+                more = self._grow(fleet, up, total)
+                if more == fleet or not run(more).meets_sla:
+                    continue
+                cand = self._shrink(more, [r for r in roles if r is not up], run, seen)
+                cand = self._shrink(cand, [up], run, seen)
+                if cand.cost_per_hour(prices) < fleet.cost_per_hour(prices) - 1e-9:
+                    fleet, traded = cand, True
+                    break
+        return fleet
+
+    def _grow(self, fleet: Fleet, role: Role, total: int) -> Fleet:
+        """``role`` grown by half (at least one), within ``max_instances``."""
+        n = fleet.count(role)
+        return fleet.with_count(role, min(max(n + 1, math.ceil(n * 1.5)),
+                                          n + self.max_instances - total))  # fmt: skip
+
+    def _steepest(self, fleet: Fleet, res: SimResult, grown: dict[Role, Fleet],
+                  results: dict[Role, SimResult], order: list[Role]) -> Role:  # fmt: skip
+        """The growth that gains the most attainment per unit of added cost; the likeliest
+        binding role (``order[0]``) when none gains. The binding role is a guess from the
+        failing metric, and it can be wrong: slow decoders lengthen every conversation, so
+        more of them live at once, P's prefix caches overflow and TTFT fails, which more Ps
+        only feed (measured: a pdd fleet grown to 12 P + 9 RLD where 9 P + 8 MD met it)."""
+        prices = self._prices()
+        cost = fleet.cost_per_hour(prices)
+
+        def gain(r: Role) -> float:
+            added = grown[r].cost_per_hour(prices) - cost
+            return (results[r].attainment - res.attainment) / max(added, 1e-9)
+
+        best = max(order, key=lambda r: (gain(r), -order.index(r)))
+        return best if results[best].attainment > res.attainment + 0.005 else order[0]
+
+    def _prices(self) -> dict[str, float]:
+        return {name: self.prices.get(name, p.price_per_hour) for name, p in self.profiles.items()}
 
     def _price(self, fleet: Fleet, role: Role) -> float:
         chip = next(g.chip for g in fleet.groups if g.role is role)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pdd.errors import ConfigError
 from pdd.plan import cli
+from pdd.plan.fleet import Fleet, Group
 from pdd.plan.search import Searcher
 from pdd.plan.sim import SimSettings, Wan
 from pdd.plan.stats import Sla
@@ -57,6 +59,28 @@ def test_pd_wan_over_a_thin_link_names_the_wan(profiles) -> None:
     res = _searcher(profiles, Sla(5.0, 0.05), Wan(0.1e9, 0.04)).search(
         RouterMode.PD_WAN, {Role.PREFILL: "A", Role.MAIN_DECODE: "A"})  # fmt: skip
     assert res.best is None and "WAN bandwidth" in (res.infeasible or "")
+
+
+def test_a_fleet_grown_on_the_wrong_role_is_traded_down_to_a_cheaper_one(profiles) -> None:
+    """Where more MD would have done what many Ps do (slow decoders keep more conversations
+    alive than P's caches hold), the search trades: grow MD, shrink P again, while cheaper.
+    A stand-in SLA over the counts: met when P + 2 x MD >= 10 (A costs 1/h, B 1.25/h)."""
+    s = _searcher(profiles, Sla(5.0, 0.05))
+    seen: dict = {}
+
+    def run(f: Fleet) -> SimpleNamespace:
+        seen[tuple(g.count for g in f.groups)] = True
+        return SimpleNamespace(
+            meets_sla=f.count(Role.PREFILL) + 2 * f.count(Role.MAIN_DECODE) >= 10
+        )
+
+    grown = Fleet(
+        RouterMode.PD_LOCAL, (Group(Role.PREFILL, "A", 8), Group(Role.MAIN_DECODE, "B", 1))
+    )
+    best = s._trade(grown, run, seen)
+    prices = {"A": 1.0, "B": 1.25}
+    assert run(best).meets_sla and best.cost_per_hour(prices) < grown.cost_per_hour(prices)
+    assert (best.count(Role.PREFILL), best.count(Role.MAIN_DECODE)) == (2, 4)  # 7.00/h: the least
 
 
 def _main(capsys, *args: str) -> tuple[int, str, str]:
