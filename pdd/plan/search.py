@@ -143,7 +143,7 @@ class Searcher:
                                   f"{self.max_sims} runs; binds: {live[0].value} "
                                   f"(at {res.fleet}: attainment {res.attainment:.0%})")  # fmt: skip
                 return out
-            grown = {r: self._grow(fleet, r, total) for r in live}
+            grown = {r: self._grow(fleet, r) for r in live}
             role = self._steepest(fleet, res, grown, {r: run(f) for r, f in grown.items()}, live)
             fleet = grown[role]
             prev, res = res, run(fleet)
@@ -186,8 +186,7 @@ class Searcher:
         while traded and len(seen) < self.max_sims:
             traded = False
             for up in roles:
-                total = sum(g.count for g in fleet.groups)
-                more = self._grow(fleet, up, total)
+                more = self._grow(fleet, up)
                 if more == fleet or not run(more).meets_sla:
                     continue
                 cand = self._shrink(more, [r for r in roles if r is not up], run, seen)
@@ -197,9 +196,9 @@ class Searcher:
                     break
         return fleet
 
-    def _grow(self, fleet: Fleet, role: Role, total: int) -> Fleet:
+    def _grow(self, fleet: Fleet, role: Role) -> Fleet:
         """``role`` grown by half (at least one), within ``max_instances``."""
-        n = fleet.count(role)
+        n, total = fleet.count(role), sum(g.count for g in fleet.groups)
         return fleet.with_count(role, min(max(n + 1, math.ceil(n * 1.5)),
                                           n + self.max_instances - total))  # fmt: skip
 
@@ -225,7 +224,7 @@ class Searcher:
 
     def _price(self, fleet: Fleet, role: Role) -> float:
         chip = next(g.chip for g in fleet.groups if g.role is role)
-        return self.prices.get(chip, self.profiles[chip].price_per_hour) * fleet.count(role)
+        return self._prices()[chip] * fleet.count(role)
 
 
 def _progress(before: SimResult, after: SimResult) -> bool:

@@ -6,8 +6,8 @@ block of every layer per segment): dtype, shape (layers, KV heads held, tokens p
 it carries. Receiver (RLD, MD): ``KvWireCheck`` runs on every inbound chunk before it is
 given a place in the arena (``allocate``): a chunk whose description differs from the
 receiver's own geometry is refused (TransferError: the transfer fails, the request recomputes
-its prompt, the landing slots go back), counted in ``refused`` (the failed transfer is logged by ``KvPlane``),
-unless it differs only in fields the receiver converts (``converts``, from
+its prompt, the landing slots go back), counted in ``refused`` (``KvPlane`` logs the failed
+transfer), unless it differs only in fields the receiver converts (``converts``, from
 ``pdd.kv_geometry.RECEIVER_CONVERTS``: RelayDecode and MainDecode convert dtype, layout and
 block size): then the check returns the chunk's geometry and the receiver lands it converted
 (``pdd.worker.kv_convert``).
@@ -31,7 +31,7 @@ from typing import Any
 from pdd.errors import TransferError
 from pdd.kv_geometry import KvGeometry, convertible, interiors_known
 from pdd.transfer.wire import ChunkHeader
-from pdd.worker.inbound import whole_slot
+from pdd.worker.inbound import split_wire_id, whole_slot
 
 
 def describe(geometry: KvGeometry | None) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class KvWireCheck:
         return src if src is not own else None
 
     def _refuse(self, wire_id: str, why: str) -> None:
-        kv_id = wire_id.split("#", 1)[0]  # never a landing key (the failed transfer is logged)
+        kv_id = split_wire_id(wire_id)[0]  # never a landing key in an error
         with self._lock:
             self.refused += 1
         raise TransferError(f"KV of {kv_id!r} is not in this worker's KV geometry ({why})")
