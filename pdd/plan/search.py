@@ -187,7 +187,10 @@ class Searcher:
             traded = False
             for up in roles:
                 more = self._grow(fleet, up)
-                if more == fleet or not run(more).meets_sla:
+                fresh = tuple(g.count for g in more.groups) not in seen
+                if more == fleet or (fresh and len(seen) >= self.max_sims):
+                    continue
+                if not run(more).meets_sla:
                     continue
                 cand = self._shrink(more, [r for r in roles if r is not up], run, seen)
                 cand = self._shrink(cand, [up], run, seen)

@@ -82,6 +82,10 @@ def test_a_fleet_grown_on_the_wrong_role_is_traded_down_to_a_cheaper_one(profile
     assert run(best).meets_sla and best.cost_per_hour(prices) < grown.cost_per_hour(prices)
     assert (best.count(Role.PREFILL), best.count(Role.MAIN_DECODE)) == (2, 4)  # 7.00/h: the least
 
+    capped = _searcher(profiles, Sla(5.0, 0.05))
+    capped.max_sims, seen = 3, {}
+    assert capped._trade(grown, run, seen) == grown and len(seen) <= 3  # --max-sims holds here too
+
 
 def _main(capsys, *args: str) -> tuple[int, str, str]:
     code = cli.main([*args])
