@@ -4,13 +4,16 @@ The PDD report explains dips in BCR near 20, 40 and 70% prefix hit by tail chunk
 new tokens split into full chunks and a leftover one that runs as its own, under-filled forward.
 This prints, for a chip profile and the planner's synthetic agentic workload at each hit rate
 (every conversation the same size: ``jitter`` 0), P's prefill seconds per request with the
-profile's ``prefill.min_forward_tokens`` (the roofline knee: a forward of fewer tokens costs as
-many) and without it, and the share of the time spent in attention. P holds each
+profile's small-forward costs and without them (``prefill.min_forward_tokens``, the roofline
+knee: a forward of fewer tokens costs as many; ``prefill.forward_buckets``, static shapes: a
+forward is padded to its bucket), and the share of the time spent in attention. P holds each
 conversation's previous prompt, not the answer MD generated (as in pdd), so a turn's new tokens
 are the answer and the new text.
 
     .venv/bin/python scripts/tail_chunks.py configs/profiles/chip-a-moe.yaml \
         --contexts 65536,16384 --out docs/results/plan/tail-chunks
+    .venv/bin/python scripts/tail_chunks.py configs/profiles/chip-a-static.yaml \
+        --hits "$(seq -s, 0.50 0.01 0.99)" --out docs/results/plan/tail-chunks-static
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from pdd.plan.workload import AgenticWorkload, agentic  # noqa: E402
 
 
 def per_request(prof: ChipProfile, context: int, hit: float) -> dict[str, float]:
-    """Mean prefill seconds per request on P, with the knee and without, and attention's share."""
-    flat = prof.model_copy(
-        update={"prefill": prof.prefill.model_copy(update={"min_forward_tokens": 0})}
-    )
+    """Mean prefill seconds per request on P, with the small-forward costs and without them,
+    and attention's share."""
+    unpadded = {"min_forward_tokens": 0, "forward_buckets": []}
+    flat = prof.model_copy(update={"prefill": prof.prefill.model_copy(update=unpadded)})
     work = agentic(AgenticWorkload(requests=400, context_tokens=context, hit_rate=hit, jitter=0.0))
     knee = linear = attention = 0.0
     n = 0
@@ -43,7 +46,7 @@ def per_request(prof: ChipProfile, context: int, hit: float) -> dict[str, float]
             attention += prof.prefill.attention_s(new, held)
             held, n = turn.prompt_tokens, n + 1
     return {"context_tokens": context, "hit_rate": hit, "seconds": knee / n,
-            "seconds_without_knee": linear / n, "tail_cost": knee / linear - 1,
+            "seconds_unpadded": linear / n, "tail_cost": knee / linear - 1,
             "attention_share": attention / knee}  # fmt: skip
 
 
@@ -58,12 +61,13 @@ def main() -> int:
     rows = [per_request(prof, int(c), float(h))
             for c in args.contexts.split(",") for h in args.hits.split(",")]  # fmt: skip
     lines = [f"{prof.name} ({prof.model}): chunk {prof.prefill.chunk_tokens} tokens, knee "
-             f"{prof.prefill.min_forward_tokens} tokens", "",
-             "| context | hit rate | P prefill s/request | without the knee | tail chunks add "
+             f"{prof.prefill.min_forward_tokens} tokens, buckets "
+             f"{prof.prefill.forward_buckets or 'none'}", "",
+             "| context | hit rate | P prefill s/request | unpadded | tail chunks add "
              "| attention share |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['context_tokens']} | {r['hit_rate']:.2f} | {r['seconds']:.3f} | "
-                     f"{r['seconds_without_knee']:.3f} | {r['tail_cost']:+.1%} | "
+                     f"{r['seconds_unpadded']:.3f} | {r['tail_cost']:+.1%} | "
                      f"{r['attention_share']:.0%} |")  # fmt: skip
     print("\n".join(lines))
     if args.out:

@@ -12,6 +12,10 @@ by hand and checked by eye::
                             min_forward_tokens (the roofline's knee, 0 by default: below it a
                             forward is bound by reading the weights, so a small tail chunk
                             costs what a forward of min_forward_tokens does)
+    forward_buckets       static shapes (empty by default: dynamic, as vLLM on GPUs): each
+                            forward's GEMMs run padded to the smallest bucket that holds its
+                            tokens (attention, a ragged kernel, over the real tokens only), so
+                            a small tail chunk pays for its bucket
     decode_step(batch, ctx) = step_fixed_s + batch * per_seq_s + ctx * per_context_token_s
                             (ctx: KV tokens the batch reads this step, summed over sequences)
     extend(tokens)        = fixed_s + tokens * per_token_s    (one multi-token forward on MD)
@@ -26,6 +30,9 @@ Memory: ``kv_capacity_tokens`` of device KV (running sequences' context must fit
 ``max_batch`` sequences, and ``host_cache_tokens`` of host-memory KV tier (MainDecode's DRC;
 on P and colocated workers the prefix cache is the device KV only).
 
+``extends: other.yaml`` (a path relative to the file) starts from another profile and
+overrides what this file gives, mapping by mapping: a chip variant in a few lines.
+
 Errors: ``load_profile`` raises ConfigError naming the file and each missing or bad field.
 """
 
@@ -34,7 +41,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from pdd.config.base import Section
 from pdd.errors import ConfigError
@@ -57,6 +64,28 @@ class PrefillProfile(Section):
         description="A forward of fewer new tokens costs as many (the roofline's knee: weights "
         "read / compute per token; an MoE's is thousands, since each expert sees a share).",
     )
+    forward_buckets: list[int] = Field(
+        default_factory=list,
+        description="Static shapes (a graph-compiled engine): token counts a forward is padded "
+        "to, ascending, the last at least chunk_tokens. Empty: dynamic shapes, no padding.",
+    )
+
+    @model_validator(mode="after")
+    def _buckets_hold_a_chunk(self) -> PrefillProfile:
+        b = self.forward_buckets
+        if b and (b != sorted(set(b)) or b[0] <= 0 or b[-1] < self.chunk_tokens):
+            raise ValueError(
+                f"forward_buckets must be positive and ascending, the last at least "
+                f"chunk_tokens ({self.chunk_tokens}); got {b}"
+            )
+        return self
+
+    def shaped(self, tokens: int) -> int:
+        """The tokens a forward of ``tokens`` new tokens computes (its bucket, or itself)."""
+        for bucket in self.forward_buckets:
+            if bucket >= tokens:
+                return bucket
+        return tokens
 
     def attention_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Attention of ``new_tokens`` over the cached prefix and each other (causal)."""
@@ -124,15 +153,15 @@ class ChipProfile(Section):
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         p = self.prefill
-        knee = p.min_forward_tokens
-        if new_tokens <= 0:  # the one forward that emits the first token
-            return p.chunk_overhead_s + knee * p.per_token_s
+        new_tokens = max(new_tokens, 0)  # 0: the one forward that emits the first token
         full, tail = divmod(new_tokens, p.chunk_tokens)
-        chunks, paid = full + (tail > 0), new_tokens
-        if knee:  # each forward (chunk) pays for at least the knee's tokens
-            paid = full * max(p.chunk_tokens, knee) + (max(tail, knee) if tail else 0)
+        sizes = [p.chunk_tokens] * full + ([tail] if tail or not full else [])
+        paid = new_tokens  # the GEMMs' rows: each forward's bucket, at least the knee's tokens
+        if p.forward_buckets or p.min_forward_tokens:
+            paid = sum(max(p.shaped(n), p.min_forward_tokens) for n in sizes)
         gemm = paid * p.per_token_s + new_tokens * self.serving.per_new_token_s
-        return chunks * p.chunk_overhead_s + gemm + p.attention_s(new_tokens, cached_tokens)
+        attention = p.attention_s(new_tokens, cached_tokens)
+        return len(sizes) * p.chunk_overhead_s + gemm + attention
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         d = self.decode
@@ -155,18 +184,41 @@ def _explain(exc: ValidationError) -> str:
 
 def load_profile(path: Path) -> ChipProfile:
     """Read one profile (YAML or JSON). Raises ConfigError naming the file and the field."""
+    data = _fields(Path(path), ())
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        return ChipProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"profile {path}: {_explain(exc)}") from None
+
+
+def _fields(path: Path, chain: tuple[Path, ...]) -> dict:
+    """The file's fields over those of the profile it ``extends`` (``chain``: the files that
+    extend it, to refuse a cycle)."""
+    try:
+        data = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"profile {path}: cannot read it ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"profile {path}: not YAML/JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"profile {path}: expected a mapping of fields at the top level")
-    try:
-        return ChipProfile.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"profile {path}: {_explain(exc)}") from None
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"profile {path}: 'extends' must name one profile file")
+    if path.resolve() in chain:
+        raise ConfigError(f"profile {path}: 'extends' goes round in a cycle")
+    return _merged(_fields(path.parent / base, (*chain, path.resolve())), data)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s fields, mappings merged field by field."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def load_profiles(paths: list[Path]) -> dict[str, ChipProfile]:

@@ -48,6 +48,36 @@ def test_a_forward_under_the_knee_costs_the_knee() -> None:
     )
 
 
+def test_a_static_shape_engine_pays_for_a_tail_chunks_whole_bucket(profiles) -> None:
+    """chip-a-static.yaml is chip A (it extends chip-a.yaml) with its forwards padded to powers
+    of two: a tail chunk just past a bucket costs the next bucket's GEMMs, attention does not
+    change, and a tail that fills its bucket costs what it does on chip A."""
+    a, static = profiles["A"], load_profile(ROOT / "configs/profiles/chip-a-static.yaml")
+    assert static.model_dump(exclude={"description", "assumptions", "prefill"}) == a.model_dump(
+        exclude={"description", "assumptions", "prefill"}
+    )
+    p, chunk = static.prefill, static.prefill.chunk_tokens
+    assert p.forward_buckets[-1] == chunk and p.shaped(1025) == 2048 and p.shaped(2048) == 2048
+    padded = static.prefill_s(chunk + 1025, 30000) - a.prefill_s(chunk + 1025, 30000)
+    assert padded == pytest.approx((2048 - 1025) * p.per_token_s)
+    assert static.prefill_s(chunk + 2048, 30000) == pytest.approx(a.prefill_s(chunk + 2048, 30000))
+    assert static.prefill_s(2 * chunk, 0) == pytest.approx(a.prefill_s(2 * chunk, 0))
+
+
+def test_bad_buckets_and_an_extends_cycle_are_refused(tmp_path: Path) -> None:
+    base = {"extends": str(ROOT / "configs/profiles/chip-a.yaml")}
+    with pytest.raises(ConfigError, match="prefill.*forward_buckets must be positive"):
+        load_profile(_write(tmp_path, {**base, "prefill": {"forward_buckets": [64, 32, 8192]}}))
+    with pytest.raises(ConfigError, match="the last at least chunk_tokens"):
+        load_profile(_write(tmp_path, {**base, "prefill": {"forward_buckets": [16, 4096]}}))
+    (tmp_path / "x.yaml").write_text("extends: y.yaml\n")
+    (tmp_path / "y.yaml").write_text("extends: x.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_profile(tmp_path / "x.yaml")
+    with pytest.raises(ConfigError, match="absent.yaml: cannot read"):
+        load_profile(_write(tmp_path, {"extends": "absent.yaml"}))
+
+
 def _write(tmp_path: Path, data: dict) -> Path:
     path = tmp_path / "chip.yaml"
     path.write_text(yaml.safe_dump(data))
