@@ -35,19 +35,19 @@ def per_request(prof: ChipProfile, context: int, hit: float) -> dict[str, float]
     unpadded = {"min_forward_tokens": 0, "forward_buckets": []}
     flat = prof.model_copy(update={"prefill": prof.prefill.model_copy(update=unpadded)})
     work = agentic(AgenticWorkload(requests=400, context_tokens=context, hit_rate=hit, jitter=0.0))
-    knee = linear = attention = 0.0
+    padded = linear = attention = 0.0
     n = 0
     for conv in work.conversations:
         held = 0
         for turn in conv.turns:
             new = turn.prompt_tokens - held
-            knee += prof.prefill_s(new, held)
+            padded += prof.prefill_s(new, held)
             linear += flat.prefill_s(new, held)
             attention += prof.prefill.attention_s(new, held)
             held, n = turn.prompt_tokens, n + 1
-    return {"context_tokens": context, "hit_rate": hit, "seconds": knee / n,
-            "seconds_unpadded": linear / n, "tail_cost": knee / linear - 1,
-            "attention_share": attention / knee}  # fmt: skip
+    return {"context_tokens": context, "hit_rate": hit, "seconds": padded / n,
+            "seconds_unpadded": linear / n, "tail_cost": padded / linear - 1,
+            "attention_share": attention / padded}  # fmt: skip
 
 
 def main() -> int:
