@@ -50,6 +50,11 @@ class Fleet:
     def count(self, role: Role) -> int:
         return sum(g.count for g in self.groups if g.role is role)
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Instances per group, in order: the fleet's key within one search."""
+        return tuple(g.count for g in self.groups)
+
     def cost_per_hour(self, prices: dict[str, float]) -> float:
         return sum(g.count * prices[g.chip] for g in self.groups)
 

@@ -38,6 +38,7 @@ Errors: ``load_profile`` raises ConfigError naming the file and each missing or 
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 import yaml
@@ -82,10 +83,8 @@ class PrefillProfile(Section):
 
     def shaped(self, tokens: int) -> int:
         """The tokens a forward of ``tokens`` new tokens computes (its bucket, or itself)."""
-        for bucket in self.forward_buckets:
-            if bucket >= tokens:
-                return bucket
-        return tokens
+        i = bisect.bisect_left(self.forward_buckets, tokens)
+        return self.forward_buckets[i] if i < len(self.forward_buckets) else tokens
 
     def attention_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Attention of ``new_tokens`` over the cached prefix and each other (causal)."""
@@ -155,13 +154,14 @@ class ChipProfile(Section):
         p = self.prefill
         new_tokens = max(new_tokens, 0)  # 0: the one forward that emits the first token
         full, tail = divmod(new_tokens, p.chunk_tokens)
-        sizes = [p.chunk_tokens] * full + ([tail] if tail or not full else [])
+        forwards = full + (tail > 0 or not full)
         paid = new_tokens  # the GEMMs' rows: each forward's bucket, at least the knee's tokens
         if p.forward_buckets or p.min_forward_tokens:
+            sizes = [p.chunk_tokens] * full + ([tail] if tail or not full else [])
             paid = sum(max(p.shaped(n), p.min_forward_tokens) for n in sizes)
         gemm = paid * p.per_token_s + new_tokens * self.serving.per_new_token_s
         attention = p.attention_s(new_tokens, cached_tokens)
-        return len(sizes) * p.chunk_overhead_s + gemm + attention
+        return forwards * p.chunk_overhead_s + gemm + attention
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         d = self.decode

@@ -115,11 +115,10 @@ class Searcher:
         seen: dict[tuple[int, ...], SimResult] = {}
 
         def run(f: Fleet) -> SimResult:
-            key = tuple(g.count for g in f.groups)
-            if key not in seen:
-                seen[key] = self.simulate(f)
-                out.tried.append(seen[key])
-            return seen[key]
+            if f.counts not in seen:
+                seen[f.counts] = self.simulate(f)
+                out.tried.append(seen[f.counts])
+            return seen[f.counts]
 
         fleet = Fleet(mode, tuple(Group(r, chips[r], 1) for r in ROLES[mode]))
         res = run(fleet)
@@ -131,7 +130,7 @@ class Searcher:
                                   f"{res.wan_utilisation:.0%} busy) at {res.fleet}")  # fmt: skip
                 return out
             live = [r for r in order if r not in stuck]
-            total = sum(g.count for g in fleet.groups)
+            total = sum(fleet.counts)
             if not live:
                 out.infeasible = (f"growing any role stopped helping: attainment stuck at "
                                   f"{best_att:.0%} (TTFT over the limit {res.fail_ttft:.0%}, "
@@ -187,7 +186,7 @@ class Searcher:
             traded = False
             for up in roles:
                 more = self._grow(fleet, up)
-                fresh = tuple(g.count for g in more.groups) not in seen
+                fresh = more.counts not in seen
                 if more == fleet or (fresh and len(seen) >= self.max_sims):
                     continue
                 if not run(more).meets_sla:
@@ -201,7 +200,7 @@ class Searcher:
 
     def _grow(self, fleet: Fleet, role: Role) -> Fleet:
         """``role`` grown by half (at least one), within ``max_instances``."""
-        n, total = fleet.count(role), sum(g.count for g in fleet.groups)
+        n, total = fleet.count(role), sum(fleet.counts)
         return fleet.with_count(role, min(max(n + 1, math.ceil(n * 1.5)),
                                           n + self.max_instances - total))  # fmt: skip
 
