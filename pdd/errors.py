@@ -116,6 +116,11 @@ class WorkerError(PddError):
     error_type = "worker_error"
 
 
+class PromptRefMissing(WorkerError):
+    """A worker no longer holds the PrepareKv prompt a Generate referred to (refused before
+    it started): the router sends that Generate again with the prompt whole."""
+
+
 class RequestTimeoutError(PddError):
     """A request did not finish within ``router.request_timeout_s`` (HTTP 504)."""
 

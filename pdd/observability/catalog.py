@@ -38,7 +38,7 @@ PROCESSES = WORKERS | {ROUTER}
 # The closed label set of pdd_* metrics. worker ids come from the config (bounded too).
 PDD_LABELS = frozenset(
     {"pipeline", "role", "transport", "outcome", "mode", "finish_reason", "reason", "tier",
-     "worker"}
+     "worker", "rpc"}
 )  # fmt: skip
 VLLM_LABELS = ("model_name", "engine")
 
@@ -185,6 +185,15 @@ WORKER_METRICS = (
        "Blocks MD stored in its DRC after requests finished: the whole blocks of prompt + "
        "output it computed itself and the DRC lacked (what the next turn will not need over "
        "the WAN). The engine copies exactly these, straight into DRC landing slots."),
+    _m("pdd_worker_prompt_tokens_received_total", C, "tokens", ("role", "rpc"), WORKERS,
+       "Prompt token ids received, by RPC (Generate, PrepareKv): a Generate that refers to "
+       "its PrepareKv's prompt (prompt_ref) counts only the tokens after it, so over the WAN "
+       "MD's Generate share stays near the emitted tokens."),
+    _m("pdd_worker_prompt_refs_total", C, "requests", ("role", "outcome"),
+       {RELAY_DECODE, MAIN_DECODE},
+       "Generates that referred to a PrepareKv's prompt: resolved, or missing (no longer "
+       "held; the router resent the prompt whole). Missing ones growing: see "
+       "docs/operations.md."),
     _m("pdd_worker_kv_internal_errors_total", C, "transfers", R, {RELAY_DECODE, MAIN_DECODE},
        "Inbound KV transfers failed by a bug on this worker (logged with a traceback)."),
     _m("pdd_kv_transfers_total", C, "transfers", ("role", "transport", "outcome"), PREFILL,

@@ -38,7 +38,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt", "constraint")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt", "constraint", "prompt_ref")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class GenerateRequest(_message.Message):
     KV_IN_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_REF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -53,7 +54,16 @@ class GenerateRequest(_message.Message):
     kv_in: KvIn
     cache_salt: str
     constraint: Constraint
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    prompt_ref: PromptRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_ref: _Optional[_Union[PromptRef, _Mapping]] = ...) -> None: ...
+
+class PromptRef(_message.Message):
+    __slots__ = ("kv_request_id", "tokens")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    tokens: int
+    def __init__(self, kv_request_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "spec", "resume", "param")
@@ -186,16 +196,18 @@ class PrepareKvRequest(_message.Message):
     def __init__(self, kv_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrepareKvResponse(_message.Message):
-    __slots__ = ("cached_blocks", "reserved_blocks", "address", "landing_key")
+    __slots__ = ("cached_blocks", "reserved_blocks", "address", "landing_key", "keeps_prompt")
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANDING_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_PROMPT_FIELD_NUMBER: _ClassVar[int]
     cached_blocks: int
     reserved_blocks: int
     address: PeerAddress
     landing_key: str
-    def __init__(self, cached_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., address: _Optional[_Union[PeerAddress, _Mapping]] = ..., landing_key: _Optional[str] = ...) -> None: ...
+    keeps_prompt: bool
+    def __init__(self, cached_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., address: _Optional[_Union[PeerAddress, _Mapping]] = ..., landing_key: _Optional[str] = ..., keeps_prompt: _Optional[bool] = ...) -> None: ...
 
 class AwaitKvRequest(_message.Message):
     __slots__ = ("kv_request_id", "timeout_s")

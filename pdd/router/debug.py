@@ -66,13 +66,16 @@ class TimelineObserver:
 
     def _on_Generate(self, obs: RpcObservation) -> None:  # noqa: N802 (gRPC method name)
         req = obs.request
+        referred = req.prompt_ref.tokens if req.HasField("prompt_ref") else 0
         detail: dict[str, object] = {
             "id": req.request_id,
-            "prompt_tokens": len(req.prompt_token_ids),
+            "prompt_tokens": referred + len(req.prompt_token_ids),
             "max_tokens": req.sampling.max_tokens,
             "duration_ms": _ms(obs.ended - obs.started),
             "outcome": "cancelled" if obs.error else "ended",
         }
+        if referred:  # the worker had the prompt from PrepareKv: only the rest was sent
+            detail["prompt_sent"] = len(req.prompt_token_ids)
         if req.kv_stage:
             detail["kv_stage"] = True
         if req.HasField("kv_in"):

@@ -121,6 +121,15 @@ class KvIn:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptRef:
+    """A Generate's prompt begins with the first ``tokens`` of the prompt its worker got in
+    PrepareKv(``kv_request_id``): only the rest is sent (``GenerateRequest.prompt_ref``)."""
+
+    kv_request_id: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class LogprobText:
     """One token's logprob with its text, ready for OpenAI's logprob shapes."""
 

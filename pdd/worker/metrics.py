@@ -139,6 +139,24 @@ class WorkerMetrics:
             "Generate requests by how they ended.",
             ["role", "outcome"],
         )
+        self._prompt_tokens = Counter(
+            "pdd_worker_prompt_tokens_received",
+            "Prompt token ids received, by RPC: a Generate that refers to the prompt its "
+            "PrepareKv brought (prompt_ref) counts only the tokens after it.",
+            ["role", "rpc"],
+        )
+        self._prompt_refs = Counter(
+            "pdd_worker_prompt_refs",
+            "Generates that referred to a PrepareKv's prompt: resolved, or missing (the "
+            "worker no longer held it; the router resent the prompt whole).",
+            ["role", "outcome"],
+        )
+        # every series the role can move, from zero (rate() sees the first increment)
+        receives_kv = role in ("relay_decode", "main_decode")
+        for rpc in ("Generate", "PrepareKv") if receives_kv else ("Generate",):
+            self._prompt_tokens.labels(role, rpc)
+        for outcome in ("resolved", "missing") if receives_kv else ():
+            self._prompt_refs.labels(role, outcome)
         self.ready = ready
         self.insecure: list[str] = []  # credentials security.insecure let this worker lack
         self._server: WSGIServer | None = None
@@ -146,6 +164,12 @@ class WorkerMetrics:
 
     def request_done(self, role: str, outcome: str) -> None:
         self._requests.labels(role, outcome if outcome in OUTCOMES else "error").inc()
+
+    def prompt_received(self, role: str, rpc: str, tokens: int) -> None:
+        self._prompt_tokens.labels(role, rpc).inc(tokens)
+
+    def prompt_ref(self, role: str, resolved: bool) -> None:
+        self._prompt_refs.labels(role, "resolved" if resolved else "missing").inc()
 
     def serve(self, host: str, port: int) -> int:
         """Start /metrics and /health (daemon thread); returns the bound port."""
@@ -181,5 +205,5 @@ class WorkerMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        REGISTRY.unregister(self._collector)
-        REGISTRY.unregister(self._requests)
+        for owned in (self._collector, self._requests, self._prompt_tokens, self._prompt_refs):
+            REGISTRY.unregister(owned)

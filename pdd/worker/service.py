@@ -19,6 +19,11 @@ KV RPCs (SendKv, PrepareKv, AwaitKv, CancelKv, DrcEvents) go to the role policy 
 supports them, else UNIMPLEMENTED: each through its typed capability (pdd.worker.roles), its
 request and response converted in pdd.worker.convert; a Generate asking for ``kv_stage`` /
 ``kv_in`` a role cannot honour is FAILED_PRECONDITION.
+
+Prompt references: a successful PrepareKv keeps its prompt (``PromptBook``, a bounded cache)
+and answers ``keeps_prompt``; a later Generate of the request may send only the tokens after
+it (``prompt_ref``). One this worker no longer holds is FAILED_PRECONDITION ("prompt_ref: ...")
+before anything starts; the router then sends the prompt whole.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -51,6 +57,7 @@ from pdd.worker.convert import (
 )
 from pdd.worker.faults import WorkerFaults
 from pdd.worker.metrics import WorkerMetrics
+from pdd.worker.prompt_book import PromptBook
 from pdd.worker.roles import (
     KV_IN,
     KV_STAGE,
@@ -114,6 +121,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         # KV requests this worker accepted (PrepareKv): their Generate is finishing accepted
         # work, so a draining worker still admits it. Bounded: old ids fall out.
         self._accepted_kv: OrderedDict[str, None] = OrderedDict()
+        # their prompts, so that later calls of the same request refer to them (prompt_ref)
+        self._prompts = PromptBook()
         # Why the engine cannot be trusted with work right now (None: it can); set by the
         # composition root, e.g. the KV plane's overdue fences.
         self.stall_reason: Callable[[], str | None] = lambda: None
@@ -184,6 +193,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         constraint = request.constraint if request.HasField("constraint") else None
         spec = sampling_from_proto(request.sampling, constraint)
         call = call_from_proto(request, spec)
+        self._metrics.prompt_received(self.role, "Generate", len(request.prompt_token_ids))
+        if request.HasField("prompt_ref"):
+            call = replace(call, prompt=self._referred_prompt(request))
         for wanted, feature in ((call.kv_stage, KV_STAGE), (call.kv_in is not None, KV_IN)):
             if wanted and feature not in self._role.supports:
                 raise _Refused(
@@ -193,6 +205,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._engine.validate(call.prompt, spec)
         self._check_queue()
         return call
+
+    def _referred_prompt(self, request: pb.GenerateRequest) -> list[int]:
+        """The whole prompt of a Generate that refers to its PrepareKv's prompt."""
+        ref = request.prompt_ref
+        prompt = self._prompts.resolve(ref.kv_request_id, ref.tokens, request.prompt_token_ids)
+        self._metrics.prompt_ref(self.role, prompt is not None)
+        if prompt is None:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"prompt_ref: worker {self._worker.id} does not hold {ref.tokens} prompt "
+                f"tokens of {ref.kv_request_id!r}; send the prompt whole",
+            )
+        return prompt
 
     def _check_queue(self) -> None:
         """OverloadedError when admitting one more would queue more than the bound."""
@@ -257,7 +282,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def PrepareKv(self, request: pb.PrepareKvRequest, context) -> pb.PrepareKvResponse:  # noqa: N802
         role, call = cast(ReceivesKv, self._role), convert.prepare_kv_call(request)
         handle = lambda: role.prepare_kv(call)  # noqa: E731
-        return await self._kv("PrepareKv", request, context, handle, convert.prepare_kv_response)
+        self._metrics.prompt_received(self.role, "PrepareKv", len(call.prompt))
+        response = await self._kv("PrepareKv", request, context, handle,
+                                  convert.prepare_kv_response)  # fmt: skip
+        # reached only if it succeeded: later calls of this request may refer to its prompt
+        response.keeps_prompt = self._prompts.put(call.kv_request_id, call.prompt)
+        return response
 
     async def AwaitKv(self, request: pb.AwaitKvRequest, context) -> pb.AwaitKvResponse:  # noqa: N802
         role, call = cast(ReceivesKv, self._role), convert.await_kv_call(request)

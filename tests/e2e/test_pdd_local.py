@@ -15,6 +15,7 @@ import grpc
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.config import ModelConfig, load_config
 from pdd.proto import worker_pb2, worker_pb2_grpc
@@ -233,6 +234,38 @@ def test_second_turn_sends_only_new_blocks(served, codec):
     stored = lambda: stats(served, "md").own_blocks_stored - stored_before  # noqa: E731
     wait_until(lambda: stored() == own and stats(served, "md").pinned_slots == 0, 30,
                f"MD stores {own} blocks of its own")  # fmt: skip
+
+
+def _prompt_counters(served, worker: str) -> dict[str, float]:
+    """A worker's prompt tokens received by RPC and prompt references by outcome (/metrics)."""
+    text = httpx.get(f"http://127.0.0.1:{served.metrics_ports[worker]}/metrics", timeout=10).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("pdd_worker_prompt_tokens_received", "pdd_worker_prompt_refs"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = sample.labels.get("rpc") or sample.labels["outcome"]
+                    found[key] = sample.value
+    return found
+
+
+@pytest.mark.parametrize("variant", ["p_md", "p_rld_md_catch_up"])
+def test_the_prompt_crosses_the_wan_to_md_once(served, codec, variant):
+    """MD gets a request's prompt once, in PrepareKv; its Generates (the warm-ups and the
+    switch too) carry only the tokens emitted since, and the answer is unchanged."""
+    prompt = codec.encode(_long_text(30, 5) + f"\nVariant {variant}:")
+    before = {w: _prompt_counters(served, w) for w in ("rld", "md")}
+    body = complete(served.url, prompt, VARIANTS[variant])
+    after = {w: _prompt_counters(served, w) for w in ("rld", "md")}
+    delta = {w: {k: v - before[w].get(k, 0.0) for k, v in after[w].items()} for w in after}
+    md = delta["md"]
+    assert md["PrepareKv"] == len(prompt)
+    calls = max(1, body["pdd"]["handoff_rounds"])  # MD's Generates: the warm-ups and the switch
+    assert 0 < md["Generate"] <= calls * body["usage"]["completion_tokens"] < len(prompt)
+    assert md["resolved"] >= 1 and md.get("missing", 0.0) == 0
+    if body["pdd"]["pipeline"] == "p_rld_md":
+        # RLD's Generate (if MD's KV was not there first) carries P's token alone
+        assert delta["rld"]["PrepareKv"] == len(prompt) and delta["rld"].get("Generate", 0) <= 1
 
 
 def _timeline(served, request_id: str) -> list[dict]:

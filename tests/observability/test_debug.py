@@ -62,6 +62,7 @@ def test_p_rld_md_timeline(pdd):
     assert (rld_gen["kv_in"], rld_gen["outcome"], rld_gen["prompt_tokens"]) == (
         "transfer", "cancelled", n + 1,
     )  # fmt: skip
+    assert rld_gen["prompt_sent"] == 1  # RLD had the prompt from PrepareKv: P's token crossed
     md_gens = events(view, "generate", "md0")
     warmups = [e["id"] for e in md_gens[:-1]]
     assert warmups == [f"{rid}.warm{i}" for i in range(1, len(md_gens))]

@@ -186,6 +186,38 @@ def test_p_rld_md_equals_a_single_engine(workers) -> None:
     assert turn["md"][0].num_cached_tokens >= 288
 
 
+def test_rld_and_md_given_only_a_reference_to_the_prompt_equal_a_single_engine(workers) -> None:
+    """The prompt crosses to RLD and MD once, in PrepareKv (both answer that they keep it);
+    their Generates carry only the tokens after it (prompt_ref) and continue exactly as one
+    engine. A reference to a prompt a worker does not hold is refused before anything starts
+    (FAILED_PRECONDITION naming prompt_ref): the router then sends that prompt whole."""
+    prompt = prompt_of(7, 300)
+
+    async def scenario(c: Client):
+        t1, _, prep_rld, prep_md = await p_stage(c, "ref1", prompt)
+        await send(c, "ref1", [(prep_rld.address, 0), (prep_md.address, 0)], tail=0)
+        ref = pb.PromptRef(kv_request_id="ref1", tokens=len(prompt))
+        rld = await c.generate("rld", "ref1", t1, 5, kv_in=kv_in(pb.KvIn.TRANSFER, "ref1"),
+                               prompt_ref=ref)  # fmt: skip
+        emitted = t1 + tokens(rld)
+        await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="ref1", timeout_s=30))
+        md = await c.generate("md", "ref1", emitted, 10, kv_in=kv_in(pb.KvIn.DRC, "ref1"),
+                              prompt_ref=ref)  # fmt: skip
+        lost = pb.PromptRef(kv_request_id="never-prepared", tokens=len(prompt))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await c.generate("md", "ref2", emitted, 4, prompt_ref=lost)
+        want = await oracle(c, "ref1-oracle", prompt, 16)
+        return prep_rld, prep_md, rld, md, emitted + tokens(md), refused.value, want
+
+    prep_rld, prep_md, rld, md, got, refused, want = run(workers, scenario)
+    assert prep_rld.keeps_prompt and prep_md.keeps_prompt
+    assert got == want
+    assert rld[0].num_prompt_tokens == len(prompt) + 1  # the whole prompt, rebuilt on RLD
+    assert md[0].kv_loaded_tokens == 288  # MD loaded P's whole blocks from its DRC
+    assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.details().startswith("prompt_ref:") and "never-prepared" in refused.details()
+
+
 def test_p_md_with_zstd_on_the_wan_equals_none(workers) -> None:
     """p_md: P's blocks cross to MD zstd-encoded (fewer wire bytes), MD decodes them into its
     DRC, and MD's greedy tokens equal P's own run of the prompt (codec none, no transfer)."""

@@ -74,6 +74,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prepare_delay_s = 0.0  # PrepareKv reserves, then answers this late (cut off)
         self.await_delay_s = 0.0  # AwaitKv answers this late (cut off after PrepareKv)
         self.prepare_fail_code: grpc.StatusCode | None = None  # PrepareKv refused (e.g. full)
+        # PrepareKv's prompt kept for later Generates' prompt_ref, as a real RLD/MD does;
+        # forget_prompts plays a worker that lost them (restarted): such a Generate is refused
+        self.keeps_prompt = True
+        self.forget_prompts = False
+        self.kept_prompts: dict[str, tuple[int, ...]] = {}
+        self.sent_prompt_tokens: list[int] = []  # per Generate: prompt tokens that crossed
+        self.refused_refs = 0
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.running: set[str] = set()
         self.aborts: list[str] = []
@@ -90,6 +97,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prepare_delay_s = 0.0
         self.await_delay_s = 0.0
         self.prepare_fail_code = None
+        self.keeps_prompt, self.forget_prompts = True, False
+        self.kept_prompts.clear()
+        self.sent_prompt_tokens.clear()
+        self.refused_refs = 0
         self.stats_running = 0
         self.requests.clear()
         self.aborts.clear()
@@ -105,6 +116,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         rid = request.request_id
+        self.sent_prompt_tokens.append(len(request.prompt_token_ids))
+        if request.HasField("prompt_ref"):
+            request = await self._resolve_prompt(request, context)
         self.requests.append(request)
         self.running.add(rid)
         script = self.script
@@ -129,6 +143,20 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.running.discard(rid)
             if kv_id and self.kv is not None:
                 self.kv.release(kv_id, "done")  # the request's load ended either way
+
+    async def _resolve_prompt(self, request, context):
+        """The request with its whole prompt (the kept one's head + what was sent)."""
+        ref = request.prompt_ref
+        kept = None if self.forget_prompts else self.kept_prompts.get(ref.kv_request_id)
+        if kept is None or ref.tokens > len(kept):
+            self.refused_refs += 1
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"prompt_ref: worker {self.worker_id} does not hold it")  # fmt: skip
+        whole = worker_pb2.GenerateRequest()
+        whole.CopyFrom(request)
+        del whole.prompt_token_ids[:]
+        whole.prompt_token_ids.extend([*kept[: ref.tokens], *request.prompt_token_ids])
+        return whole
 
     def _continuation_start(self, request, script: Script) -> int | None:
         """Output position this Generate continues from; None if its prompt is wrong."""
@@ -252,6 +280,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self.prepare_fail_code is not None:  # refused before reserving anything
             await context.abort(self.prepare_fail_code, "no room for the KV (scripted)")
         response = self._node().prepare(request.kv_request_id, list(request.prompt_token_ids))
+        if self.keeps_prompt:
+            self.kept_prompts[request.kv_request_id] = tuple(request.prompt_token_ids)
+            response.keeps_prompt = True
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
         return response

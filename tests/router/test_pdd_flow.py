@@ -232,6 +232,37 @@ def test_p_rld_md_catch_up_rounds(pdd):
     assert gap < 4 or len(warm) == 8
 
 
+def test_the_prompt_crosses_to_rld_and_md_once(pdd):
+    """PrepareKv brings RLD and MD the prompt; every Generate after it (RLD's, each Catch-Up
+    warm-up, the switch) refers to it and carries only the tokens emitted since."""
+    ids = script(pdd, 80)
+    relay_timing(pdd, rld_step=0.01, md_land=0.1)
+    pdd.by_id("md0").script.first_delay_s = 0.03
+    body = complete(pdd, "p_rld_md", "catch_up").json()
+    assert_handoff_stream(pdd, ids, body, rounds_at_least=2)
+    n = len(prompt_ids(pdd))
+    for wid in ("rld0", "md0"):
+        fake, reqs = pdd.by_id(wid), gen_requests(pdd, wid)
+        assert len(reqs) >= 1 and all(r.prompt_ref.tokens == n for r in reqs), wid
+        # what crossed: the emitted tokens only (the fake rebuilt each whole prompt)
+        assert fake.sent_prompt_tokens == [len(r.prompt_token_ids) - n for r in reqs], wid
+        assert fake.refused_refs == 0
+
+
+def test_a_worker_that_lost_the_prompt_gets_it_whole(pdd):
+    """MD no longer holds the prompt (e.g. it restarted after PrepareKv): it refuses the
+    reference before starting, and the router sends that Generate with the prompt whole."""
+    ids = script(pdd, 12)
+    md = pdd.by_id("md0")
+    md.forget_prompts = True
+    body = complete(pdd, "p_md").json()
+    assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
+    assert md.refused_refs == 1
+    (md_req,) = gen_requests(pdd, "md0")  # the refused call never started
+    assert not md_req.HasField("prompt_ref")
+    assert list(md_req.prompt_token_ids) == prompt_ids(pdd) + ids[:1]
+
+
 def test_anomaly_rld_finishes_first_and_md_s_kv_still_lands_for_the_next_turn(pdd):
     """RLD ends the request before MD's KV landed: the client has every token from RLD, and
     the WAN transfer is not cut but left to finish in the background (CancelKv(background)

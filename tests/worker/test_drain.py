@@ -87,6 +87,12 @@ class NoMetrics:
     def request_done(self, role: str, outcome: str) -> None:
         return None
 
+    def prompt_received(self, role: str, rpc: str, tokens: int) -> None:
+        return None
+
+    def prompt_ref(self, role: str, resolved: bool) -> None:
+        return None
+
 
 def generate_req(rid: str, kv_id: str = "") -> pb.GenerateRequest:
     req = pb.GenerateRequest(

@@ -226,4 +226,6 @@ def test_health_probe_is_503_until_ready_then_200() -> None:
         assert b'pdd_worker_ready{role="prefill"} 0.0' in body
     finally:
         metrics.close()
-    assert "pdd_worker_requests" not in REGISTRY._names_to_collectors  # noqa: SLF001
+    for name in ("pdd_worker_requests", "pdd_worker_prompt_tokens_received",
+                 "pdd_worker_prompt_refs"):  # fmt: skip
+        assert name not in REGISTRY._names_to_collectors  # noqa: SLF001

@@ -23,7 +23,7 @@ from pdd.router.decide.recovery import is_unreachable, is_worker_loss
 from pdd.router.fleet.pool import WorkerPool
 from pdd.router.fleet.workers import KvState, Prepared
 from pdd.router.record import PddTrace
-from pdd.router.types import GenerationRequest, KvIn
+from pdd.router.types import GenerationRequest, KvIn, PromptRef
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class KvParties:
         self.kv_id = req.request_id  # the key the KV travels under on every worker
         self.sent_at: float | None = None  # loop time SendKv returned (PStage.send)
         self._parties: dict[str, asyncio.Task[Prepared] | None] = {}
+        # destinations that keep the prompt their PrepareKv brought, and under which KV id
+        self._prompt_kept: dict[str, str] = {}
 
     def kv_in(self, source: str) -> KvIn:
         return KvIn(source, self.kv_id, self._policy.kv_in_wait_s)
@@ -77,7 +79,22 @@ class KvParties:
         )
         task = asyncio.get_running_loop().create_task(coro)
         self._parties[worker_id] = task
+        kv_id = self.kv_id
+        task.add_done_callback(lambda t: self._prepared(t, worker_id, kv_id))
         return task
+
+    def _prepared(self, task: asyncio.Task[Prepared], worker_id: str, kv_id: str) -> None:
+        if not task.cancelled() and task.exception() is None and task.result().keeps_prompt:
+            self._prompt_kept[worker_id] = kv_id
+
+    def prompt_ref(self, worker_id: str, prompt: tuple[int, ...]) -> PromptRef | None:
+        """How a Generate of ``prompt`` (the request's prompt + what was emitted) on
+        ``worker_id`` refers to the prompt its PrepareKv brought, so that only the rest crosses;
+        None: send it whole (no PrepareKv there, or the worker does not keep prompts)."""
+        kv_id, head = self._prompt_kept.get(worker_id), self._req.prompt_token_ids
+        if kv_id is None or prompt[: len(head)] != head:
+            return None
+        return PromptRef(kv_id, len(head))
 
     def hold(self, worker_id: str) -> None:
         """``worker_id`` may hold KV for the request (P staging)."""

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import aclosing
 
 from pdd.config.router import PddPolicyConfig
-from pdd.errors import PddError, UnavailableError
+from pdd.errors import PddError, PromptRefMissing, UnavailableError
 from pdd.protocol import Role
 from pdd.router.decide.recovery import (
     LOST_FINISHES,
@@ -72,16 +72,27 @@ class RequestRun:
         self, worker_id: str, req: GenerationRequest, *, kv_stage: bool = False,
         kv_in: KvIn | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
-        """One Generate stream on a worker, counted as load while it runs."""
+        """One Generate stream on a worker, counted as load while it runs. A worker that got
+        the prompt in PrepareKv gets only what follows it (``KvParties.prompt_ref``), or the
+        whole prompt again if it no longer holds it."""
         client = self.pool.client(worker_id)
+        ref = self.kv.prompt_ref(worker_id, req.prompt_token_ids)
         with self.pool.track(worker_id):
-            try:
-                async with aclosing(client.generate(req, kv_stage=kv_stage, kv_in=kv_in)) as evs:
-                    async for event in evs:
-                        yield event
-            except UnavailableError as exc:
-                self.pool.mark_unhealthy(worker_id, exc.message)
-                raise
+            while True:
+                try:
+                    stream = client.generate(req, kv_stage=kv_stage, kv_in=kv_in, prompt_ref=ref)
+                    async with aclosing(stream) as evs:
+                        async for event in evs:
+                            yield event
+                    return
+                except PromptRefMissing as exc:  # refused before it started: nothing emitted
+                    if ref is None:
+                        raise
+                    log.info("%s; sending the prompt whole", exc.message)
+                    ref = None
+                except UnavailableError as exc:
+                    self.pool.mark_unhealthy(worker_id, exc.message)
+                    raise
 
     async def finish_on(
         self, worker_id: str, tier: str, *, kv_source: str | None, await_kv: bool,

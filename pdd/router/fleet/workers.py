@@ -29,6 +29,7 @@ from pdd.errors import (
     InvalidRequestError,
     OverloadedError,
     PddError,
+    PromptRefMissing,
     UnavailableError,
     WorkerError,
 )
@@ -36,7 +37,14 @@ from pdd.observability.context import request_context_interceptors
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.proto.options import CHANNEL_OPTIONS
 from pdd.router.fleet.worker_auth import WorkerCredentials
-from pdd.router.types import GenerationRequest, KvIn, TokenEvent, TokenLogprob, TopLogprob
+from pdd.router.types import (
+    GenerationRequest,
+    KvIn,
+    PromptRef,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,7 @@ class Prepared:
     reserved_blocks: int
     address: worker_pb2.PeerAddress
     landing_key: str = ""  # the reservation's secret, handed to P only (SendKv)
+    keeps_prompt: bool = False  # later Generates may refer to the prompt (PromptRef)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,15 +122,18 @@ class WorkerClient:
         return resp.found
 
     async def generate(
-        self, req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None
-    ) -> AsyncIterator[TokenEvent]:
+        self, req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None,
+        prompt_ref: PromptRef | None = None,
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """Stream token events until the worker reports a finish reason.
 
         If the consumer stops early (stop string, client disconnect, cancellation), the gRPC
         stream is cancelled and an Abort is sent in the background, so the worker frees the
-        request even if the cancellation is lost. Raises PddError subclasses on RPC failure.
+        request even if the cancellation is lost. Raises PddError subclasses on RPC failure;
+        ``PromptRefMissing`` (nothing started) when the worker no longer holds the prompt
+        ``prompt_ref`` refers to.
         """
-        msg = request_to_proto(req, kv_stage=kv_stage, kv_in=kv_in)
+        msg = request_to_proto(req, kv_stage=kv_stage, kv_in=kv_in, prompt_ref=prompt_ref)
         call = self._stub.Generate(msg, timeout=self._deadline_left(req))
         finished = False
         try:
@@ -164,7 +176,8 @@ class WorkerClient:
             lease_s=lease_s, cache_salt=cache_salt,
         )  # fmt: skip
         resp = await self._call(self._stub.PrepareKv, msg, "PrepareKv")
-        return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address, resp.landing_key)
+        return Prepared(resp.cached_blocks, resp.reserved_blocks, resp.address, resp.landing_key,
+                        resp.keeps_prompt)  # fmt: skip
 
     async def send_kv(
         self,
@@ -273,6 +286,8 @@ def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddErro
         return OverloadedError(text)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return InvalidRequestError(details or text, param=_param_of(exc))
+    if code is grpc.StatusCode.FAILED_PRECONDITION and details.startswith("prompt_ref:"):
+        return PromptRefMissing(text)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return WorkerError(f"worker {worker_id} {method}: deadline exceeded", code="timeout")
     if code is grpc.StatusCode.UNAUTHENTICATED:  # a misconfigured fleet, not the client's fault
@@ -285,8 +300,11 @@ def rpc_error(exc: grpc.aio.AioRpcError, worker_id: str, method: str) -> PddErro
 
 
 def request_to_proto(
-    req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None
-) -> worker_pb2.GenerateRequest:
+    req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None,
+    prompt_ref: PromptRef | None = None,
+) -> worker_pb2.GenerateRequest:  # fmt: skip
+    """The Generate message; with ``prompt_ref`` its prompt holds only the tokens after the
+    referred ones."""
     s = req.sampling
     sampling = worker_pb2.SamplingParams(
         temperature=s.temperature,
@@ -306,7 +324,7 @@ def request_to_proto(
         sampling.seed = s.seed
     msg = worker_pb2.GenerateRequest(
         request_id=req.request_id,
-        prompt_token_ids=list(req.prompt_token_ids),
+        prompt_token_ids=list(req.prompt_token_ids[prompt_ref.tokens if prompt_ref else 0 :]),
         sampling=sampling,
         kv_stage=kv_stage,
         cache_salt=req.cache_salt,
@@ -315,6 +333,10 @@ def request_to_proto(
         c = req.constraint
         msg.constraint.CopyFrom(
             worker_pb2.Constraint(kind=c.kind, spec=c.spec, resume=list(c.resume), param=c.param)
+        )
+    if prompt_ref is not None:
+        msg.prompt_ref.CopyFrom(
+            worker_pb2.PromptRef(kv_request_id=prompt_ref.kv_request_id, tokens=prompt_ref.tokens)
         )
     if kv_in is not None:
         msg.kv_in.CopyFrom(
