@@ -23,6 +23,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, 
 from prometheus_client.registry import Collector
 
 from pdd.engine.types import EngineStats
+from pdd.protocol import Role
 from pdd.worker.roles import KvStats
 
 OUTCOMES = ("stop", "length", "abort", "error", "rejected", "cancelled")
@@ -152,7 +153,7 @@ class WorkerMetrics:
             ["role", "outcome"],
         )
         # every series the role can move, from zero (rate() sees the first increment)
-        receives_kv = role in ("relay_decode", "main_decode")
+        receives_kv = role in (Role.RELAY_DECODE, Role.MAIN_DECODE)
         for rpc in ("Generate", "PrepareKv") if receives_kv else ("Generate",):
             self._prompt_tokens.labels(role, rpc)
         for outcome in ("resolved", "missing") if receives_kv else ():

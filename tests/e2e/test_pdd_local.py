@@ -15,13 +15,12 @@ import grpc
 import httpx
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.config import ModelConfig, load_config
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.router.text.tokenizer import TextCodec
 from tests.helpers import at_once, run_oracle, serve, start_router, stop, wait_until
-from tests.observability import live
+from tests.observability import live, scrape
 from tests.router.test_api_tools import TIME, WEATHER  # the tools the fake-worker tests use
 
 pytestmark = pytest.mark.slow
@@ -238,15 +237,13 @@ def test_second_turn_sends_only_new_blocks(served, codec):
 
 def _prompt_counters(served, worker: str) -> dict[str, float]:
     """A worker's prompt tokens received by RPC and prompt references by outcome (/metrics)."""
-    text = httpx.get(f"http://127.0.0.1:{served.metrics_ports[worker]}/metrics", timeout=10).text
-    found = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("pdd_worker_prompt_tokens_received", "pdd_worker_prompt_refs"):
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    key = sample.labels.get("rpc") or sample.labels["outcome"]
-                    found[key] = sample.value
-    return found
+    url = f"http://127.0.0.1:{served.metrics_ports[worker]}/metrics"
+    families = scrape.parse(httpx.get(url, timeout=10).text)
+    tokens, refs = "pdd_worker_prompt_tokens_received_total", "pdd_worker_prompt_refs_total"
+    return {
+        **{rpc: scrape.value(families, tokens, rpc=rpc) for rpc in ("Generate", "PrepareKv")},
+        **{o: scrape.value(families, refs, outcome=o) for o in ("resolved", "missing")},
+    }
 
 
 @pytest.mark.parametrize("variant", ["p_md", "p_rld_md_catch_up"])

@@ -22,6 +22,7 @@ import grpc
 from pdd.kv_geometry import KvGeometry
 from pdd.proto import worker_pb2, worker_pb2_grpc
 from pdd.proto.options import SERVER_OPTIONS
+from pdd.worker.prompt_book import PromptBook
 from tests.router.fake_kv import BLOCK_BYTES, BLOCK_SIZE, FakeKvNode, FakeKvPlane
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -78,7 +79,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # forget_prompts plays a worker that lost them (restarted): such a Generate is refused
         self.keeps_prompt = True
         self.forget_prompts = False
-        self.kept_prompts: dict[str, tuple[int, ...]] = {}
+        self.kept_prompts = PromptBook()  # the real worker's book
         self.sent_prompt_tokens: list[int] = []  # per Generate: prompt tokens that crossed
         self.refused_refs = 0
         self.requests: list[worker_pb2.GenerateRequest] = []
@@ -98,7 +99,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.await_delay_s = 0.0
         self.prepare_fail_code = None
         self.keeps_prompt, self.forget_prompts = True, False
-        self.kept_prompts.clear()
+        self.kept_prompts = PromptBook()
         self.sent_prompt_tokens.clear()
         self.refused_refs = 0
         self.stats_running = 0
@@ -147,15 +148,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def _resolve_prompt(self, request, context):
         """The request with its whole prompt (the kept one's head + what was sent)."""
         ref = request.prompt_ref
-        kept = None if self.forget_prompts else self.kept_prompts.get(ref.kv_request_id)
-        if kept is None or ref.tokens > len(kept):
+        whole_prompt = (None if self.forget_prompts else
+                        self.kept_prompts.resolve(ref.kv_request_id, ref.tokens,
+                                                  request.prompt_token_ids))  # fmt: skip
+        if whole_prompt is None:
             self.refused_refs += 1
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"prompt_ref: worker {self.worker_id} does not hold it")  # fmt: skip
         whole = worker_pb2.GenerateRequest()
         whole.CopyFrom(request)
         del whole.prompt_token_ids[:]
-        whole.prompt_token_ids.extend([*kept[: ref.tokens], *request.prompt_token_ids])
+        whole.prompt_token_ids.extend(whole_prompt)
         return whole
 
     def _continuation_start(self, request, script: Script) -> int | None:
@@ -281,8 +284,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(self.prepare_fail_code, "no room for the KV (scripted)")
         response = self._node().prepare(request.kv_request_id, list(request.prompt_token_ids))
         if self.keeps_prompt:
-            self.kept_prompts[request.kv_request_id] = tuple(request.prompt_token_ids)
-            response.keeps_prompt = True
+            response.keeps_prompt = self.kept_prompts.put(
+                request.kv_request_id, request.prompt_token_ids
+            )
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
         return response
