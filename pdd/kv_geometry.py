@@ -87,6 +87,12 @@ class KvGeometry(BaseModel):
     kv_dtype: str = Field(..., min_length=1, max_length=16, description="KV-cache dtype.")
     device: str = Field("cpu", min_length=1, max_length=32, description="cpu | cuda | ...")
     layout: str = Field(LAYOUT_CPU_PACKED, min_length=1, max_length=16, description="Paged layout.")
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="The engine's ranks, each holding its share of the heads; its slots and "
+        "the wire hold every head above whatever it is (so it never has to match a peer's).",
+    )
 
     @property
     def heads_held(self) -> int:
@@ -111,6 +117,7 @@ class KvGeometry(BaseModel):
             f"{self.fingerprint[:12]} L{self.num_layers} kvh{self.kv_head_start}-"
             f"{self.kv_head_end}/{self.total_kv_heads} d{self.head_dim} B{self.block_size} "
             f"{self.kv_dtype} {self.layout} {self.device}"
+            + (f" tp{self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else "")
         )
 
     # --- proto (HealthResponse.geometry) --------------------------------------------------
@@ -125,7 +132,9 @@ class KvGeometry(BaseModel):
         """None when the message is unset (a worker that reports no geometry)."""
         if not msg.fingerprint:
             return None
-        return cls(**{name: getattr(msg, name) for name in cls.model_fields})
+        fields = {name: getattr(msg, name) for name in cls.model_fields}
+        fields["tensor_parallel_size"] = fields["tensor_parallel_size"] or 1  # an older worker
+        return cls(**fields)
 
 
 def _differs(a: KvGeometry, b: KvGeometry, fields: tuple[str, ...]) -> str | None:
@@ -264,8 +273,9 @@ def _to_bf16(raw: bytes, dtype: str) -> bytes:
 
 def folder_geometry(folder: Path | str, block_size: int, kv_dtype: str, device: str = "cpu",
                     layout: str = LAYOUT_CPU_PACKED) -> KvGeometry:  # fmt: skip
-    """The geometry of a model folder served at one engine configuration (tensor parallel 1:
-    every KV head). Raises ModelError for an unreadable folder."""
+    """The geometry of a model folder served at one engine configuration (every KV head, as
+    any worker's slots hold; tensor parallel size 1). Raises ModelError for an unreadable
+    folder."""
     folder = Path(folder)
     try:
         hf = json.loads((folder / "config.json").read_text())

@@ -135,8 +135,11 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def run_oracle(prompts: list, dtype: str, max_tokens: int, timeout_s: float = 900) -> list[dict]:
-    """Greedy tokens of a direct vLLM run (tests/e2e/vllm_oracle.py: no pdd code involved)."""
+def run_oracle(
+    prompts: list, dtype: str, max_tokens: int, timeout_s: float = 900, tp: tuple = ()
+) -> list[dict]:
+    """Greedy tokens of a direct vLLM run (tests/e2e/vllm_oracle.py: no pdd code involved);
+    ``tp``: (tensor-parallel size, the ranks' CPUs as VLLM_CPU_OMP_THREADS_BIND)."""
     import json
 
     from pdd.config import ModelConfig
@@ -144,7 +147,7 @@ def run_oracle(prompts: list, dtype: str, max_tokens: int, timeout_s: float = 90
     model_dir = str(ModelConfig(dtype=dtype).resolved_path())
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "e2e", "vllm_oracle.py"), model_dir, dtype,
-         str(max_tokens)],
+         str(max_tokens), *map(str, tp)],
         input=json.dumps(prompts), capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     if proc.returncode != 0:

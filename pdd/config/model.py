@@ -73,6 +73,15 @@ class EngineConfig(Section):
         "and the Decode-side RadixCache work in whole blocks.",
     )
     max_num_seqs: int = Field(32, gt=0, description="Max concurrent sequences per engine.")
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="vLLM tensor-parallel ranks of this engine (>1: its multiprocess executor, "
+        "one process a rank). The model's attention and KV heads must divide by it (or it by "
+        "the KV heads: they are then replicated). pdd's KV slots and the wire always hold every "
+        "head, so P, RLD and MD may each run their own degree; each rank copies its own heads. "
+        "On CPU give each rank its cores in omp_threads_bind, '|' between ranks (e.g. '0|1|1').",
+    )
     max_num_batched_tokens: int | None = Field(
         None, description="Token budget per engine step. Null: vLLM's default."
     )

@@ -7,7 +7,8 @@ with role WORKER (same process with the "uni" executor, a child with "mp"). This
 dispatches to the half for its role:
 
 - ``SchedulerHalf`` (connector_scheduler.py): per-request bookkeeping, no bytes.
-- ``WorkerHalf`` (connector_worker.py): synchronous copies between the paged cache and slots.
+- ``WorkerHalf`` (connector_worker.py): synchronous copies between the paged cache and slots;
+  one per tensor-parallel rank, each over its own KV heads.
 
 The connector moves KV between vLLM's paged cache and the slots of a shared-memory arena
 (pdd.cache.arena) that the worker shell owns. It knows nothing of peers, transports, hashes
@@ -58,7 +59,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from pdd.engine.connector_meta import PddConnectorMetadata
 from pdd.engine.connector_params import ConnectorSettings
 from pdd.engine.connector_scheduler import SchedulerHalf
-from pdd.engine.connector_worker import WorkerHalf
+from pdd.engine.connector_worker import HeadShard, WorkerHalf
 from pdd.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ class PddConnector(KVConnectorBase_V1):
                 settings, block_size, ktc.is_kv_producer, ktc.is_kv_consumer
             )
         else:
-            self._worker = WorkerHalf(settings, kv_cache_config.num_blocks)
+            self._worker = WorkerHalf(
+                settings, kv_cache_config.num_blocks, _head_shard(vllm_config)
+            )
 
     # ==== worker side ========================================================================
 
@@ -126,6 +129,8 @@ class PddConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.close()
 
     # ==== scheduler side =====================================================================
 
@@ -168,3 +173,16 @@ class PddConnector(KVConnectorBase_V1):
     def _s(self) -> SchedulerHalf:
         assert self._sched is not None, "scheduler-side method called on the worker half"
         return self._sched
+
+
+def _head_shard(vllm_config: VllmConfig) -> HeadShard:
+    """The KV heads this worker's rank holds (called in the worker, once vLLM's tensor-parallel
+    group exists)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    world = get_tensor_model_parallel_world_size()
+    return HeadShard.of_rank(get_tensor_model_parallel_rank(), world, total)

@@ -5,9 +5,12 @@ Scheduler half -> worker half, once per engine step (``PddConnectorMetadata``):
     saves    copy paged blocks -> slots, after this step's forward (it computed them)
     fences   (index, ticket) to post: those requests finished before this step was scheduled,
              so no step that copies for them is still to run once this step runs
-A save job with ``progress`` (index, end) posts ``end`` to the progress board's word ``index``
-once its copy ran: the request's slots then hold its prompt blocks up to ``end``.
-Worker half -> scheduler half, once per step (``PddWorkerMetadata``): copy counts and times.
+A save job with ``progress`` (index, end) reports it back once its copy ran; the scheduler half
+posts ``end`` to the progress board's word ``index`` when every rank's report of the step is in
+(vLLM aggregates them): the request's slots then hold its prompt blocks up to ``end``.
+Worker half -> scheduler half, once per step (``PddWorkerMetadata``): copy counts and times,
+and the progress the step's saves reached. With tensor parallelism each rank copies its own KV
+heads of the same blocks in parallel, so the aggregate is the slowest rank's figures.
 
 One CopyJob pairs vLLM block ids with arena slots, position by position:
 
@@ -47,21 +50,32 @@ class CopyStat:
     seconds: float
 
     def __add__(self, other: CopyStat) -> CopyStat:
+        """Two copies one after the other (one rank, one step)."""
         return CopyStat(self.blocks + other.blocks, self.seconds + other.seconds)
+
+    def slowest(self, other: CopyStat) -> CopyStat:
+        """Two ranks' copies of the same blocks, in parallel."""
+        return CopyStat(max(self.blocks, other.blocks), max(self.seconds, other.seconds))
 
 
 @dataclass
 class PddWorkerMetadata(KVConnectorWorkerMetadata):
     loads: dict[str, CopyStat] = field(default_factory=dict)  # req_id -> this step's loads
     saves: dict[str, CopyStat] = field(default_factory=dict)  # req_id -> this step's saves
+    progress: dict[int, int] = field(default_factory=dict)  # board index -> end block copied
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Another rank's report of the same step: the same blocks, copied in parallel."""
         assert isinstance(other, PddWorkerMetadata)
-        return PddWorkerMetadata(_merge(self.loads, other.loads), _merge(self.saves, other.saves))
+        return PddWorkerMetadata(
+            _merge(self.loads, other.loads, CopyStat.slowest),
+            _merge(self.saves, other.saves, CopyStat.slowest),
+            _merge(self.progress, other.progress, max),
+        )
 
 
-def _merge(a: dict[str, CopyStat], b: dict[str, CopyStat]) -> dict[str, CopyStat]:
+def _merge(a: dict, b: dict, both) -> dict:
     out = dict(a)
-    for rid, stat in b.items():
-        out[rid] = out[rid] + stat if rid in out else stat
+    for key, value in b.items():
+        out[key] = both(out[key], value) if key in out else value
     return out

@@ -16,6 +16,10 @@ its result says why.
   slots are read in its first step only, so the shell may free them at its first token
   (``kv_run.stream_loading``); preempted and scheduled again, it computes what it lost.
 - fence: in the first step scheduled after ``request_finished``, the worker posts it.
+- progress: once every rank's copies of a step are reported (``update_connector_output``),
+  an exporting request's progress word on the board gets the end of the blocks its slots hold.
+  Posted here, not by a rank: with tensor parallelism a slot is whole only when every rank
+  copied its heads into it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from pdd.cache.arena import FenceBoard
 from pdd.engine.connector_meta import CopyJob, PddConnectorMetadata, PddWorkerMetadata
 from pdd.engine.connector_params import (
     ConnectorSettings,
@@ -68,6 +73,7 @@ class SchedulerHalf:
         self._reqs: dict[str, _Req] = {}
         self._new_loads: list[CopyJob] = []
         self._fences: list[tuple[int, int]] = []
+        self._progress = FenceBoard.attach(settings.progress) if settings.progress else None
 
     def bind(self, kv_cache_manager: Any) -> None:
         self._block_ids_of = kv_cache_manager.get_block_ids
@@ -139,6 +145,15 @@ class SchedulerHalf:
                 rec.loaded = rec.loaded.model_copy(update={"seconds": stat.seconds})
         for rid, stat in meta.saves.items():
             log.debug("export of %s: %d blocks copied in %.4f s", rid, stat.blocks, stat.seconds)
+        if self._progress is not None:
+            for index, end in meta.progress.items():
+                self._progress.post(index, end)
+
+    def close(self) -> None:
+        """Unmap the progress board (the shell owns and unlinks it)."""
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     # --- the end of a request ---------------------------------------------------------------
 

@@ -5,11 +5,19 @@ Runs in vLLM's worker (the engine-core process with the "uni" executor, a child 
 
 - ``load`` (``start_load_kv``, before the forward of a step with sync loads): slots -> blocks;
   first it posts the fences the scheduler half sent (requests finished in earlier steps).
-- ``save`` (``wait_for_save``, after the forward): blocks this step computed -> slots.
+- ``save`` (``wait_for_save``, after the forward): blocks this step computed -> slots; the
+  progress it reached goes back to the scheduler half, which posts it once every rank's copy of
+  the step is in.
 
 Owns: the block copier, the attached arena and fence board (mapped here, owned by the worker
 shell), and the per-step copy statistics. Holds no request state: the scheduler half decides
 every copy.
+
+Tensor parallelism: every rank runs a worker half over its own paged cache, which holds only
+its KV heads (``HeadShard``). A slot always holds a whole block, every head, in the layout
+below, so P's and MD's tensor-parallel degrees never show on the wire: each rank copies its
+heads' bytes of each layer block (contiguous there: heads come first in vLLM's CPU block),
+and ranks holding a replicated head write the same bytes.
 
 Two copiers, picked at ``register_kv_caches`` from the tensors (layout rule: kv_copy.py):
 - ``SlotCopier`` (numpy views, ``PagedKv``): vLLM's CPU layout, contiguous block-first CPU
@@ -39,6 +47,27 @@ from pdd.engine.kv_copy import PagedLayers, TorchBlockCopier
 from pdd.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The KV heads one tensor-parallel rank holds: ``start .. start + count`` of ``total``."""
+
+    start: int
+    count: int
+    total: int
+
+    @classmethod
+    def of_rank(cls, rank: int, world: int, total: int) -> HeadShard:
+        """vLLM's split: ``total // world`` heads a rank, or one replicated head each when
+        there are more ranks than heads (``world`` a multiple of ``total``)."""
+        if total % world and world % total:
+            raise ConfigError(f"{total} KV heads cannot be split over {world} ranks")
+        return cls(rank * total // world, max(1, total // world), total)
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.total
 
 
 @dataclass(frozen=True)
@@ -80,20 +109,30 @@ class PagedKv:
 
 
 class SlotCopier:
-    """Copies whole blocks, all layers, between a PagedKv and a SlotArena."""
+    """Copies whole blocks, all layers, between a PagedKv and a SlotArena: of a
+    tensor-parallel rank, its ``shard`` of each block's heads."""
 
-    def __init__(self, kv: PagedKv, arena: SlotArena) -> None:
+    def __init__(self, kv: PagedKv, arena: SlotArena, shard: HeadShard | None = None) -> None:
         layout = kv.layout
-        if arena.slot_bytes != layout.block_bytes:
+        if shard is None:  # one rank: every head
+            shard = HeadShard(0, layout.block_shape[0], layout.block_shape[0])
+        if layout.block_shape[0] != shard.count:
+            raise ConfigError(f"KV block {layout.block_shape}: expected {shard.count} heads first")
+        head_bytes = layout.layer_block_bytes // shard.count
+        slot_bytes = layout.block_bytes // shard.count * shard.total
+        if arena.slot_bytes != slot_bytes:
             raise ConfigError(
                 f"arena {arena.ref.name!r} has {arena.slot_bytes}-byte slots, but one KV block "
-                f"of this engine is {layout.block_bytes} bytes ({len(layout.layer_names)} "
-                f"layers x {layout.layer_block_bytes}, {layout.dtype})"
+                f"of this engine is {slot_bytes} bytes ({len(layout.layer_names)} layers x "
+                f"{shard.total} heads x {head_bytes}, {layout.dtype})"
             )
-        self._layers = kv.layers
-        # [num_slots, num_layers, layer_block_bytes]; shares memory with the arena.
+        L = len(kv.layers)  # noqa: N806
+        self._layers = [t.reshape(t.shape[0], shard.count, head_bytes) for t in kv.layers]
+        # [num_slots, num_layers, heads, head_bytes] -> this rank's heads; shares memory with
+        # the arena.
         flat = np.frombuffer(arena.buffer, dtype=np.uint8)
-        self._slots = flat.reshape(arena.num_slots, len(kv.layers), layout.layer_block_bytes)
+        slots = flat.reshape(arena.num_slots, L, shard.total, head_bytes)
+        self._slots = slots[:, :, shard.start : shard.start + shard.count]
 
     def save(self, block_ids: tuple[int, ...], slots: tuple[int, ...]) -> None:
         """Paged blocks -> slots (one block of every layer per slot)."""
@@ -114,14 +153,20 @@ class SlotCopier:
 
 
 class WorkerHalf:
-    def __init__(self, settings: ConnectorSettings, num_blocks: int | None = None) -> None:
-        """``num_blocks``: vLLM's ``KVCacheConfig.num_blocks``, for layout detection (kv_copy)."""
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        num_blocks: int | None = None,
+        shard: HeadShard | None = None,
+    ) -> None:
+        """``num_blocks``: vLLM's ``KVCacheConfig.num_blocks``, for layout detection (kv_copy);
+        ``shard``: the KV heads this rank holds."""
         self._settings = settings
         self._num_blocks = num_blocks
+        self._shard = shard
         self._copier: SlotCopier | TorchBlockCopier | None = None
         self._arena: SlotArena | None = None
         self._fences: FenceBoard | None = None
-        self._progress: FenceBoard | None = None
         self._out = PddWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -130,7 +175,13 @@ class WorkerHalf:
         self._arena = SlotArena.attach_ref(self._settings.arena)
         try:
             if layers.is_cpu_packed:
-                self._copier = SlotCopier(PagedKv(kv_caches), self._arena)
+                self._copier = SlotCopier(PagedKv(kv_caches), self._arena, self._shard)
+            elif self._shard is not None and not self._shard.whole:
+                raise ConfigError(
+                    f"tensor parallelism: pdd's connector copies a rank's KV heads in vLLM's "
+                    f"CPU layout only, not {tuple(next(iter(kv_caches.values())).shape)} on "
+                    f"{layers.device}"
+                )
             else:
                 self._copier = TorchBlockCopier(layers, self._arena)
         except ConfigError:
@@ -139,8 +190,6 @@ class WorkerHalf:
             raise
         if self._settings.fences is not None:
             self._fences = FenceBoard.attach(self._settings.fences)
-        if self._settings.progress is not None:
-            self._progress = FenceBoard.attach(self._settings.progress)
         log.info("PddConnector: arena %s, %d slots of %d bytes, %s copier%s",
                  self._arena.ref.name, self._arena.num_slots, self._arena.slot_bytes,
                  type(self._copier).__name__, f" ({self._copier.host})"
@@ -157,12 +206,13 @@ class WorkerHalf:
             self._out.loads[job.req_id] = self._copy(job, self._c().load, job.slots, job.block_ids)
 
     def save(self, meta: PddConnectorMetadata) -> None:
-        """Copy the blocks this step's forward computed into their slots; post how far each
+        """Copy the blocks this step's forward computed into their slots; report how far each
         request's slots are filled (the copy is synchronous: the bytes are there)."""
         for job in meta.saves:
             stat = self._copy(job, self._c().save, job.block_ids, job.slots)
-            if job.progress is not None and self._progress is not None:
-                self._progress.post(*job.progress)
+            if job.progress is not None:
+                index, end = job.progress
+                self._out.progress[index] = max(end, self._out.progress.get(index, 0))
             prev = self._out.saves.get(job.req_id)
             self._out.saves[job.req_id] = prev + stat if prev else stat
 
@@ -172,7 +222,7 @@ class WorkerHalf:
         return CopyStat(len(job.slots), time.perf_counter() - started)
 
     def take_worker_meta(self) -> PddWorkerMetadata | None:
-        if not self._out.loads and not self._out.saves:
+        if not self._out.loads and not self._out.saves and not self._out.progress:
             return None
         out, self._out = self._out, PddWorkerMetadata()
         return out
@@ -181,9 +231,8 @@ class WorkerHalf:
         """Unmap the arenas (the shell owns and unlinks them)."""
         if self._copier is not None:
             self._copier.close()
-        for board in (self._fences, self._progress):
-            if board is not None:
-                board.close()
+        if self._fences is not None:
+            self._fences.close()
         if self._arena is not None:
             self._arena.close()
 

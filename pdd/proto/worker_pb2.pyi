@@ -292,7 +292,7 @@ class HealthResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ...) -> None: ...
 
 class KvGeometry(_message.Message):
-    __slots__ = ("fingerprint", "num_layers", "total_kv_heads", "kv_head_start", "kv_head_end", "head_dim", "block_size", "kv_dtype", "device", "layout")
+    __slots__ = ("fingerprint", "num_layers", "total_kv_heads", "kv_head_start", "kv_head_end", "head_dim", "block_size", "kv_dtype", "device", "layout", "tensor_parallel_size")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class KvGeometry(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     num_layers: int
     total_kv_heads: int
@@ -313,7 +314,8 @@ class KvGeometry(_message.Message):
     kv_dtype: str
     device: str
     layout: str
-    def __init__(self, fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., device: _Optional[str] = ..., layout: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

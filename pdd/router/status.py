@@ -68,6 +68,11 @@ def _details(w: dict[str, Any]) -> list[str]:
             f"/kvh{geo['kv_head_start']}-{geo['kv_head_end']}of{geo['total_kv_heads']}"
             f"/d{geo['head_dim']}/B{geo['block_size']}/{geo['kv_dtype']}/{geo['layout']}"
             f"/{geo['device']}"
+            + (
+                f"/tp{geo['tensor_parallel_size']}"
+                if geo.get("tensor_parallel_size", 1) > 1
+                else ""
+            )
         )
     return out
 

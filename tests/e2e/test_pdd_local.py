@@ -590,6 +590,56 @@ def test_a_p_of_another_block_size_equals_single_engine(served, codec, prompts, 
     assert {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")} == refused
 
 
+MD_TP = (3, "0|1|1")  # the default model's 3 KV heads (9 attention heads) take TP 3, not 2
+
+
+def test_an_md_at_tensor_parallel_3_equals_its_own_configuration(served, codec, prompts,
+                                                                 tmp_path):  # fmt: skip
+    """P at TP 1 -> MD at TP 3 (float32; vLLM refuses TP 2 on this model): each of MD's three
+    ranks loads only its KV head from the slots P's whole blocks land in. The greedy text of
+    p_md on every 2nd prompt, and of p_rld_md with One-Shot and with Catch-Up on every 4th,
+    equals a colocated vLLM run at TP 3 (MD's own configuration; all 20 prompts on every
+    pipeline: run once, 2026-12-06, all equal); MD refuses no chunk, reports its degree in
+    Health, and keeps the conversation in its DRC (only new blocks cross)."""
+    some = prompts[::2]
+    oracle = run_oracle([{"prompt_token_ids": p} for p in some], DTYPE, MAX_TOKENS, tp=MD_TP)
+    engine = [f"tensor_parallel_size={MD_TP[0]}", f"omp_threads_bind={MD_TP[1]}"]
+    with (_extra_worker("md", engine, tmp_path / "md-tp3.log") as port,
+          _router_over(served, {"md": port}) as (router, rows)):  # fmt: skip
+        geometry = rows["md"]["geometry"]
+        assert geometry["tensor_parallel_size"] == 3 and rows["md"]["admitted"]
+        assert (geometry["kv_head_start"], geometry["kv_head_end"]) == (0, 3)  # every head
+        for variant, hints in VARIANTS.items():
+            step = 1 if variant == "p_md" else 2
+            _assert_equal(router, hints, some[::step], oracle[::step], codec)
+        _two_turns(served, router, port, "Notes on ranks. " + _long_text(26, 1))
+        assert _stats_at(port).kv_refused_chunks == 0
+
+
+def test_a_p_at_tensor_parallel_3_streams_whole_blocks(served, codec, prompts, oracle, tmp_path):
+    """The reverse: P at TP 3 -> RLD and MD at TP 1. P prefills 64 tokens a step and streams
+    each step's blocks as its three ranks copy their heads into the slots (posted once every
+    rank's copy is in): the greedy text of p_md and of p_rld_md (Catch-Up) on every 4th prompt
+    equals one engine's at TP 1 (RLD's and MD's configuration), and no chunk is refused."""
+    refused = {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")}
+    engine = [f"tensor_parallel_size={MD_TP[0]}", f"omp_threads_bind={MD_TP[1]}"]
+    with (_extra_worker("p", engine, tmp_path / "p-tp3.log") as port,
+          _router_over(served, {"p": port}) as (router, rows)):  # fmt: skip
+        assert rows["p"]["geometry"]["tensor_parallel_size"] == 3
+        for variant in ("p_md", "p_rld_md_catch_up"):
+            _assert_equal(router, VARIANTS[variant], prompts[::4], oracle[::4], codec)
+    assert {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")} == refused
+
+
+def _assert_equal(router, hints: dict, some: list, oracle: list, codec) -> None:
+    """Every prompt of ``some`` through ``router`` on ``hints``' pipeline: the oracle's text."""
+    bodies = at_once(lambda p: complete(router.url, p, hints), some)
+    for prompt, expected, body in zip(some, oracle, bodies, strict=True):
+        assert body["choices"][0]["text"] == codec.decode(expected["token_ids"]), (
+            hints, len(prompt), body["pdd"])  # fmt: skip
+        assert body["pdd"]["pipeline"] == hints["pipeline"]
+
+
 def test_a_lossless_wan_codec_equals_single_engine(served, codec, prompts, oracle, tmp_path):
     """A P whose KV crosses to MD zstd-coded (transfer.wan_codec): p_md's greedy text
     equals one engine's on every prompt of the suite, fewer bytes cross than P's raw KV (P's

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from pdd.cache.arena import FenceBoard, SlotArena
@@ -24,7 +25,7 @@ from pdd.engine.connector_params import (
     wrap,
 )
 from pdd.engine.connector_scheduler import SchedulerHalf
-from pdd.engine.connector_worker import WorkerHalf
+from pdd.engine.connector_worker import HeadShard, WorkerHalf
 from pdd.errors import ConfigError
 
 BLOCK = 32
@@ -61,8 +62,8 @@ def arenas():
         a.unlink()
 
 
-def _worker(settings: ConnectorSettings, caches) -> WorkerHalf:
-    half = WorkerHalf(settings)
+def _worker(settings: ConnectorSettings, caches, shard: HeadShard | None = None) -> WorkerHalf:
+    half = WorkerHalf(settings, shard=shard)
     half.register_kv_caches(caches)
     return half
 
@@ -119,24 +120,73 @@ def test_fences_are_posted_at_the_start_of_a_step(arenas):
         half.shutdown()
 
 
-def test_export_progress_is_posted_once_a_steps_copies_ran(arenas):
-    """P streams its blocks while it prefills: after a step's saves the progress board says
-    how far each exporting request's slots are filled, and the bytes are there."""
+def test_export_progress_is_posted_once_every_ranks_copies_are_in(arenas):
+    """P streams its blocks while it prefills: a step's saves report how far each exporting
+    request's slots are filled, and the scheduler half posts it to the progress board once the
+    step's reports (every rank's, aggregated by vLLM) are in; the bytes are there by then."""
     settings = arenas(4)
     progress = FenceBoard.create(4, PREFIX)
     settings = settings.model_copy(update={"progress": progress.ref})
     caches = _caches(3)
     half = _worker(settings, caches)
+    sched = SchedulerHalf(settings, BLOCK, producer=True, consumer=False)
     arena = SlotArena.attach_ref(settings.arena)
     try:
         half.save(PddConnectorMetadata(saves=[CopyJob("r", (5, 1), (2, 0), (3, 2))]))
+        meta = half.take_worker_meta()
+        assert meta.progress == {3: 2} and progress.read(3) == 0  # not posted by a rank
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
         assert [progress.read(i) for i in range(4)] == [0, 0, 0, 2]
         assert bytes(arena.view(2)) == b"".join(t[5].numpy().tobytes() for t in caches.values())
     finally:
         arena.close()
+        sched.close()
         progress.close()
         progress.unlink()
         half.shutdown()
+
+
+@pytest.mark.parametrize("world", [3, 6])
+def test_tensor_parallel_ranks_each_copy_their_heads_of_whole_slots(arenas, world):
+    """A slot holds every KV head whatever the tensor-parallel degree: P's ranks (3 heads over
+    3 ranks, or replicated over 6) fill it with the bytes one rank would write, and MD's ranks
+    each load only their own heads from it."""
+    settings = arenas(3)
+    whole, shard_of = _caches(4), lambda r: HeadShard.of_rank(r, world, SHAPE[1])
+    ranks = [{n: t[:, s.start : s.start + s.count].clone() for n, t in whole.items()}
+             for s in map(shard_of, range(world))]  # fmt: skip
+    one = _worker(settings, _caches(4))
+    p = [_worker(settings, c, shard_of(r)) for r, c in enumerate(ranks)]
+    loaded = [{n: torch.zeros_like(t) for n, t in c.items()} for c in ranks]
+    md = [_worker(settings, c, shard_of(r)) for r, c in enumerate(loaded)]
+    arena = SlotArena.attach_ref(settings.arena)
+    try:
+        one.save(PddConnectorMetadata(saves=[CopyJob("r", (6,), (0,))]))
+        for half in p:
+            half.save(PddConnectorMetadata(saves=[CopyJob("r", (6,), (1,))]))
+        assert bytes(arena.view(1)) == bytes(arena.view(0))
+        for half in md:
+            half.load(PddConnectorMetadata(loads=[CopyJob("r", (2,), (1,))]))
+        for r, c in enumerate(loaded):
+            s = shard_of(r)
+            for n, t in c.items():
+                assert torch.equal(t[2], whole[n][6, s.start : s.start + s.count])
+        a, b = (half.take_worker_meta() for half in p[:2])
+        both = a.aggregate(b)  # vLLM's sum over ranks: the same block, copied in parallel
+        assert both.saves["r"].blocks == 1
+        assert both.saves["r"].seconds == max(a.saves["r"].seconds, b.saves["r"].seconds)
+    finally:
+        arena.close()
+        for half in [one, *p, *md]:
+            half.shutdown()
+
+
+def test_a_rank_whose_heads_do_not_match_its_cache_fails_engine_start(arenas):
+    settings = arenas(2)
+    with pytest.raises(ConfigError, match="expected 1 heads first"):
+        WorkerHalf(settings, shard=HeadShard.of_rank(0, 3, 3)).register_kv_caches(_caches(1))
+    with pytest.raises(ConfigError, match="3 KV heads cannot be split over 2 ranks"):
+        HeadShard.of_rank(0, 2, 3)
 
 
 # ---- scheduler half --------------------------------------------------------------------------

@@ -85,6 +85,21 @@ def test_a_workers_engine_dtype_overrides_the_models(engine_cls, tmp_path) -> No
     assert block_bytes_of(model, 32, "bfloat16") * 2 == block_bytes_of(model, 32) == 1_474_560
 
 
+def test_tensor_parallel_ranks_run_in_vllms_multiprocess_executor(
+    engine_cls, tmp_path, monkeypatch
+):
+    one = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
+    assert (one.tensor_parallel_size, one.distributed_executor_backend) == (1, None)
+    config = EngineConfig(tensor_parallel_size=3, omp_threads_bind="0|1|1")
+    engine = engine_cls(ModelConfig(), config)
+    args = engine._engine_args(tmp_path)
+    assert (args.tensor_parallel_size, args.distributed_executor_backend) == (3, "mp")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with engine._spawn_env():  # each rank binds its own entry: vLLM's CPU worker reads it
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|1"
+        assert "OMP_PLACES" not in os.environ
+
+
 def test_async_scheduling_is_vllms_default_unless_the_config_says(engine_cls, tmp_path):
     assert engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path).async_scheduling is None
     off = EngineConfig(async_scheduling=False)

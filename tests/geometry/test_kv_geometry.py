@@ -124,3 +124,17 @@ def test_proto_round_trip_and_unset():
     g = geometry(layout="kv_split", device="cuda", kv_head_start=1, kv_head_end=2)
     assert KvGeometry.from_proto(g.to_proto()) == g
     assert KvGeometry.from_proto(pb.HealthResponse().geometry) is None
+    tp3 = geometry(tensor_parallel_size=3)
+    assert KvGeometry.from_proto(tp3.to_proto()) == tp3 and tp3.summary().endswith(" tp3")
+    older = tp3.to_proto()
+    older.ClearField("tensor_parallel_size")  # a worker from before the field: one rank
+    assert KvGeometry.from_proto(older).tensor_parallel_size == 1
+
+
+def test_the_tensor_parallel_degree_never_keeps_two_workers_apart():
+    """Every worker's slots hold every KV head, whatever its ranks: nothing to convert."""
+    md = RECEIVER_CONVERTS[Role.MAIN_DECODE]
+    for a, b in ((1, 3), (3, 1), (2, 4)):
+        p, d = geometry(tensor_parallel_size=a), geometry(tensor_parallel_size=b)
+        assert pair_conflict(p, d) is None and pair_conflict(p, d, md) is None
+        assert identity_conflict(p, d) is None
