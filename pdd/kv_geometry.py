@@ -59,7 +59,7 @@ LANDING = ("kv_dtype", "block_size", "layout", "kv_head_start", "kv_head_end")
 # The values between which a receiver converts the dtype and the layout (pdd.worker.kv_convert);
 # block sizes convert between any two (``convertible``).
 CONVERSIONS: dict[str, frozenset[str]] = {
-    "kv_dtype": frozenset({"float32", "bfloat16"}),
+    "kv_dtype": frozenset({"float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"}),
     "layout": frozenset({LAYOUT_CPU_PACKED, LAYOUT_KV_SPLIT}),
 }
 # What each receiving role converts on landing (the rest of LANDING must match).
@@ -68,7 +68,11 @@ RECEIVER_CONVERTS: dict[Role, frozenset[str]] = {
     Role.RELAY_DECODE: frozenset({"kv_dtype", "layout", "block_size"}),
 }
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per KV item; fp8_*: vLLM's fp8 KV cache (``engine.kv_cache_dtype``), torch's
+# float8_e4m3fn / float8_e5m2 at vLLM's default scale of 1.0; fp8_*_scaled: the same of a
+# quantized checkpoint, whose KV scales pdd does not know (so it never converts them).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1,
+               "fp8_e4m3_scaled": 1, "fp8_e5m2_scaled": 1}  # fmt: skip
 _SAMPLE = 8  # values of each tensor that enter the fingerprint (at its start and middle)
 
 
@@ -100,7 +104,7 @@ class KvGeometry(BaseModel):
 
     @property
     def dtype_bytes(self) -> int:
-        return _DTYPE_BYTES.get(self.kv_dtype, 0)
+        return DTYPE_BYTES.get(self.kv_dtype, 0)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:

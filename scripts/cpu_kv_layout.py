@@ -9,6 +9,14 @@ kernels, whose interior pdd does not convert).
 
     .venv/bin/python scripts/cpu_kv_layout.py float32     # ~1 minute here
     .venv/bin/python scripts/cpu_kv_layout.py bfloat16    # on a CPU without AMX tiles
+    .venv/bin/python scripts/cpu_kv_layout.py fp8_e4m3    # vLLM's fp8 KV cache (see below)
+
+With an fp8 KV-cache dtype it checks what an MD of that cache does to P's float32 KV instead:
+the same prompt exported at block 32 from a float32 engine and from one with that fp8 cache
+(float32 weights); the float32 blocks narrowed by ``kv_convert.convert_block`` against the fp8
+engine's own, layer by layer (layer 0's K and V come from the embeddings alone, so they must
+match byte for byte: pdd truncates toward zero as vLLM's CPU kernels do; later layers follow
+attention over the cache's own precision).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdd.cache.arena import FenceBoard, SlotArena  # noqa: E402
@@ -28,21 +38,23 @@ from pdd.engine.engine import Engine  # noqa: E402
 from pdd.engine.types import KvConnectorSpec, SamplingSpec  # noqa: E402
 from pdd.errors import ConfigError  # noqa: E402
 from pdd.kv_geometry import folder_geometry  # noqa: E402
-from pdd.worker.kv_convert import Regroup  # noqa: E402
+from pdd.worker.kv_convert import FP8, Regroup, convert_block  # noqa: E402
 
 TOKENS = 128
 
 
-async def export(dtype: str, block: int, prompt: list[int]):
+async def export(dtype: str, block: int, prompt: list[int], kv_cache_dtype: str = "auto"):
     """(geometry, the prompt's whole blocks as bytes) of one engine at ``block``."""
     folder = ModelConfig().resolved_path()
-    shape = folder_geometry(folder, block, dtype)  # only its block size in bytes is used here
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    shape = folder_geometry(folder, block, kv_dtype)  # only its block size in bytes is used here
     n = TOKENS // block
     arena = SlotArena.create(n, shape.block_bytes, f"pdd-layout-{block}")
     fences = FenceBoard.create(4, f"pdd-layout-fence-{block}")
     settings = ConnectorSettings(arena=arena.ref, fences=fences.ref)
     spec = KvConnectorSpec(role="kv_producer", extra_config=settings.model_dump())
-    cfg = EngineConfig(dtype=dtype, max_model_len=1024, kv_cache_space_gib=0.25, block_size=block)
+    cfg = EngineConfig(dtype=dtype, max_model_len=1024, kv_cache_space_gib=0.25, block_size=block,
+                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     engine = Engine(ModelConfig(), cfg, spec)
     try:
         await engine.start()
@@ -63,9 +75,32 @@ async def export(dtype: str, block: int, prompt: list[int]):
             owned.unlink()
 
 
+async def narrowed(fp8: str, prompt: list[int]) -> int:
+    """float32 blocks narrowed by pdd against an fp8 cache's own, per layer."""
+    wide_geometry, wide = await export("float32", 32, prompt)
+    fp8_geometry, own = await export("float32", 32, prompt, fp8)
+    print(f"fp8 cache: layout {fp8_geometry.layout}, kv_dtype {fp8_geometry.kv_dtype}")
+    layers = fp8_geometry.num_layers
+    equal = [0] * layers
+    total = 0
+    for w, o in zip(wide, own, strict=True):
+        out = bytearray(fp8_geometry.block_bytes)
+        convert_block(w, wide_geometry, out, fp8_geometry)
+        mine = np.frombuffer(bytes(out), np.uint8).reshape(layers, -1)
+        theirs = np.frombuffer(o, np.uint8).reshape(layers, -1)
+        equal = [e + int((a == b).sum()) for e, a, b in zip(equal, mine, theirs, strict=True)]
+        total += mine.shape[1]
+    share = [e / total for e in equal]
+    print(f"{fp8}: layer 0 bytes equal {share[0]:.6f}; layers 1-{layers - 1}: "
+          f"min {min(share[1:]):.4f}, mean {sum(share[1:]) / (layers - 1):.4f}")  # fmt: skip
+    return 0 if share[0] == 1.0 else 1
+
+
 async def main(dtype: str) -> int:
     rng = random.Random(3)
     prompt = [rng.randrange(200, 40000) for _ in range(TOKENS + 2)]
+    if dtype in FP8:
+        return await narrowed(dtype, prompt)
     small_geometry, small = await export(dtype, 32, prompt)
     big_geometry, big = await export(dtype, 128, prompt)
     print(f"layout at block 32: {small_geometry.layout}; at block 128: {big_geometry.layout}")

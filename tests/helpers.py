@@ -136,10 +136,10 @@ def children_of(pid: int) -> list[int]:
 
 
 def run_oracle(
-    prompts: list, dtype: str, max_tokens: int, timeout_s: float = 900, tp: tuple = ()
+    prompts: list, dtype: str, max_tokens: int, timeout_s: float = 900, engine: dict | None = None
 ) -> list[dict]:
     """Greedy tokens of a direct vLLM run (tests/e2e/vllm_oracle.py: no pdd code involved);
-    ``tp``: (tensor-parallel size, the ranks' CPUs as VLLM_CPU_OMP_THREADS_BIND)."""
+    ``engine``: more of vLLM's engine arguments (the oracle's ENGINE_JSON)."""
     import json
 
     from pdd.config import ModelConfig
@@ -147,7 +147,7 @@ def run_oracle(
     model_dir = str(ModelConfig(dtype=dtype).resolved_path())
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "e2e", "vllm_oracle.py"), model_dir, dtype,
-         str(max_tokens), *map(str, tp)],
+         str(max_tokens), json.dumps(engine or {})],
         input=json.dumps(prompts), capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     if proc.returncode != 0:

@@ -59,6 +59,14 @@ class EngineConfig(Section):
         "worker in workers[].engine. RelayDecode and MainDecode convert P's KV into their own "
         "dtype as it lands.",
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="This engine's KV-cache dtype. auto: its dtype. fp8_*: vLLM's fp8 KV cache "
+        "(on CPU: x86 with AVX-512 or AMX; scale 1.0, as for checkpoints without KV scales), a "
+        "quarter of float32's bytes a token. RelayDecode and MainDecode convert P's KV into it "
+        "as it lands, as their own engine would store it (vLLM's CPU kernels truncate toward "
+        "zero), and widen an fp8 P's exactly.",
+    )
     max_model_len: int = Field(4096, gt=0, description="Context length (prompt + output tokens).")
     kv_cache_space_gib: float = Field(
         1.0, gt=0, description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."
@@ -105,3 +113,10 @@ class EngineConfig(Section):
         description="CPU only: how often the engine core returns free heap pages to the kernel "
         "(glibc malloc_trim; keeps a prefill engine's memory flat). 0: never.",
     )
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The KV cache's dtype (pdd.kv_geometry's names): kv_cache_dtype, else this engine's
+        dtype, else the model's."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return self.dtype or model_dtype

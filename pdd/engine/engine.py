@@ -162,11 +162,11 @@ class Engine:
         self._llm = llm
         self.vocab_size = llm.model_config.get_vocab_size()
         self._eos_ids = _eos_ids(llm)
-        self.kv_block_bytes = _kv_block_bytes(llm, self.engine_config.block_size)
         blocks = llm.vllm_config.cache_config.num_gpu_blocks or 0  # the core's, via handshake
         self.kv_capacity_tokens = blocks * self.engine_config.block_size
         fingerprint = await asyncio.to_thread(model_fingerprint, path)
         self.kv_geometry = _kv_geometry(llm, fingerprint, self.engine_config.block_size)
+        self.kv_block_bytes = self.kv_geometry.block_bytes  # one slot: every layer and head
         self.startup_s = time.monotonic() - started
         log.info("engine ready in %.1f s (model %s)", self.startup_s, path)
         if self._measure_prefill:
@@ -217,6 +217,7 @@ class Engine:
             model=str(path),
             served_model_name=m.name,
             dtype=e.dtype or m.dtype,
+            kv_cache_dtype=e.kv_cache_dtype,
             max_model_len=e.max_model_len,
             block_size=e.block_size,
             enable_prefix_caching=e.enable_prefix_caching,
@@ -498,14 +499,6 @@ async def _add_whole(
     raise error
 
 
-def _kv_block_bytes(llm: AsyncLLM, block_size: int) -> int:
-    """K and V of one block over all layers and every KV head (one slot, whatever the
-    tensor-parallel degree): 2 x layers x kv_heads x head_dim x dtype x block."""
-    mc, pc = llm.model_config, llm.vllm_config.parallel_config
-    per_token = 2 * mc.get_num_layers(pc) * mc.get_total_num_kv_heads() * mc.get_head_size()
-    return per_token * mc.dtype.itemsize * block_size
-
-
 def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry:
     """This engine's KV geometry, from vLLM's own view of the model (pdd.kv_geometry).
 
@@ -521,6 +514,8 @@ def _kv_geometry(llm: AsyncLLM, fingerprint: str, block_size: int) -> KvGeometry
     total_heads = mc.get_total_num_kv_heads()
     cache_dtype = str(cc.cache_dtype)
     kv_dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+    if kv_dtype.startswith("fp8") and mc.quantization is not None:
+        kv_dtype += "_scaled"  # a quantized checkpoint may carry KV scales: never converted
     on_cpu = current_platform.is_cpu()
     head_size = mc.get_head_size()
     layout = _cpu_layout(mc.dtype, block_size, head_size, cache_dtype) if on_cpu else None

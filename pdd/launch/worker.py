@@ -109,7 +109,7 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     plane, block_bytes = None, 0
     if hasattr(role_cls, "plane_spec"):
         block_bytes = await asyncio.to_thread(
-            block_bytes_of, cfg.model, engine_cfg.block_size, engine_cfg.dtype
+            block_bytes_of, cfg.model, engine_cfg.block_size, engine_cfg.kv_dtype(cfg.model.dtype)
         )
         spec = role_cls.plane_spec(worker, block_bytes, cfg)
         for warning in check_arenas(  # ConfigError: an arena cannot hold one request

@@ -20,11 +20,20 @@ exist) keep another interior (``LAYOUT_CPU_AMX``, not this one: its bytes do not
 float32's at the same positions) and are never converted. bfloat16 with the vec kernels (CPUs
 without AMX) is assumed to keep the float32 interior: not verified here.
 
-dtypes: float32 and bfloat16. bfloat16 -> float32 is exact (the 16 bits go on top);
-float32 -> bfloat16 rounds to nearest even like torch (NaN keeps its top bits), so every
+dtypes: float32, bfloat16 and vLLM's fp8 KV caches (fp8_e4m3 = torch's float8_e4m3fn,
+fp8_e5m2; values stored at scale 1.0, vLLM's default). bfloat16 -> float32 is exact (the 16
+bits go on top) and so is fp8 -> anything wider; float32 -> bfloat16 rounds to nearest even
+like torch (NaN keeps its top bits). Into fp8 a receiver stores what its own engine would
+have: vLLM's CPU kernels truncate toward zero (read off real engines: float32 KV narrowed
+this way equals an fp8 engine's own layer-0 KV byte for byte, ``scripts/cpu_kv_layout.py
+fp8_e4m3``); on other devices it rounds to nearest even (CUDA's ``__NV_SATFINITE``
+conversion vLLM uses; not verified here). Finite values beyond fp8's range saturate at its
+largest finite value (assumed for the CPU kernels: no KV value of the default model comes near
+fp8_e4m3's 448). So every
 widening conversion round-trips bit-exactly, in any layout pair. Everything passes through one
-canonical float32 form [L, 2, B, H, D], exact for both dtypes. Identity fields and the KV heads
-held must match (ConfigError otherwise): KV-head regrouping (tensor parallelism) is not here.
+canonical float32 form [L, 2, B, H, D], exact for every dtype here. Identity fields and the KV
+heads held must match (ConfigError otherwise); a slot always holds every head, whatever the
+engines' tensor-parallel degrees (pdd.engine.connector_worker).
 """
 
 from __future__ import annotations
@@ -32,12 +41,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from pdd.errors import ConfigError, TransferError
 from pdd.kv_geometry import CONVERSIONS, LAYOUT_CPU_PACKED, KvGeometry, identity_conflict
 
 DTYPES = tuple(sorted(CONVERSIONS["kv_dtype"]))
+FP8 = {"fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
 LAYOUTS = tuple(sorted(CONVERSIONS["layout"]))
 
 
@@ -72,6 +83,8 @@ def _as_array(buf: Any, g: KvGeometry) -> np.ndarray:
         raise ConfigError(f"source of {raw.nbytes} bytes, block is {g.block_bytes}")
     if g.kv_dtype == "float32":
         return raw.view(np.float32)
+    if g.kv_dtype in FP8:
+        return raw.view(FP8[g.kv_dtype]).astype(np.float32)  # exact widening
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # exact widening
 
 
@@ -87,7 +100,7 @@ def _to_canonical(flat: np.ndarray, g: KvGeometry) -> np.ndarray:
 
 
 def _from_canonical(kv: np.ndarray, g: KvGeometry) -> np.ndarray:
-    """[L, 2, B, H, D] float32 -> one block's items in ``g`` (float32 or bfloat16 bits)."""
+    """[L, 2, B, H, D] float32 -> one block's items in ``g`` (float32, bfloat16 or fp8 bits)."""
     if g.layout == LAYOUT_CPU_PACKED:
         L, _, B, H, D = kv.shape  # noqa: N806
         k = kv[:, 0].transpose(0, 2, 3, 1).reshape(L, H, D * B)  # per head K^T [D, B]
@@ -96,7 +109,27 @@ def _from_canonical(kv: np.ndarray, g: KvGeometry) -> np.ndarray:
     t = np.ascontiguousarray(kv, dtype=np.float32)
     if g.kv_dtype == "float32":
         return t
+    if g.kv_dtype in FP8:
+        return _to_fp8(t, FP8[g.kv_dtype], toward_zero=g.device == "cpu")
     return _to_bf16_bits(t)
+
+
+def _to_fp8(x: np.ndarray, fp8: np.dtype, toward_zero: bool) -> np.ndarray:
+    """float32 -> fp8, a finite value beyond its range saturating at its largest finite one
+    (an infinity or a NaN stays one where fp8 has it): truncated toward zero (vLLM's CPU
+    kernels) or rounded to nearest even."""
+    info = ml_dtypes.finfo(fp8)
+    top = np.float32(info.max)
+    special = ~np.isfinite(x)
+    if not toward_zero:
+        return np.where(special, x, np.clip(x, -top, top)).astype(fp8)
+    a = np.abs(x)
+    drop = np.uint32((1 << (23 - info.nmant)) - 1)
+    normal = (a.view(np.uint32) & ~drop).view(np.float32)  # the mantissa cut to fp8's bits
+    step = np.float32(float(info.smallest_normal) * 2.0**-info.nmant)  # fp8's subnormal step
+    cut = np.where(a < np.float32(info.smallest_normal), np.floor(a / step) * step, normal)
+    cut = np.where(special, x, np.copysign(np.minimum(cut, top), x))
+    return cut.astype(fp8)  # exact: every value is one of fp8's
 
 
 def _to_bf16_bits(x: np.ndarray) -> np.ndarray:

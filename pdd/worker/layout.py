@@ -13,12 +13,11 @@ import json
 from pdd.cache.host_tier import kv_block_bytes
 from pdd.config import ModelConfig
 from pdd.errors import ModelError
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from pdd.kv_geometry import DTYPE_BYTES
 
 
 def block_bytes_of(model: ModelConfig, block_size: int, dtype: str | None = None) -> int:
-    """Bytes of one KV block (K and V, every layer) in ``dtype`` (None: the model's).
+    """Bytes of one KV block (K and V, every layer) in KV dtype ``dtype`` (None: the model's).
     Prepares the model folder if needed."""
     layers, kv_heads, _, packed = block_shape_of(model, block_size)
     itemsize = DTYPE_BYTES[dtype or model.dtype]

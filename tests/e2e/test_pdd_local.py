@@ -590,7 +590,8 @@ def test_a_p_of_another_block_size_equals_single_engine(served, codec, prompts, 
     assert {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")} == refused
 
 
-MD_TP = (3, "0|1|1")  # the default model's 3 KV heads (9 attention heads) take TP 3, not 2
+# The default model's 3 KV heads (9 attention heads) take TP 3, not 2; its ranks on both cores.
+TP3 = {"tensor_parallel_size": 3, "omp_threads_bind": "0|1|1"}
 
 
 def test_an_md_at_tensor_parallel_3_equals_its_own_configuration(served, codec, prompts,
@@ -602,9 +603,8 @@ def test_an_md_at_tensor_parallel_3_equals_its_own_configuration(served, codec, 
     pipeline: run once, 2026-12-06, all equal); MD refuses no chunk, reports its degree in
     Health, and keeps the conversation in its DRC (only new blocks cross)."""
     some = prompts[::2]
-    oracle = run_oracle([{"prompt_token_ids": p} for p in some], DTYPE, MAX_TOKENS, tp=MD_TP)
-    engine = [f"tensor_parallel_size={MD_TP[0]}", f"omp_threads_bind={MD_TP[1]}"]
-    with (_extra_worker("md", engine, tmp_path / "md-tp3.log") as port,
+    oracle = run_oracle([{"prompt_token_ids": p} for p in some], DTYPE, MAX_TOKENS, engine=TP3)
+    with (_extra_worker("md", _settings(TP3), tmp_path / "md-tp3.log") as port,
           _router_over(served, {"md": port}) as (router, rows)):  # fmt: skip
         geometry = rows["md"]["geometry"]
         assert geometry["tensor_parallel_size"] == 3 and rows["md"]["admitted"]
@@ -622,13 +622,32 @@ def test_a_p_at_tensor_parallel_3_streams_whole_blocks(served, codec, prompts, o
     rank's copy is in): the greedy text of p_md and of p_rld_md (Catch-Up) on every 4th prompt
     equals one engine's at TP 1 (RLD's and MD's configuration), and no chunk is refused."""
     refused = {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")}
-    engine = [f"tensor_parallel_size={MD_TP[0]}", f"omp_threads_bind={MD_TP[1]}"]
-    with (_extra_worker("p", engine, tmp_path / "p-tp3.log") as port,
+    with (_extra_worker("p", _settings(TP3), tmp_path / "p-tp3.log") as port,
           _router_over(served, {"p": port}) as (router, rows)):  # fmt: skip
         assert rows["p"]["geometry"]["tensor_parallel_size"] == 3
         for variant in ("p_md", "p_rld_md_catch_up"):
             _assert_equal(router, VARIANTS[variant], prompts[::4], oracle[::4], codec)
     assert {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")} == refused
+
+
+def test_an_md_with_an_fp8_kv_cache_lands_ps_kv_narrowed(served, tmp_path):
+    """P in float32 -> MD with vLLM's fp8 KV cache (engine.kv_cache_dtype fp8_e4m3, float32
+    weights): admitted and paired (MD narrows P's blocks as they land), its slots a quarter of
+    P's bytes; a two-turn conversation (p_rld_md, then p_md) is served, no chunk refused, and
+    turn 2 finds turn 1's prompt in MD's DRC, so only the new blocks (P's bytes) cross. (How
+    far its greedy text agrees with a colocated fp8 run: docs/benchmarks.md.)"""
+    with (_extra_worker("md", ["kv_cache_dtype=fp8_e4m3"], tmp_path / "md-fp8.log") as port,
+          _router_over(served, {"md": port}) as (router, rows)):  # fmt: skip
+        geometry = rows["md"]["geometry"]
+        assert (geometry["kv_dtype"], geometry["layout"]) == ("fp8_e4m3", "cpu_packed_kv")
+        assert rows["md"]["admitted"]
+        assert _stats_at(port).kv_block_bytes * 4 == stats(served, "p").kv_block_bytes
+        _two_turns(served, router, port, "Notes on fp8. " + _long_text(28, 3))
+        assert _stats_at(port).kv_refused_chunks == 0
+
+
+def _settings(engine: dict) -> list[str]:
+    return [f"{key}={value}" for key, value in engine.items()]
 
 
 def _assert_equal(router, hints: dict, some: list, oracle: list, codec) -> None:

@@ -1,7 +1,9 @@
 """The oracle: a direct vLLM run (no pdd code on the generation path), greedy.
 
-Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS [TP_SIZE BIND] < prompts.json > results.json
-(TP_SIZE > 1: vLLM's multiprocess executor, a process per rank, its CPUs by BIND, e.g. "0|1|1")
+Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS [ENGINE_JSON] < prompts.json > results.json
+ENGINE_JSON: more of vLLM's engine arguments, e.g. {"kv_cache_dtype": "fp8_e4m3"}, or
+{"tensor_parallel_size": 3, "omp_threads_bind": "0|1|1"} (vLLM's multiprocess executor, a
+process per rank, each on its entry of VLLM_CPU_OMP_THREADS_BIND)
 prompts.json is a list of prompts: strings, lists of token ids, or {"prompt_token_ids": [...]}
 with any of "json_schema": {...} (a greedy run under vLLM's own structured outputs, xgrammar
 backend), "sampling": {"frequency_penalty": ...} (more vLLM SamplingParams) and "max_tokens": N
@@ -17,9 +19,11 @@ import sys
 
 def main() -> None:
     model, dtype, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = sys.argv[5]
+    engine = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    if "omp_threads_bind" in engine:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.pop("omp_threads_bind")
+    if engine.get("tensor_parallel_size", 1) > 1:
+        engine["distributed_executor_backend"] = "mp"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -33,8 +37,7 @@ def main() -> None:
         max_model_len=4096,
         block_size=32,
         enforce_eager=True,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else None,
+        **engine,
         structured_outputs_config={"backend": "xgrammar"},
     )
 
