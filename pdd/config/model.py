@@ -67,6 +67,15 @@ class EngineConfig(Section):
         "as it lands, as their own engine would store it (vLLM's CPU kernels truncate toward "
         "zero), and widen an fp8 P's exactly.",
     )
+    quantization: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's weight quantization method for this engine (its --quantization, "
+        "e.g. fp8 on GPUs: the checkpoint's weights quantized at load); null: as the checkpoint "
+        "is. The model fingerprint is the checkpoint's, so P, RLD and MD may differ here; their "
+        "KV stays in the KV dtype. vLLM's CPU backend cannot quantize at load (fp8 fails at "
+        "start there).",
+    )
     max_model_len: int = Field(4096, gt=0, description="Context length (prompt + output tokens).")
     kv_cache_space_gib: float = Field(
         1.0, gt=0, description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."

@@ -218,6 +218,7 @@ class Engine:
             served_model_name=m.name,
             dtype=e.dtype or m.dtype,
             kv_cache_dtype=e.kv_cache_dtype,
+            quantization=e.quantization,
             max_model_len=e.max_model_len,
             block_size=e.block_size,
             enable_prefix_caching=e.enable_prefix_caching,

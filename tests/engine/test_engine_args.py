@@ -100,6 +100,16 @@ def test_tensor_parallel_ranks_run_in_vllms_multiprocess_executor(
         assert "OMP_PLACES" not in os.environ
 
 
+def test_a_workers_weight_quantization_and_kv_cache_dtype_reach_vllm(engine_cls, tmp_path):
+    plain = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
+    assert (plain.quantization, plain.kv_cache_dtype) == (None, "auto")
+    config = EngineConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    args = engine_cls(ModelConfig(), config)._engine_args(tmp_path)
+    assert (args.quantization, args.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+    assert config.kv_dtype("float32") == "fp8_e4m3"
+    assert EngineConfig(dtype="bfloat16").kv_dtype("float32") == "bfloat16"
+
+
 def test_async_scheduling_is_vllms_default_unless_the_config_says(engine_cls, tmp_path):
     assert engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path).async_scheduling is None
     off = EngineConfig(async_scheduling=False)
