@@ -46,15 +46,15 @@ TOKENS = 128
 async def export(dtype: str, block: int, prompt: list[int], kv_cache_dtype: str = "auto"):
     """(geometry, the prompt's whole blocks as bytes) of one engine at ``block``."""
     folder = ModelConfig().resolved_path()
-    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    shape = folder_geometry(folder, block, kv_dtype)  # only its block size in bytes is used here
+    cfg = EngineConfig(dtype=dtype, max_model_len=1024, kv_cache_space_gib=0.25, block_size=block,
+                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    # only its block size in bytes is used here
+    shape = folder_geometry(folder, block, cfg.kv_dtype(dtype))
     n = TOKENS // block
     arena = SlotArena.create(n, shape.block_bytes, f"pdd-layout-{block}")
     fences = FenceBoard.create(4, f"pdd-layout-fence-{block}")
     settings = ConnectorSettings(arena=arena.ref, fences=fences.ref)
     spec = KvConnectorSpec(role="kv_producer", extra_config=settings.model_dump())
-    cfg = EngineConfig(dtype=dtype, max_model_len=1024, kv_cache_space_gib=0.25, block_size=block,
-                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     engine = Engine(ModelConfig(), cfg, spec)
     try:
         await engine.start()
