@@ -630,6 +630,14 @@ def test_a_p_at_tensor_parallel_3_streams_whole_blocks(served, codec, prompts, o
     assert {w: stats(served, w).kv_refused_chunks for w in ("rld", "md")} == refused
 
 
+def _cpu_runs_fp8_kv() -> bool:
+    """vLLM's CPU backend has an fp8 KV cache only on x86 with AVX-512 or AMX."""
+    import torch
+
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.skipif(not _cpu_runs_fp8_kv(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
 def test_an_md_with_an_fp8_kv_cache_lands_ps_kv_narrowed(served, tmp_path):
     """P in float32 -> MD with vLLM's fp8 KV cache (engine.kv_cache_dtype fp8_e4m3, float32
     weights): admitted and paired (MD narrows P's blocks as they land), its slots a quarter of
