@@ -60,6 +60,22 @@ class PddPolicyConfig(Section):
     max_catch_up_rounds: int = Field(
         8, gt=0, description="Catch-Up: switch after this many warm-up rounds regardless."
     )
+    min_catch_up_rounds: int = Field(
+        0,
+        ge=0,
+        description="Catch-Up: warm-up rounds run at least this many times when MD's KV "
+        "crossed, however small the gap: the first warm-up loads the prompt's KV from MD's DRC "
+        "into its engine while RLD still streams, and with catch_up_sessions MD keeps the "
+        "request open, so the switch computes only the tokens RLD emitted since. 0: switch at "
+        "once when the gap is under catch_up_threshold_tokens.",
+    )
+    catch_up_sessions: bool = Field(
+        True,
+        description="Catch-Up: MD keeps a request open between its warm-ups and the switch "
+        "(the engine holds its KV, the last partly filled block included), so each later "
+        "call computes only the tokens RLD emitted since; off: each call is a request of its "
+        "own that finds whole blocks in MD's prefix cache and recomputes the rest.",
+    )
     await_kv_poll_s: float = Field(
         1.0, gt=0, description="Timeout of one AwaitKv call (the router polls until done)."
     )

@@ -87,6 +87,13 @@ class WorkerConfig(Section):
         "stalled: the worker reports not ready and the slots stay held (never reused) until "
         "the engine confirms or its process is gone.",
     )
+    md_session_idle_s: float = Field(
+        20.0,
+        gt=0,
+        description="main_decode: a Catch-Up request MD keeps open between its warm-ups and "
+        "the switch (router.pdd.catch_up_sessions; its KV stays in the engine) is ended after "
+        "this long without its next call.",
+    )
     kv_store_own_blocks: bool = Field(
         True,
         description="main_decode: after a request finishes, store the whole blocks of its "

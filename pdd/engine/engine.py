@@ -29,6 +29,7 @@ configure_process_env()
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.engine.protocol import StreamingInput  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.outputs import STREAM_FINISHED, RequestOutput  # noqa: E402
@@ -104,6 +105,7 @@ class _StatSink(StatLoggerBase):
         pass
 
 
+SESSION_CLOSE_S = 10.0  # a closing session's final input answered within this, or aborted
 PREFILL_SAMPLE_TOKENS = 256  # a request computing fewer is too short to time the rate
 PREFILL_EWMA = 0.3
 
@@ -364,6 +366,11 @@ class Engine:
                     await self._llm.abort(queue.request_id, internal=True)
                 queue.close()
 
+    def session(self, request_id: str, cache_salt: str = "") -> EngineSession:
+        """A request the engine keeps open between turns (see EngineSession). Cheap: nothing
+        reaches the engine before its first turn."""
+        return EngineSession(self, request_id, cache_salt)
+
     def _observe_prefill(self, delta: EngineDelta, elapsed_s: float) -> None:
         """Keep the measured prefill rate live: a request that computed at least
         ``PREFILL_SAMPLE_TOKENS`` prompt tokens before its first token is a sample (its tokens
@@ -458,6 +465,117 @@ class Engine:
             )
         except (VLLMClientError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+
+class EngineSession:
+    """One request whose KV the engine keeps between turns (vLLM's streaming-input session).
+
+    ``turn(tokens, sampling)`` appends ``tokens`` to the request's context, computes them
+    and streams what it samples, ending with the turn's finish reason; the request then waits
+    for the next turn with its KV blocks held (nothing is recomputed, the last partly filled
+    block included). vLLM's rule for what a turn keeps: the tokens it computed; the last token
+    it sampled was never computed and is dropped (a turn of ``max_tokens=1`` leaves exactly
+    its input behind). ``tokens`` is what the engine holds once the current turn ended.
+    ``close()`` finishes the request (its KV connector sees ``request_finished``); ``abort()``
+    ends it at any point. Only the first turn may carry kv_transfer_params (the connector
+    reads them when the request is first scheduled). One turn at a time.
+    """
+
+    def __init__(self, engine: Engine, request_id: str, cache_salt: str) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._salt = cache_salt
+        self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+        self._queue: RequestOutputCollector | None = None
+        self.tokens: list[int] = []
+        self.ended = False
+
+    async def _input_stream(self) -> AsyncIterator[StreamingInput]:
+        while (item := await self._inputs.get()) is not None:
+            yield item
+
+    async def turn(
+        self,
+        tokens: list[int],
+        sampling: SamplingSpec,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[EngineDelta]:
+        """Stream this turn's deltas; closing the iterator before its end aborts the session.
+        Raises as Engine.generate does."""
+        engine, llm = self._engine, self._engine._require_llm()
+        if self.ended:
+            raise InvalidRequestError(f"session {self.request_id!r} has ended")
+        if kv_transfer_params and self._queue is not None:
+            raise InvalidRequestError("only a session's first turn may load or export KV")
+        whole = self.tokens + list(tokens)
+        engine.validate(whole, sampling)
+        params = engine._sampling_params(sampling, kv_transfer_params)
+        prompt = TokensPrompt(prompt_token_ids=list(tokens))
+        if self._queue is None:
+            if self._salt:
+                prompt["cache_salt"] = self._salt
+            if self.request_id in engine._inflight:
+                raise InvalidRequestError(f"request id {self.request_id!r} is already running")
+            engine._inflight.add(self.request_id)
+            self._queue = await llm.add_request(self.request_id, self._input_stream(), params)
+        self._inputs.put_nowait(StreamingInput(prompt, params))
+        queue, done = self._queue, False
+        try:
+            while not done:
+                out = queue.get_nowait() or await queue.get()
+                if out is STREAM_FINISHED:
+                    raise WorkerError(f"session {self.request_id} ended by the engine")
+                delta = _to_delta(out, sampling.logprobs)
+                done = delta.finish_reason is not None
+                yield delta
+            if delta.finish_reason == "abort":
+                raise WorkerError(f"session {self.request_id} aborted by the engine")
+            self.tokens = whole
+        except (EngineDeadError, EngineGenerateError) as exc:
+            raise WorkerError(f"engine failed on session {self.request_id}: {exc}") from exc
+        except PddError:
+            raise
+        except Exception as exc:
+            raise WorkerError(f"engine failed on session {self.request_id}: {exc!r}") from exc
+        finally:
+            if not done:
+                await self.abort()
+
+    async def close(self) -> None:
+        """Finish the request: the engine frees its KV (its prefix cache keeps whole blocks)."""
+        if self.ended:
+            return
+        self.ended = True
+        self._engine._inflight.discard(self.request_id)
+        if self._queue is None:
+            return
+        self._inputs.put_nowait(None)  # vLLM sends its final (empty) input: the request ends
+        queue = self._queue
+
+        async def finished() -> None:
+            while (queue.get_nowait() or await queue.get()) is not STREAM_FINISHED:
+                pass
+
+        try:
+            await asyncio.wait_for(finished(), SESSION_CLOSE_S)
+        except Exception as exc:  # noqa: BLE001 (the engine failed or never answered)
+            log.warning("session %s did not close cleanly (%r): aborting it", self.request_id, exc)
+            queue.close()
+            if self._engine._llm is not None and not self._engine._llm.errored:
+                await self._engine._llm.abort(queue.request_id, internal=True)
+
+    async def abort(self) -> None:
+        """End the session now, in a turn or between turns."""
+        if self.ended:
+            return
+        self.ended = True
+        self._engine._inflight.discard(self.request_id)
+        queue, llm = self._queue, self._engine._llm
+        if queue is None:
+            return
+        queue.close()  # stop feeding inputs, then abort what the engine has
+        if llm is not None and not llm.errored:
+            await llm.abort(queue.request_id, internal=True)
 
 
 async def _add_whole(

@@ -30,6 +30,7 @@ from pdd.cache.host_tier import HostTier
 from pdd.config import CacheConfig, PddConfig, WorkerConfig
 from pdd.errors import CacheError, CacheFullError, InvalidRequestError
 from pdd.main_decode.landing import DrcLanding
+from pdd.main_decode.sessions import Sessions
 from pdd.main_decode.store import OwnBlocks
 from pdd.transfer import ReceiverHooks
 from pdd.transfer.ucx_auth import kv_token
@@ -42,6 +43,7 @@ from pdd.worker.kv_run import (
 )
 from pdd.worker.roles import (
     KV_IN,
+    SESSIONS,
     AwaitKvCall,
     AwaitKvResult,
     CancelKvCall,
@@ -70,7 +72,7 @@ def drc_on_arena(cache: CacheConfig, arena, num_slots: int, block_size: int) -> 
 
 class MainDecodeRole:
     name = "main_decode"
-    supports = frozenset({KV_IN, "PrepareKv", "AwaitKv", "CancelKv", "DrcEvents"})
+    supports = frozenset({KV_IN, SESSIONS, "PrepareKv", "AwaitKv", "CancelKv", "DrcEvents"})
 
     @staticmethod
     def plane_spec(worker: WorkerConfig, block_bytes: int, config: PddConfig) -> PlaneSpec:
@@ -100,6 +102,8 @@ class MainDecodeRole:
         )
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, self.hashes)
         self._stores = ctx.worker.kv_store_own_blocks
+        limit = max(1, ctx.engine.engine_config.max_num_seqs // 2)
+        self.sessions = Sessions(ctx.engine, ctx.plane.fences, limit, ctx.worker.md_session_idle_s)
         self._ticker = Ticker(self.tick, TICK_S, "md-leases")
         self.kv_in_waits = 0  # Generate calls that found their KV still on its way
 
@@ -124,12 +128,34 @@ class MainDecodeRole:
 
     async def stop(self) -> None:
         await self._ticker.stop()
+        await self.sessions.stop()
         await self._own.stop()
         self._landing.release_all()
 
     # --- Generate -------------------------------------------------------------------------
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        taken = None
+        if call.session is not None:  # a Catch-Up call: its session may be open here
+            taken = self.sessions.take(call.session.id, call.prompt)
+        if taken is not None:
+            held, new = taken
+            stream = self.sessions.resume(held, call, new)
+        else:
+            stream = await self._start(call)
+        output: list[int] = []
+        keep = call.session is not None and call.session.keep
+        async with aclosing(stream):
+            async for out in stream:
+                output.extend(out.delta.token_ids)
+                finished = out.delta.finish_reason in REAL_FINISHES
+                if finished and self._stores and not keep:
+                    self._own.store(call.request_id, call.prompt + output, call.cache_salt)
+                yield out
+
+    async def _start(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
+        """The stream of a call that continues no session: wait for its KV, pin and load
+        what the DRC holds; a Catch-Up call that asks to be kept opens a session."""
         if call.kv_in is not None and self._landing.expecting(call.kv_in.kv_request_id):
             kv_id = call.kv_in.kv_request_id
             self.kv_in_waits += 1  # a full hit (nothing to receive) never gets here
@@ -139,31 +165,19 @@ class MainDecodeRole:
         slots = self._pin(call, owner) if call.kv_in is not None else []
         if call.kv_in is not None:
             self._landing.consume(call.kv_in.kv_request_id)  # our own pins hold what we load
-        output: list[int] = []
+        release = lambda: self.drc.release(owner)  # noqa: E731
+        if call.session is not None and call.session.keep and self.sessions.has_room():
+            return self.sessions.open(call, slots, self._block_size, release)
         if slots:
-            stream = self._load(call, owner, slots)
-        else:
-            stream = self._plain(call)
-        async with aclosing(stream):
-            async for out in stream:
-                output.extend(out.delta.token_ids)
-                if out.delta.finish_reason in REAL_FINISHES and self._stores:
-                    self._own.store(call.request_id, call.prompt + output, call.cache_salt)
-                yield out
+            return stream_loading(
+                self._engine, self._plane.fences, call, slots, self._block_size, release
+            )
+        return self._plain(call)
 
     async def _plain(self, call: GenerateCall) -> AsyncIterator[KvDelta]:
         async with aclosing(plain(self._engine, call)) as stream:
             async for delta in stream:
                 yield KvDelta(delta)
-
-    async def _load(self, call: GenerateCall, owner: str, slots: list[int]):
-        release = lambda: self.drc.release(owner)  # noqa: E731
-        stream = stream_loading(
-            self._engine, self._plane.fences, call, slots, self._block_size, release
-        )
-        async with aclosing(stream):
-            async for kv_delta in stream:
-                yield kv_delta
 
     def _pin(self, call: GenerateCall, owner: str) -> list[int]:
         """Pin the prompt's cached whole-block prefix for ``owner``; its slots ([] if none)."""
@@ -201,6 +215,9 @@ class MainDecodeRole:
             return CancelKvResult(self._landing.keep(call.kv_request_id, call.reason))
         return CancelKvResult(self._landing.cancel(call.kv_request_id, call.reason))
 
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.end(session_id)
+
     async def drc_events(self, call: DrcEventsCall) -> DrcEventsResult:
         if call.since < 0:
             return DrcEventsResult(self.drc.snapshot())
@@ -210,6 +227,7 @@ class MainDecodeRole:
 
     def tick(self, now: float) -> None:
         self._landing.expire(now)
+        self.sessions.expire(now)
         for rid in self.drc.expire():
             log.warning("DRC lease %s expired (backstop)", rid)
         self._plane.drain()
@@ -230,4 +248,6 @@ class MainDecodeRole:
             kv_refused_chunks=self._landing.wire_check.refused + self._landing.refused_chunks,
             kv_in_waits=self.kv_in_waits,
             own_blocks_stored=self._own.stored_blocks,
+            md_sessions=self.sessions.live,
+            md_session_turns=self.sessions.continued,
         )

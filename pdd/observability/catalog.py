@@ -185,6 +185,13 @@ WORKER_METRICS = (
        "Blocks MD stored in its DRC after requests finished: the whole blocks of prompt + "
        "output it computed itself and the DRC lacked (what the next turn will not need over "
        "the WAN). The engine copies exactly these, straight into DRC landing slots."),
+    _m("pdd_worker_md_sessions", G, "sessions", R, MAIN_DECODE,
+       "Catch-Up sessions MD holds open (router.pdd.catch_up_sessions): requests whose KV stays "
+       "in the engine between their warm-ups and the switch. Each ends with its switch, an "
+       "Abort from the router, or worker.md_session_idle_s without a call."),
+    _m("pdd_worker_md_session_turns_total", C, "requests", R, MAIN_DECODE,
+       "Catch-Up calls (warm-ups after the first, the switch) that continued a session MD held "
+       "open: they computed only the tokens RLD emitted since."),
     _m("pdd_worker_prompt_tokens_received_total", C, "tokens", ("role", "rpc"), WORKERS,
        "Prompt token ids received, by RPC (Generate, PrepareKv): a Generate that refers to "
        "its PrepareKv's prompt (prompt_ref) counts only the tokens after it, so over the WAN "

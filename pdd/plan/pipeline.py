@@ -108,10 +108,11 @@ def _catch_up(sim: Simulation, rld: Worker, md: Worker, seq: Seq, rec: Record): 
     """MD warms up on what RLD emitted while RLD goes on; returns the tokens MD has."""
     policy, known = sim.settings.policy, 0
     assert rld.decode is not None and md.decode is not None
-    for _ in range(policy.max_catch_up_rounds):
+    for rounds in range(policy.max_catch_up_rounds):
         rld.decode.advance()
         gap = int(rld.decode.generated(seq)) - known
-        if gap < policy.catch_up_threshold_tokens or seq.done.triggered:
+        small = gap < policy.catch_up_threshold_tokens and rounds >= policy.min_catch_up_rounds
+        if small or gap <= 0 or seq.done.triggered:
             break
         seconds = md.profile.extend_s(gap)
         md.decode.add_extra(seconds)  # the warm-up forward shares MD's batch

@@ -10,7 +10,8 @@ router's decisions. The simulator only plays out what the drivers then do:
               token (extend-decode). p_rld_md: every block goes to RLD over the local link, RLD
               decodes; when the WAN KV landed, One-Shot (RLD stops, MD extends all emitted
               tokens) or Catch-Up (MD extends what RLD emitted, in rounds, while RLD goes on, until
-              fewer than catch_up_threshold_tokens are missing or max_catch_up_rounds). RLD
+              fewer than catch_up_threshold_tokens are missing, after min_catch_up_rounds, or
+              max_catch_up_rounds). RLD
               finishing first leaves the WAN transfer to finish behind every other; the
               conversation's next request to that MD cuts it (pdd.plan.pipeline).
               MD's DRC (host tier, LRU) stores prompt and answer when the request ends.

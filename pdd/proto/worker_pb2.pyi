@@ -38,7 +38,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt", "constraint", "prompt_ref")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_stage", "kv_in", "cache_salt", "constraint", "prompt_ref", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_REF_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -55,7 +56,16 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     constraint: Constraint
     prompt_ref: PromptRef
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_ref: _Optional[_Union[PromptRef, _Mapping]] = ...) -> None: ...
+    session: Session
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_stage: _Optional[bool] = ..., kv_in: _Optional[_Union[KvIn, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_ref: _Optional[_Union[PromptRef, _Mapping]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("id", "keep")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    keep: bool
+    def __init__(self, id: _Optional[str] = ..., keep: _Optional[bool] = ...) -> None: ...
 
 class PromptRef(_message.Message):
     __slots__ = ("kv_request_id", "tokens")
@@ -322,7 +332,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks", "kv_in_waits", "prefill_tokens_per_s", "prefill_fixed_s", "own_blocks_stored", "kv_arena_blocks", "kv_free_blocks", "kv_address", "wan_links")
+    __slots__ = ("worker_id", "role", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_generated_tokens", "max_model_len", "pinned_slots", "open_transfers", "drc_capacity_blocks", "drc_used_blocks", "drc_query_tokens", "drc_hit_tokens", "drc_evictions", "wan_bandwidth_bps", "wan_rtt_s", "kv_bytes_sent", "kv_bytes_received", "block_size", "kv_block_bytes", "max_num_seqs", "wan_wire_ratio", "kv_wire_bytes_sent", "kv_refused_chunks", "kv_in_waits", "prefill_tokens_per_s", "prefill_fixed_s", "own_blocks_stored", "kv_arena_blocks", "kv_free_blocks", "kv_address", "wan_links", "md_sessions", "md_session_turns")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +367,8 @@ class StatsResponse(_message.Message):
     KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WAN_LINKS_FIELD_NUMBER: _ClassVar[int]
+    MD_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MD_SESSION_TURNS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_requests: int
@@ -391,7 +403,9 @@ class StatsResponse(_message.Message):
     kv_free_blocks: int
     kv_address: PeerAddress
     wan_links: _containers.RepeatedCompositeFieldContainer[WanLink]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ..., kv_in_waits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., own_blocks_stored: _Optional[int] = ..., kv_arena_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_address: _Optional[_Union[PeerAddress, _Mapping]] = ..., wan_links: _Optional[_Iterable[_Union[WanLink, _Mapping]]] = ...) -> None: ...
+    md_sessions: int
+    md_session_turns: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., open_transfers: _Optional[int] = ..., drc_capacity_blocks: _Optional[int] = ..., drc_used_blocks: _Optional[int] = ..., drc_query_tokens: _Optional[int] = ..., drc_hit_tokens: _Optional[int] = ..., drc_evictions: _Optional[int] = ..., wan_bandwidth_bps: _Optional[float] = ..., wan_rtt_s: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wan_wire_ratio: _Optional[float] = ..., kv_wire_bytes_sent: _Optional[int] = ..., kv_refused_chunks: _Optional[int] = ..., kv_in_waits: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., own_blocks_stored: _Optional[int] = ..., kv_arena_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_address: _Optional[_Union[PeerAddress, _Mapping]] = ..., wan_links: _Optional[_Iterable[_Union[WanLink, _Mapping]]] = ..., md_sessions: _Optional[int] = ..., md_session_turns: _Optional[int] = ...) -> None: ...
 
 class WanLink(_message.Message):
     __slots__ = ("peer", "bandwidth_bps", "rtt_s", "queued_bytes")

@@ -130,6 +130,16 @@ class PromptRef:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionRef:
+    """MD's Catch-Up: the request continues across Generate calls on one MD
+    (``GenerateRequest.session``); with ``keep`` MD holds it open after this call, and
+    ``Abort(id)`` ends it."""
+
+    id: str
+    keep: bool
+
+
+@dataclass(frozen=True, slots=True)
 class LogprobText:
     """One token's logprob with its text, ready for OpenAI's logprob shapes."""
 

@@ -28,6 +28,7 @@ from pdd.worker.roles import (
     PrepareKvResult,
     SendKvCall,
     SendKvResult,
+    SessionSpec,
     WarmKvCall,
     WarmKvResult,
 )
@@ -91,6 +92,9 @@ def call_from_proto(req: pb.GenerateRequest, spec: SamplingSpec) -> GenerateCall
         k = req.kv_in
         kv_id = k.kv_request_id or req.request_id
         kv_in = KvInSpec(_SOURCES[k.source], kv_id, max(k.wait_s, 0.0))
+    session = None
+    if req.HasField("session") and req.session.id:
+        session = SessionSpec(req.session.id, req.session.keep)
     return GenerateCall(
         request_id=req.request_id,
         prompt=list(req.prompt_token_ids),
@@ -98,6 +102,7 @@ def call_from_proto(req: pb.GenerateRequest, spec: SamplingSpec) -> GenerateCall
         kv_stage=req.kv_stage,
         kv_in=kv_in,
         cache_salt=req.cache_salt,
+        session=session,
     )
 
 
@@ -126,6 +131,8 @@ def stats_to_proto(
     resp.kv_refused_chunks = kv.kv_refused_chunks
     resp.kv_in_waits = kv.kv_in_waits
     resp.own_blocks_stored = kv.own_blocks_stored
+    resp.md_sessions = kv.md_sessions
+    resp.md_session_turns = kv.md_session_turns
     resp.kv_arena_blocks = kv.arena_blocks
     resp.kv_free_blocks = kv.free_blocks
     resp.drc_query_tokens = kv.drc_query_tokens

@@ -96,6 +96,8 @@ def _kv_gauges(kv: KvStats) -> list[tuple[str, str, float]]:
             ("pdd_drc_used_blocks", "Blocks cached in the DRC.", kv.drc.committed_blocks),
             ("pdd_drc_landing_blocks", "DRC slots reserved for blocks landing.",
              kv.drc.landing_blocks),
+            ("pdd_worker_md_sessions", "Catch-Up sessions MD holds open (their KV stays in "
+             "the engine between calls).", kv.md_sessions),
         ]  # fmt: skip
     return rows
 
@@ -119,6 +121,8 @@ def _kv_counters(kv: KvStats) -> list[tuple[str, str, float]]:
              kv.own_blocks_stored),
             ("pdd_drc_evicted_blocks", "Blocks evicted from the DRC (LRU).",
              kv.drc.evicted_blocks),
+            ("pdd_worker_md_session_turns", "Catch-Up calls that continued a session MD held "
+             "open (they computed only the tokens emitted since).", kv.md_session_turns),
         ]  # fmt: skip
     return rows
 

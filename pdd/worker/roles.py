@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 # Names a role may list in ``supports``.
 KV_STAGE = "kv_stage"  # Generate(kv_stage=true)
 KV_IN = "kv_in"  # Generate(kv_in=TRANSFER|DRC)
+SESSIONS = "sessions"  # Generate(session=...) held open across calls; Abort(id) ends one
 KV_RPCS = ("SendKv", "PrepareKv", "AwaitKv", "CancelKv", "DrcEvents")
 
 
@@ -53,6 +54,15 @@ class KvInSpec:
 
 
 @dataclass(frozen=True)
+class SessionSpec:
+    """A request that continues across Generate calls (proto Session): with ``keep`` the
+    worker holds it open after this call."""
+
+    id: str
+    keep: bool
+
+
+@dataclass(frozen=True)
 class GenerateCall:
     """One admitted Generate: validated input, ready for the role."""
 
@@ -62,6 +72,7 @@ class GenerateCall:
     kv_stage: bool = False
     kv_in: KvInSpec | None = None
     cache_salt: str = ""  # the prefix-cache namespace (tenant); "": the shared one
+    session: SessionSpec | None = None  # MD's Catch-Up: held open across calls
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,8 @@ class KvStats:
     kv_refused_chunks: int = 0  # inbound chunks refused: other geometry (kv_wire) or landing key
     kv_in_waits: int = 0  # MD: Generate calls that waited for KV still on its way
     own_blocks_stored: int = 0  # MD: blocks the engine copied into the DRC after requests
+    md_sessions: int = 0  # MD: Catch-Up sessions open (between calls or in one)
+    md_session_turns: int = 0  # MD: Generate calls that continued an open session
     arena_blocks: int = 0  # P: staging slots, RLD: landing slots, MD: DRC blocks (0: none)
     free_blocks: int = 0  # of those, what a new request can have now (MD: evictable counts)
     address: KvAddress | None = None  # RLD/MD: where it receives KV (None: it receives none)
@@ -268,6 +281,12 @@ class WarmsLinks(Protocol):
     """Opens and measures its links to receivers before a request needs them (P: WarmKv)."""
 
     async def warm_kv(self, call: WarmKvCall) -> WarmKvResult: ...
+
+
+class KeepsSessions(Protocol):
+    """Holds requests open across Generate calls (MD: GenerateRequest.session)."""
+
+    def end_session(self, session_id: str) -> bool: ...
 
 
 class PublishesDrc(Protocol):

@@ -61,8 +61,10 @@ from pdd.worker.prompt_book import PromptBook
 from pdd.worker.roles import (
     KV_IN,
     KV_STAGE,
+    SESSIONS,
     CancelsKv,
     GenerateCall,
+    KeepsSessions,
     PublishesDrc,
     ReceivesKv,
     RolePolicy,
@@ -315,6 +317,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         found = await self._engine.abort(request.request_id) if self._engine.ready else False
+        if SESSIONS in self._role.supports:  # a session of that id, open between calls
+            found = cast(KeepsSessions, self._role).end_session(request.request_id) or found
         return pb.AbortResponse(found=found)
 
     async def Health(  # noqa: N802

@@ -218,6 +218,48 @@ def test_rld_and_md_given_only_a_reference_to_the_prompt_equal_a_single_engine(w
     assert refused.details().startswith("prompt_ref:") and "never-prepared" in refused.details()
 
 
+def test_md_keeps_a_catch_up_request_open_between_its_calls(workers) -> None:
+    """Catch-Up as one session on MD: the first warm-up loads P's blocks from the DRC and
+    computes the rest of prompt + emitted, the second only what RLD emitted since, the
+    switch the rest, then decodes: exactly one engine's tokens. Between calls the session is
+    open (MD's Stats count it and the calls that continued it); the switch ends it. One that
+    nobody continues is ended by Abort(its id); a call to a session MD does not hold runs
+    whole (same tokens)."""
+    prompt = prompt_of(13, 300)  # 9 whole blocks + a 12-token tail
+    keep, last = pb.Session(id="cu1", keep=True), pb.Session(id="cu1", keep=False)
+
+    async def scenario(c: Client):
+        t1, _, prep_rld, prep_md = await p_stage(c, "cu1", prompt)
+        await send(c, "cu1", [(prep_rld.address, 0), (prep_md.address, 0)], tail=0)
+        rld = await c.generate("rld", "cu1", prompt + t1, 19, kv_in=kv_in(pb.KvIn.TRANSFER, "cu1"))
+        emitted = t1 + tokens(rld)  # 20 tokens
+        await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="cu1", timeout_s=30))
+        drc = kv_in(pb.KvIn.DRC, "cu1")
+        warm1 = await c.generate("md", "cu1.warm1", prompt + emitted[:8], 1, kv_in=drc,
+                                 session=keep)  # fmt: skip
+        await c.generate("md", "cu1.warm2", prompt + emitted[:15], 1, kv_in=drc, session=keep)
+        between = await c.stats("md")
+        md = await c.generate("md", "cu1", prompt + emitted, 10, kv_in=drc, session=last)
+        after = await c.stats("md")
+        # a session nobody continues, ended by Abort; then a call naming it runs whole
+        await c.generate(
+            "md", "cu2.warm1", prompt + emitted[:8], 1, session=pb.Session(id="cu2", keep=True)
+        )
+        ended = await c.stub["md"].Abort(pb.AbortRequest(request_id="cu2"))
+        whole = await c.generate("md", "cu2", prompt + emitted, 10,
+                                 session=pb.Session(id="cu2", keep=False))  # fmt: skip
+        want = await oracle(c, "cu1-oracle", prompt, 30)
+        return warm1, between, md, after, ended, whole, emitted, want
+
+    warm1, between, md, after, ended, whole, emitted, want = run(workers, scenario)
+    assert warm1[0].kv_loaded_tokens == 288  # the session's first call loaded P's blocks
+    assert (between.md_sessions, between.md_session_turns) == (1, 1)
+    assert emitted + tokens(md) == want
+    assert (after.md_sessions, after.md_session_turns) == (0, 2)  # the switch continued it
+    assert ended.found
+    assert emitted + tokens(whole) == want
+
+
 def test_p_md_with_zstd_on_the_wan_equals_none(workers) -> None:
     """p_md: P's blocks cross to MD zstd-encoded (fewer wire bytes), MD decodes them into its
     DRC, and MD's greedy tokens equal P's own run of the prompt (codec none, no transfer)."""

@@ -12,7 +12,9 @@ ends on MD, unless RLD finishes it first (the anomaly: then the WAN transfer is 
       |-- cancel stream + Abort, CancelKv ->|  (later tokens are dropped, never emitted)
       |-- Generate(prompt+[t1..tk], kv_in=DRC, max_tokens-k) ----------> |
       |<- t(k+1) ... (emitted) ----------------------------------------- |
-    Catch-Up (while gap = k - tokens MD computed >= catch_up_threshold_tokens):
+    Catch-Up (while gap = k - tokens MD computed >= catch_up_threshold_tokens, and at least
+    min_catch_up_rounds times: the first warm-up loads the prompt's KV from MD's DRC into its
+    engine while RLD streams, so the switch hits MD's prefix cache):
       |-- Generate(prompt+[t1..tk], max_tokens=1) (warm-up; its token dropped) -> |
       |<- t(k+1) .. t(k+j) from RLD meanwhile |
       |   ... next warm-up with [t1..t(k+j)]; then the One-Shot switch (a small gap)
@@ -50,7 +52,7 @@ from pdd.protocol import HandoffMode
 from pdd.router.decide.recovery import is_worker_loss
 from pdd.router.drive.request_run import REAL_FINISHES, RequestRun
 from pdd.router.fleet.workers import KvState
-from pdd.router.types import GenerationRequest, TokenEvent
+from pdd.router.types import GenerationRequest, SessionRef, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class RelayHandoff:
         self._warming = False
         self._synced = 0  # emitted tokens MD has computed (its warm-ups)
         self._rounds = 0  # warm-ups started
+        self._sessions = run.policy.catch_up_sessions  # warm-ups keep the request open on MD
+        self._session_open = False  # a warm-up ended well: MD holds the session
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         self._rld_task = self._spawn(self._read_rld())
@@ -110,11 +114,15 @@ class RelayHandoff:
             self._trace.handoff_rounds = self._rounds + 1
             self._stream.mark_switch()
             lost = (self._md,) if self._md_lost else ()
-            finish = run.finish_on(self._md, "md", kv_source="drc", await_kv=False, lost=lost)
+            session, self._session_open = self._session(keep=False), False
+            finish = run.finish_on(self._md, "md", kv_source="drc", await_kv=False, lost=lost,
+                                   session=session)  # fmt: skip
             async for event in finish:
                 yield event
         finally:
             await self._cancel_tasks()
+            if self._session_open:  # no switch came: MD need not hold the request
+                self._pool.client(self._md).end_session(self._kv.kv_id)
 
     # --- decisions (called in queue order) ------------------------------------------------
 
@@ -198,7 +206,11 @@ class RelayHandoff:
         """Catch-Up: another warm-up while the gap is large, else the switch."""
         policy = self._run.policy
         gap = len(self._stream.emitted) - self._synced
-        if gap < policy.catch_up_threshold_tokens or self._rounds >= policy.max_catch_up_rounds:
+        # MD's first Generate loads the prompt's KV that crossed into its DRC: warm-ups do
+        # that off the stream (min_catch_up_rounds), however small the gap
+        least = policy.min_catch_up_rounds if self._md_kv else 0
+        small = gap < policy.catch_up_threshold_tokens and self._rounds >= least
+        if small or gap <= 0 or self._rounds >= policy.max_catch_up_rounds:
             return _Next.SWITCH
         self._rounds += 1
         self._warming = True
@@ -227,18 +239,28 @@ class RelayHandoff:
             return
         self._queue.put_nowait(("kv", state))
 
+    def _session(self, *, keep: bool) -> SessionRef | None:
+        """The session of MD's calls: a warm-up opens or continues it (keep), the switch
+        continues and ends it (only if a warm-up left it open)."""
+        if not self._sessions or not (keep or self._session_open):
+            return None
+        return SessionRef(self._kv.kv_id, keep)
+
     async def _warm_up(self, req: GenerationRequest, synced: int) -> None:
-        """MD computes ``req``'s prompt (prompt + emitted) into its prefix cache; the one
-        token it samples is dropped. Reports ``synced`` (emitted tokens MD now holds)."""
+        """MD computes ``req``'s prompt (prompt + emitted) into its prefix cache, or into the
+        session it holds open; the one token it samples is dropped. Reports ``synced``
+        (emitted tokens MD now holds)."""
         run = self._run
-        finish = None
+        finish, session = None, self._session(keep=True)
         try:
-            async for event in run.generate(self._md, req, kv_in=self._kv.kv_in("drc")):
+            stream = run.generate(self._md, req, kv_in=self._kv.kv_in("drc"), session=session)
+            async for event in stream:
                 finish = event.finish_reason
         except PddError as exc:
             self._queue.put_nowait(("warm_failed", exc))
             return
         ok = finish in REAL_FINISHES
+        self._session_open = self._session_open or (ok and session is not None)
         self._queue.put_nowait(("warm", synced) if ok else ("warm_failed", finish))
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:

@@ -37,7 +37,7 @@ from pdd.router.drive.kv_parties import KvParties
 from pdd.router.fleet.pool import WorkerPool
 from pdd.router.fleet.workers import KvState
 from pdd.router.record import PddTrace
-from pdd.router.types import GenerationRequest, KvIn, TokenEvent
+from pdd.router.types import GenerationRequest, KvIn, SessionRef, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RequestRun:
 
     async def generate(
         self, worker_id: str, req: GenerationRequest, *, kv_stage: bool = False,
-        kv_in: KvIn | None = None,
+        kv_in: KvIn | None = None, session: SessionRef | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """One Generate stream on a worker, counted as load while it runs. A worker that got
         the prompt in PrepareKv gets only what follows it (``KvParties.prompt_ref``), or the
@@ -80,7 +80,9 @@ class RequestRun:
         with self.pool.track(worker_id):
             while True:
                 try:
-                    stream = client.generate(req, kv_stage=kv_stage, kv_in=kv_in, prompt_ref=ref)
+                    stream = client.generate(
+                        req, kv_stage=kv_stage, kv_in=kv_in, prompt_ref=ref, session=session
+                    )
                     async with aclosing(stream) as evs:
                         async for event in evs:
                             yield event
@@ -97,6 +99,7 @@ class RequestRun:
     async def finish_on(
         self, worker_id: str, tier: str, *, kv_source: str | None, await_kv: bool,
         lost: Collection[str] = (), compute_sooner: Callable[[KvState], bool] | None = None,
+        session: SessionRef | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """The last tier: Generate ``prompt + emitted`` to the end. With ``await_kv`` it is
         sent at once and waits on the worker for its KV, while ``KvParties.watch`` follows
@@ -105,7 +108,8 @@ class RequestRun:
         If that worker is lost before the request finished (``recovery.is_worker_loss``), or
         is in ``lost`` already, another takes over (``recovery.takeover``: MD, else RLD, else
         P) and continues ``prompt + emitted``, recomputing its KV; with nobody left the
-        failure is raised. Settles the KV parties when it ends the request with stop/length;
+        failure is raised. ``session``: the MD Catch-Up session ``worker_id`` holds open (its
+        first attempt ends it; a takeover elsewhere has none). Settles the KV parties when it ends the request with stop/length;
         any other end leaves them to ``close()``. ``compute_sooner``: see ``KvParties.await_kv``.
         """
         excluded = set(lost)
@@ -115,7 +119,7 @@ class RequestRun:
                 if worker_id in excluded:
                     raise UnavailableError(f"worker {worker_id} was lost earlier")
                 stream = self._finish_once(worker_id, tier, kv_source, await_kv, attempt,
-                                           compute_sooner)  # fmt: skip
+                                           compute_sooner, session if attempt == 0 else None)  # fmt: skip
                 async with aclosing(stream) as events:
                     async for event in events:
                         yield event
@@ -130,6 +134,7 @@ class RequestRun:
     async def _finish_once(
         self, worker_id: str, tier: str, kv_source: str | None, await_kv: bool, attempt: int,
         compute_sooner: Callable[[KvState], bool] | None = None,
+        session: SessionRef | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         kv_in, watch = None, None
         if await_kv and self.req.await_kv_first:  # the older flow, kept for comparisons
@@ -143,7 +148,8 @@ class RequestRun:
         kv_id = self.kv.kv_id
         rid = kv_id if attempt == 0 else f"{kv_id}.takeover{attempt}"
         try:
-            stream = self.generate(worker_id, self.stream.continuation(rid), kv_in=kv_in)
+            req = self.stream.continuation(rid)
+            stream = self.generate(worker_id, req, kv_in=kv_in, session=session)
             if watch is not None:
                 stream = _watched(stream, watch)
             async with aclosing(stream) as events:

@@ -41,6 +41,7 @@ from pdd.router.types import (
     GenerationRequest,
     KvIn,
     PromptRef,
+    SessionRef,
     TokenEvent,
     TokenLogprob,
     TopLogprob,
@@ -123,7 +124,7 @@ class WorkerClient:
 
     async def generate(
         self, req: GenerationRequest, *, kv_stage: bool = False, kv_in: KvIn | None = None,
-        prompt_ref: PromptRef | None = None,
+        prompt_ref: PromptRef | None = None, session: SessionRef | None = None,
     ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """Stream token events until the worker reports a finish reason.
 
@@ -134,6 +135,8 @@ class WorkerClient:
         ``prompt_ref`` refers to.
         """
         msg = request_to_proto(req, kv_stage=kv_stage, kv_in=kv_in, prompt_ref=prompt_ref)
+        if session is not None:
+            msg.session.CopyFrom(worker_pb2.Session(id=session.id, keep=session.keep))
         call = self._stub.Generate(msg, timeout=self._deadline_left(req))
         finished = False
         try:
@@ -242,6 +245,11 @@ class WorkerClient:
             return await self.cancel_kv(kv_request_id, reason, background)
 
         self._in_background(cancel(), "CancelKv")
+
+    def end_session(self, session_id: str) -> None:
+        """Ask the worker (in the background) to end the session it holds open between calls
+        (``SessionRef``): the request will not continue there."""
+        self._abort_in_background(session_id)
 
     def _abort_in_background(self, request_id: str) -> None:
         self._in_background(self.abort(request_id), "Abort")
