@@ -102,7 +102,7 @@ class MainDecodeRole:
         )
         self._own = OwnBlocks(ctx.engine, ctx.plane, self.drc, self.hashes)
         self._stores = ctx.worker.kv_store_own_blocks
-        limit = max(1, ctx.engine.engine_config.max_num_seqs // 2)
+        limit = max(1, cfg.engine_for(ctx.worker.id).max_num_seqs // 2)  # the rest decode
         self.sessions = Sessions(ctx.engine, ctx.plane.fences, limit, ctx.worker.md_session_idle_s)
         self._ticker = Ticker(self.tick, TICK_S, "md-leases")
         self.kv_in_waits = 0  # Generate calls that found their KV still on its way
