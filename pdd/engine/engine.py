@@ -128,6 +128,7 @@ class Engine:
         self._llm: AsyncLLM | None = None
         self._counters = _Counters()
         self._inflight: set[str] = set()
+        self._resting: set[str] = set()  # sessions between turns (in _inflight, not load)
         self._eos_ids: tuple[int, ...] = ()
         self.vocab_size = 0
         self.kv_block_bytes = 0
@@ -403,10 +404,12 @@ class Engine:
 
         vLLM reports scheduler counts only with step outputs, so after an abort of the last
         request no fresh count arrives; the in-flight set is exact and bounds both numbers.
+        A session between turns (EngineSession) holds KV but is neither: not counted.
         """
         c = self._counters
-        inflight = len(self._inflight)
-        waiting = min(c.waiting, inflight)
+        resting = len(self._resting)  # vLLM counts a session between turns as waiting
+        inflight = len(self._inflight) - resting
+        waiting = max(0, min(c.waiting - resting, inflight))
         return EngineStats(
             running=inflight - waiting,
             waiting=waiting,
@@ -487,12 +490,20 @@ class EngineSession:
         self._salt = cache_salt
         self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
         self._queue: RequestOutputCollector | None = None
+        self._sent = asyncio.Event()  # vLLM sent the first turn to the engine core
         self.tokens: list[int] = []
         self.ended = False
+
+    @property
+    def reached_engine(self) -> bool:
+        """vLLM sent the first turn to the engine core: its KV connector will see the request
+        (and post a fence its params carry) when it ends."""
+        return self._sent.is_set()
 
     async def _input_stream(self) -> AsyncIterator[StreamingInput]:
         while (item := await self._inputs.get()) is not None:
             yield item
+            self._sent.set()  # vLLM asks for the next input once it sent this one
 
     async def turn(
         self,
@@ -517,7 +528,15 @@ class EngineSession:
             if self.request_id in engine._inflight:
                 raise InvalidRequestError(f"request id {self.request_id!r} is already running")
             engine._inflight.add(self.request_id)
-            self._queue = await llm.add_request(self.request_id, self._input_stream(), params)
+            try:
+                self._queue = await llm.add_request(
+                    self.request_id, self._input_stream(), params
+                )
+            except (VLLMClientError, ValueError) as exc:
+                self.ended = True
+                engine._inflight.discard(self.request_id)
+                raise InvalidRequestError(str(exc)) from exc
+        engine._resting.discard(self.request_id)
         self._inputs.put_nowait(StreamingInput(prompt, params))
         queue, done = self._queue, False
         try:
@@ -531,6 +550,7 @@ class EngineSession:
             if delta.finish_reason == "abort":
                 raise WorkerError(f"session {self.request_id} aborted by the engine")
             self.tokens = whole
+            engine._resting.add(self.request_id)
         except (EngineDeadError, EngineGenerateError) as exc:
             raise WorkerError(f"engine failed on session {self.request_id}: {exc}") from exc
         except PddError:
@@ -547,6 +567,7 @@ class EngineSession:
             return
         self.ended = True
         self._engine._inflight.discard(self.request_id)
+        self._engine._resting.discard(self.request_id)
         if self._queue is None:
             return
         self._inputs.put_nowait(None)  # vLLM sends its final (empty) input: the request ends
@@ -570,9 +591,13 @@ class EngineSession:
             return
         self.ended = True
         self._engine._inflight.discard(self.request_id)
+        self._engine._resting.discard(self.request_id)
         queue, llm = self._queue, self._engine._llm
         if queue is None:
             return
+        if not self._sent.is_set():  # the core must see the request, or its fence never posts
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sent.wait(), SESSION_CLOSE_S)
         queue.close()  # stop feeding inputs, then abort what the engine has
         if llm is not None and not llm.errored:
             await llm.abort(queue.request_id, internal=True)

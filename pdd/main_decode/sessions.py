@@ -108,10 +108,10 @@ class Sessions:
         except BaseException:
             release()
             raise
-        session = self._engine.session(f"{call.session.id}.session", call.cache_salt)
+        self.opened += 1  # its engine request id is new even if an older one is still ending
+        session = self._engine.session(f"{call.session.id}.s{self.opened}", call.cache_salt)
         held = _Held(session, fence, release)
         self._live += 1
-        self.opened += 1
         params = wrap(load=LoadParams(slots=slots, fence=fence)) if fence is not None else None
         tokens = call.prompt[:-1]
         offered = offered_tokens(len(slots), block_size, len(tokens) + 1)
@@ -158,9 +158,12 @@ class Sessions:
         self._live -= 1
         if aborted:
             await held.engine.abort()
-            if held.fence is not None:  # the slots are free once the engine posted it
+            if held.fence is None:
+                held.release()
+            elif held.engine.reached_engine:  # the slots are free once the engine posted it
                 self._fences.watch(held.fence, held.release)
-            else:
+            else:  # refused before the engine core saw it: no post will come
+                self._fences.forget(held.fence)
                 held.release()
             return
         await held.engine.close()

@@ -300,6 +300,49 @@ def test_penalties_continue_across_a_tier_change(h: Harness) -> None:
     assert forgot != whole[k:]  # what vLLM alone does at a tier change
 
 
+def test_a_session_keeps_its_kv_between_turns_and_continues_as_one_request(h: Harness) -> None:
+    """MD's Catch-Up on one engine (``Engine.session``): turn 1 computes prompt + the first
+    emitted tokens (its sampled token is dropped), turn 2 the next few, the last turn one
+    more and decodes the rest, the penalties counting every emitted token: the same tokens as
+    one request of the whole answer. Between turns the request stays in the engine (not
+    counted as running or waiting: no load) and later turns look nothing up in the prefix
+    cache (they compute only their own tokens); ``close`` ends it, and ``abort`` ends one
+    between turns."""
+    pen = dict(temperature=0, presence_penalty=0.8, frequency_penalty=1.2, ignore_eos=True)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(75)] + PARIS_PROMPT  # a partial block
+    whole = tokens(h.run(h.collect("sess-whole", prompt, SamplingSpec(max_tokens=24, **pen))))
+
+    async def turns(session, *chunks):
+        out = []
+        for toks, spec in chunks:
+            async with contextlib.aclosing(session.turn(toks, spec)) as stream:
+                out.append(tokens([d async for d in stream]))
+        return out
+
+    def warm(k: int) -> SamplingSpec:
+        return SamplingSpec(max_tokens=1, prior_output_tokens=k, **pen)
+
+    session = h.engine.session("sess")
+    h.run(turns(session, (prompt + whole[:5], warm(5)), (whole[5:9], warm(9))))
+    between, queries = h.engine.stats(), h.engine.stats().prefix_cache_queries
+    last = SamplingSpec(max_tokens=14, prior_output_tokens=10, **pen)
+    (tail,) = h.run(turns(session, (whole[9:10], last)))
+    assert tail == whole[10:]
+    assert (between.running, between.waiting) == (0, 0)  # it holds KV, but is no load
+    assert h.engine.stats().prefix_cache_queries == queries  # the last turn looked nothing up
+    assert session.tokens == prompt + whole[:10]
+    h.run(session.close())
+    assert h.engine.stats().running == 0
+
+    dropped = h.engine.session("sess-dropped")
+    h.run(turns(dropped, (prompt, warm(0))))
+    h.run(dropped.abort())
+    assert h.engine.stats().running == 0
+    with pytest.raises(InvalidRequestError, match="has ended"):
+        h.run(turns(dropped, (whole[:1], last)))
+    assert tokens(h.run(h.collect("sess-after", PARIS_PROMPT, GREEDY)))[0] == PARIS
+
+
 def test_a_bad_constraint_is_refused_naming_the_parameter(h: Harness) -> None:
     from pdd.engine.types import ConstraintSpec
 

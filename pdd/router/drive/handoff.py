@@ -42,6 +42,7 @@ same takeover.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import AsyncIterator
@@ -122,7 +123,8 @@ class RelayHandoff:
         finally:
             await self._cancel_tasks()
             if self._session_open:  # no switch came: MD need not hold the request
-                self._pool.client(self._md).end_session(self._kv.kv_id)
+                with contextlib.suppress(PddError):  # MD left the fleet: nothing to end
+                    self._pool.client(self._md).end_session(self._kv.kv_id)
 
     # --- decisions (called in queue order) ------------------------------------------------
 
