@@ -529,9 +529,7 @@ class EngineSession:
                 raise InvalidRequestError(f"request id {self.request_id!r} is already running")
             engine._inflight.add(self.request_id)
             try:
-                self._queue = await llm.add_request(
-                    self.request_id, self._input_stream(), params
-                )
+                self._queue = await llm.add_request(self.request_id, self._input_stream(), params)
             except (VLLMClientError, ValueError) as exc:
                 self.ended = True
                 engine._inflight.discard(self.request_id)

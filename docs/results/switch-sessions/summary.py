@@ -23,5 +23,7 @@ print("| arm | gap at the switch, ms | median | largest gap (median) |")
 print("| --- | --- | --- | --- |")
 for arm, name in ARMS.items():
     each = " / ".join(f"{g:.0f}" for g in gaps[arm])
-    print(f"| {name} | {each} | {statistics.median(gaps[arm]):.0f} | "
-          f"{statistics.median(largest[arm]):.0f} |")
+    print(
+        f"| {name} | {each} | {statistics.median(gaps[arm]):.0f} | "
+        f"{statistics.median(largest[arm]):.0f} |"
+    )
