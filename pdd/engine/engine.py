@@ -561,15 +561,9 @@ class EngineSession:
 
     async def close(self) -> None:
         """Finish the request: the engine frees its KV (its prefix cache keeps whole blocks)."""
-        if self.ended:
-            return
-        self.ended = True
-        self._engine._inflight.discard(self.request_id)
-        self._engine._resting.discard(self.request_id)
-        if self._queue is None:
+        if (queue := self._end()) is None:
             return
         self._inputs.put_nowait(None)  # vLLM sends its final (empty) input: the request ends
-        queue = self._queue
 
         async def finished() -> None:
             while (queue.get_nowait() or await queue.get()) is not STREAM_FINISHED:
@@ -579,24 +573,29 @@ class EngineSession:
             await asyncio.wait_for(finished(), SESSION_CLOSE_S)
         except Exception as exc:  # noqa: BLE001 (the engine failed or never answered)
             log.warning("session %s did not close cleanly (%r): aborting it", self.request_id, exc)
-            queue.close()
-            if self._engine._llm is not None and not self._engine._llm.errored:
-                await self._engine._llm.abort(queue.request_id, internal=True)
+            await self._abort(queue)
 
     async def abort(self) -> None:
         """End the session now, in a turn or between turns."""
-        if self.ended:
-            return
-        self.ended = True
-        self._engine._inflight.discard(self.request_id)
-        self._engine._resting.discard(self.request_id)
-        queue, llm = self._queue, self._engine._llm
-        if queue is None:
+        if (queue := self._end()) is None:
             return
         if not self._sent.is_set():  # the core must see the request, or its fence never posts
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sent.wait(), SESSION_CLOSE_S)
+        await self._abort(queue)
+
+    def _end(self) -> RequestOutputCollector | None:
+        """Mark the session ended (once); its output queue if it ever reached vLLM."""
+        if self.ended:
+            return None
+        self.ended = True
+        self._engine._inflight.discard(self.request_id)
+        self._engine._resting.discard(self.request_id)
+        return self._queue
+
+    async def _abort(self, queue: RequestOutputCollector) -> None:
         queue.close()  # stop feeding inputs, then abort what the engine has
+        llm = self._engine._llm
         if llm is not None and not llm.errored:
             await llm.abort(queue.request_id, internal=True)
 
