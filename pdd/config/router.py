@@ -61,13 +61,14 @@ class PddPolicyConfig(Section):
         8, gt=0, description="Catch-Up: switch after this many warm-up rounds regardless."
     )
     min_catch_up_rounds: int = Field(
-        0,
+        1,
         ge=0,
         description="Catch-Up: warm-up rounds run at least this many times when MD's KV "
         "crossed, however small the gap: the first warm-up loads the prompt's KV from MD's DRC "
         "into its engine while RLD still streams, and with catch_up_sessions MD keeps the "
-        "request open, so the switch computes only the tokens RLD emitted since. 0: switch at "
-        "once when the gap is under catch_up_threshold_tokens.",
+        "request open, so the switch computes only the tokens RLD emitted since (on the lab: "
+        "the gap at the switch 146 ms against 258 ms with 0). 0: switch at once when the gap "
+        "is under catch_up_threshold_tokens.",
     )
     catch_up_sessions: bool = Field(
         True,

@@ -11,7 +11,9 @@ byte instead of the time a stale timer of the link fired (utilisations), and, fo
 ``pd_wan`` and ``pd_local``, when the baselines' D began to get only the blocks its DRC lacks
 (issue 16, item 8: vLLM's decoder pulls only what its prefix cache lacks), and when pdd's
 TCP sender, and so the link, began to carry the transfer with the fewest bytes left first
-instead of sharing it equally (issue 16, item 5). Counts must match
+instead of sharing it equally (issue 16, item 5), and, for ``pdd_relay``, when Catch-Up began
+to warm MD up at least once however small the gap (``min_catch_up_rounds``: with MD's
+Catch-Up sessions the switch then computes only what RLD emitted since). Counts must match
 exactly; times and byte sums to 1e-9. Regenerate with ``python -m tests.plan.sim_cases`` only
 for a change of the model, never of speed.
 """

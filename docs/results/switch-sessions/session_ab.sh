@@ -3,6 +3,7 @@
 #   S: min_catch_up_rounds=1, catch_up_sessions=true   (MD keeps the request open)
 #   N: min_catch_up_rounds=1, catch_up_sessions=false  (each warm-up a request of its own)
 #   M: min_catch_up_rounds=0, catch_up_sessions=false  (main's rule before: no warm-up under 64)
+#   Z: min_catch_up_rounds=0, catch_up_sessions=true
 # usage: session_ab.sh OUTDIR "S M N S M N" WORDS TOKENS REPEATS
 set -u
 cd "$(dirname "$0")/../../.."
@@ -15,6 +16,7 @@ for A in $ORDER; do
     S) SET="--set router.pdd.min_catch_up_rounds=1 --set router.pdd.catch_up_sessions=true";;
     N) SET="--set router.pdd.min_catch_up_rounds=1 --set router.pdd.catch_up_sessions=false";;
     M) SET="--set router.pdd.min_catch_up_rounds=0 --set router.pdd.catch_up_sessions=false";;
+    Z) SET="--set router.pdd.min_catch_up_rounds=0 --set router.pdd.catch_up_sessions=true";;
   esac
   LOG=$OUT/serve-$i-$A.log
   .venv/bin/pdd serve --config configs/lab.yaml $SET > $LOG 2>&1 &
