@@ -249,11 +249,17 @@ def _prompt_counters(served, worker: str) -> dict[str, float]:
 @pytest.mark.parametrize("variant", ["p_md", "p_rld_md_catch_up"])
 def test_the_prompt_crosses_the_wan_to_md_once(served, codec, variant):
     """MD gets a request's prompt once, in PrepareKv; its Generates (the warm-ups and the
-    switch too) carry only the tokens emitted since, and the answer is unchanged."""
-    prompt = codec.encode(_long_text(30, 5) + f"\nVariant {variant}:")
+    switch too) carry only the tokens emitted since, and the answer is unchanged. With
+    Catch-Up they are one request on MD: every call after the first warm-up continued the
+    session it opened (MD computed only the tokens emitted since)."""
+    prompt = codec.encode(f"Variant {variant}:\n" + _long_text(30, 5))  # nothing cached
     before = {w: _prompt_counters(served, w) for w in ("rld", "md")}
+    turns = stats(served, "md").md_session_turns
     body = complete(served.url, prompt, VARIANTS[variant])
     after = {w: _prompt_counters(served, w) for w in ("rld", "md")}
+    if body["pdd"]["handoff"] == "catch_up":
+        continued = stats(served, "md").md_session_turns - turns
+        assert continued == body["pdd"]["handoff_rounds"] - 1 >= 1
     delta = {w: {k: v - before[w].get(k, 0.0) for k, v in after[w].items()} for w in after}
     md = delta["md"]
     assert md["PrepareKv"] == len(prompt)
