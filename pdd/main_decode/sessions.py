@@ -3,7 +3,8 @@ switch (``GenerateRequest.session``).
 
 Without them each Catch-Up call is a request of its own: it finds the previous call's whole
 blocks in vLLM's prefix cache and recomputes the rest, the last partly filled block included,
-at the full context, in the stream (the switch: 0.4 s on one CPU core at 3,000 tokens). A
+at the full context, in the stream (on the lab, one CPU core at ~2,500 tokens: the gap at the
+switch 285-368 ms without sessions, 190 ms with them; docs/benchmarks.md). A
 session is one vLLM streaming-input request (``pdd.engine.engine.EngineSession``) whose KV
 stays in the engine between calls:
 
@@ -127,6 +128,7 @@ class Sessions:
         self.continued += 1
         tokens = new[:-1] if call.session.keep else new
         if not tokens:  # a kept turn with nothing to compute: the session holds the rest
+            held.idle_since = time.monotonic()
             self._open[call.session.id] = held
             yield KvDelta(EngineDelta((), None, "length", None, len(call.prompt), 0))
             return

@@ -14,7 +14,7 @@ ends on MD, unless RLD finishes it first (the anomaly: then the WAN transfer is 
       |<- t(k+1) ... (emitted) ----------------------------------------- |
     Catch-Up (while gap = k - tokens MD computed >= catch_up_threshold_tokens, and at least
     min_catch_up_rounds times: the first warm-up loads the prompt's KV from MD's DRC into its
-    engine while RLD streams, so the switch hits MD's prefix cache):
+    engine while RLD streams, so the switch computes only what RLD emitted since):
       |-- Generate(prompt+[t1..tk], max_tokens=1) (warm-up; its token dropped) -> |
       |<- t(k+1) .. t(k+j) from RLD meanwhile |
       |   ... next warm-up with [t1..t(k+j)]; then the One-Shot switch (a small gap)
