@@ -201,15 +201,17 @@ def test_drain_refuses_new_work_and_finishes_what_it_accepted():
 
 def test_the_routers_deadline_aborts_the_engine_request_on_the_worker():
     async def scenario(stub, service, engine):
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.Generate(generate_req("slow"), timeout=0.5):
-                pass
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # 2 s: it starts even on a busy host
+            async for resp in stub.Generate(generate_req("slow"), timeout=2.0):
+                got.extend(resp.token_ids)
         for _ in range(100):  # the server side notices the deadline on its own
             if not engine.running:
                 break
             await asyncio.sleep(0.02)
-        return err.value, engine.closed, engine.running, service.active
+        return got, err.value, engine.closed, engine.running, service.active
 
-    err, closed, running, active = run(scenario)
+    got, err, closed, running, active = run(scenario)
+    assert got == [7]  # the engine ran it: the deadline ended it while it waited
     assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert (closed, running, active) == (["slow"], set(), 0)
