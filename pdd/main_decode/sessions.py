@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from pdd.engine.connector_params import FenceRef, LoadParams, wrap
 from pdd.engine.types import EngineDelta
-from pdd.worker.kv_run import REAL_FINISHES, offered_tokens
+from pdd.worker.kv_run import REAL_FINISHES, end_fence, offered_tokens
 from pdd.worker.roles import GenerateCall, KvDelta
 
 if TYPE_CHECKING:
@@ -160,18 +160,13 @@ class Sessions:
         self._live -= 1
         if aborted:
             await held.engine.abort()
-            if held.fence is None:
-                held.release()
-            elif held.engine.reached_engine:  # the slots are free once the engine posted it
-                self._fences.watch(held.fence, held.release)
-            else:  # refused before the engine core saw it: no post will come
-                self._fences.forget(held.fence)
-                held.release()
-            return
-        await held.engine.close()
-        if held.fence is not None:
-            self._fences.retire(held.fence)
-        held.release()
+        else:
+            await held.engine.close()
+        if held.fence is None:
+            held.release()
+        else:
+            reached = held.engine.reached_engine
+            end_fence(self._fences, held.fence, held.release, reached=reached, finished=not aborted)
 
     def _spawn_end(self, held: _Held) -> None:
         task = asyncio.get_running_loop().create_task(self._end(held, aborted=True))

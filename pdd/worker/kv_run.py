@@ -71,14 +71,24 @@ async def run_with_kv(
         never_ran = not started  # refused before the add: the engine core never saw it
         raise
     finally:
-        if never_ran:
-            fences.forget(fence)
-            release()
-        elif finished:
-            fences.retire(fence)
-            release()
-        else:
-            fences.watch(fence, release)
+        end_fence(fences, fence, release, reached=not never_ran, finished=finished)
+
+
+def end_fence(
+    fences: Fences, fence: FenceRef, release: Callable[[], None], *, reached: bool,
+    finished: bool,
+) -> None:  # fmt: skip
+    """The request that carried ``fence`` ended: ``release`` its slots now when the engine
+    core never saw it (no post will come) or it finished normally (its final output proves the
+    engine is done with them), else once the engine posted the fence (module doc)."""
+    if not reached:
+        fences.forget(fence)
+        release()
+    elif finished:
+        fences.retire(fence)
+        release()
+    else:
+        fences.watch(fence, release)
 
 
 async def plain(engine: Engine, call: GenerateCall) -> AsyncIterator[EngineDelta]:
