@@ -104,6 +104,16 @@ class LabSites:
         return functools.partial(self.lab.spawn_in, dc)
 
     def pick_port(self, dc: str, host: str) -> int:
-        """A free port on ``host`` inside ``dc`` (this thread enters the namespace briefly)."""
-        with self.lab.enter(dc):
-            return free_port(host)
+        """A free port on ``host`` inside ``dc`` (this thread enters the namespace briefly).
+
+        LabError if ``host`` is not there: the lab went away while this launcher set up (e.g.
+        another `pdd serve` that had brought it up was stopping)."""
+        try:
+            with self.lab.enter(dc):
+                return free_port(host)
+        except OSError as exc:
+            raise LabError(
+                f"lab {self.cfg.prefix}: cannot bind {host} in {dc} ({exc.strerror}); the lab "
+                "went away while this `pdd serve` started (was another one stopping?): run "
+                f"it again, or check `pdd lab status --prefix {self.cfg.prefix}`"
+            ) from exc

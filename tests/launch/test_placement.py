@@ -145,3 +145,17 @@ def test_free_ports_are_below_the_ephemeral_range_and_never_repeat():
         assert all(max(1024, low - placement.PICKED_SPAN) <= p < low for p in ports)
     with socket.socket() as s:  # and each is free to bind
         s.bind((placement.LOOPBACK, ports[-1]))
+
+
+def test_a_lab_gone_while_serve_starts_is_a_clear_lab_error(monkeypatch):
+    # `pdd serve` found the lab up, then it went away (another serve that brought it up was
+    # stopping): picking a port on an address no longer there names the lab, not a traceback.
+    import contextlib
+
+    from pdd.errors import LabError
+    from pdd.launch.lab_sites import LabSites
+
+    sites = LabSites(LAB)
+    monkeypatch.setattr(sites.lab, "enter", lambda dc: contextlib.nullcontext())
+    with pytest.raises(LabError, match="lab pdtunit: cannot bind 192.0.2.1 in dc-a"):
+        sites.pick_port("dc-a", "192.0.2.1")  # TEST-NET: never this host's address
