@@ -241,7 +241,7 @@ async def measure(engine: Any, plan: Plan, name: str, host_cache_tokens: int,
     return Measured(
         name=name, model=engine.model_config.name,
         kv_bytes_per_token=per_token, block_size=block,
-        chunk_tokens=cfg.max_num_batched_tokens or max(cfg.max_model_len, 2048),
+        chunk_tokens=engine.step_tokens() or max(cfg.max_model_len, 2048),
         kv_capacity_tokens=capacity, max_batch=cfg.max_num_seqs,
         host_cache_tokens=host_cache_tokens,
         prefill=tuple(prefill), decode=tuple(decode), extend=tuple(extend),
@@ -388,7 +388,7 @@ async def _profile(cfg: PddConfig, worker: WorkerConfig, plan: Plan, name: str,
                    progress: Progress, served: tuple[Served, ...]) -> Measured:  # fmt: skip
     from pdd.engine.engine import Engine  # imports vLLM: after the environment is set
 
-    engine = Engine(cfg.model, cfg.engine_for(worker.id))
+    engine = Engine(cfg.model, cfg.engine_for(worker.id), streams_kv=cfg.streams_kv(worker.id))
     await engine.start()
     try:
         host = 0

@@ -22,6 +22,7 @@ from pdd.config.security import SecurityConfig
 from pdd.config.transfer import TransferConfig
 from pdd.config.worker import WorkerConfig
 from pdd.errors import ConfigError
+from pdd.protocol import Role
 
 __all__ = [
     "CacheConfig",
@@ -80,6 +81,10 @@ class PddConfig(Section):
 
     def engine_for(self, worker_id: str) -> EngineConfig:
         return self.worker(worker_id).engine or self.engine
+
+    def streams_kv(self, worker_id: str) -> bool:
+        """The worker's KV leaves chunk by chunk as it prefills (a P with router.pdd.stream_kv)."""
+        return self.worker(worker_id).role is Role.PREFILL and self.router.pdd.stream_kv
 
 
 def _parse_scalar(text: str) -> Any:

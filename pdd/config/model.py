@@ -100,7 +100,11 @@ class EngineConfig(Section):
         "On CPU give each rank its cores in omp_threads_bind, '|' between ranks (e.g. '0|1|1').",
     )
     max_num_batched_tokens: int | None = Field(
-        None, description="Token budget per engine step. Null: vLLM's default."
+        None,
+        description="Token budget per engine step (a longer prompt is prefilled in chunks of "
+        "it). Null: vLLM's default (2048 on CPU), except on a GPU prefill worker whose KV "
+        "streams as it prefills (router.pdd.stream_kv): 2048 there, since a chunk's KV leaves "
+        "only once its forward ran, so the first chunk is the time the links sit idle.",
     )
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching.")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start).")

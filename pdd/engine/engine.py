@@ -108,6 +108,14 @@ class _StatSink(StatLoggerBase):
 SESSION_CLOSE_S = 10.0  # a closing session's final input answered within this, or aborted
 PREFILL_SAMPLE_TOKENS = 256  # a request computing fewer is too short to time the rate
 PREFILL_EWMA = 0.3
+# The step budget of a GPU engine whose KV streams out as it prefills (a P), unless configured:
+# a chunk's blocks leave only once its forward ran, so the first chunk is the links' idle time,
+# and vLLM's GPU default (8,192 or more) leaves a prompt's first 8K tokens unsent. 2,048:
+# vLLM's "small" chunked-prefill budget, where an H100's GEMMs stay efficient (assumed, not
+# measured here). CPU engines keep vLLM's default (2,048): on the lab 512 started the WAN
+# 5 s sooner on a 3,000-token prompt but the link's CPU then ran beside P's prefill, +20-27%
+# on P's TTFT (docs/benchmarks.md, "P's step budget").
+STREAM_STEP_TOKENS_GPU = 2048
 
 
 class Engine:
@@ -119,9 +127,12 @@ class Engine:
         engine: EngineConfig,
         kv_connector: KvConnectorSpec | None = None,
         measure_prefill: bool = False,
+        streams_kv: bool = False,
     ) -> None:
         """``measure_prefill``: time a short and a long prefill once started
-        (``prefill_rate``, reported in ``stats``), then keep it live (``_observe_prefill``)."""
+        (``prefill_rate``, reported in ``stats``), then keep it live (``_observe_prefill``).
+        ``streams_kv``: its KV leaves chunk by chunk as it prefills (a P): on a GPU without a
+        configured ``max_num_batched_tokens`` the step budget is ``STREAM_STEP_TOKENS_GPU``."""
         self.model_config = model
         self.engine_config = engine
         self.kv_connector = kv_connector
@@ -136,6 +147,7 @@ class Engine:
         self.kv_geometry: KvGeometry | None = None  # set once the engine is up
         self.startup_s: float | None = None
         self._measure_prefill = measure_prefill
+        self._streams_kv = streams_kv
         self.prefill_rate: PrefillRate | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -228,7 +240,7 @@ class Engine:
             max_num_seqs=e.max_num_seqs,
             tensor_parallel_size=e.tensor_parallel_size,
             distributed_executor_backend="mp" if e.tensor_parallel_size > 1 else None,
-            max_num_batched_tokens=e.max_num_batched_tokens,
+            max_num_batched_tokens=self.step_tokens(),
             enforce_eager=e.enforce_eager,
             async_scheduling=e.async_scheduling,
             seed=e.seed,
@@ -243,6 +255,16 @@ class Engine:
             # pdd.engine.penalties)
             logits_processors=[FQCN, penalties.FQCN],
         )
+
+    def step_tokens(self) -> int | None:
+        """The step budget given to vLLM: the configured one, or a streaming GPU engine's
+        (``STREAM_STEP_TOKENS_GPU``, at least ``max_num_seqs``), or None (vLLM's default)."""
+        e = self.engine_config
+        if e.max_num_batched_tokens is not None or not self._streams_kv:
+            return e.max_num_batched_tokens
+        if current_platform.is_cpu():
+            return None
+        return max(STREAM_STEP_TOKENS_GPU, e.max_num_seqs)
 
     @contextlib.contextmanager
     def _spawn_env(self) -> Iterator[None]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pdd.config import EngineConfig, ModelConfig
+from pdd.config import EngineConfig, ModelConfig, load_config
 from pdd.engine.env import omp_env
 from pdd.engine.types import KvConnectorSpec, SamplingSpec
 from pdd.errors import ConfigError
@@ -38,6 +38,36 @@ def test_connector_spec_becomes_kv_transfer_config(engine_cls, tmp_path) -> None
 def test_no_connector_by_default(engine_cls, tmp_path) -> None:
     args = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
     assert args.kv_transfer_config is None
+
+
+def test_a_streaming_p_on_a_gpu_prefills_in_2048_token_steps(engine_cls, tmp_path, monkeypatch):
+    # A P's chunk leaves only once its forward ran: on a GPU without a configured budget it
+    # prefills in 2,048-token steps (vLLM's GPU default, 8,192 or more, left a prompt's first
+    # 8K tokens unsent); a configured budget, every other engine, and CPUs keep theirs.
+    import pdd.engine.engine as engine_module
+
+    def budget(streams_kv: bool, **engine) -> int | None:
+        e = engine_cls(ModelConfig(), EngineConfig(**engine), streams_kv=streams_kv)
+        return e.step_tokens()
+
+    monkeypatch.setattr(engine_module.current_platform, "is_cpu", lambda: True)
+    assert budget(True) is None  # a CPU: vLLM's own default
+    configured = EngineConfig(max_num_batched_tokens=512)
+    args = engine_cls(ModelConfig(), configured, streams_kv=True)._engine_args(tmp_path)
+    assert args.max_num_batched_tokens == 512
+    monkeypatch.setattr(engine_module.current_platform, "is_cpu", lambda: False)
+    assert budget(True) == 2048
+    assert budget(True, max_num_batched_tokens=512) == 512
+    assert budget(True, max_num_seqs=4096) == 4096  # vLLM needs a step to hold every sequence
+    assert budget(False) is None
+
+
+def test_only_a_p_with_stream_kv_streams() -> None:
+    cfg = load_config("configs/local.yaml")
+    streams = {w.id: cfg.streams_kv(w.id) for w in cfg.workers}
+    assert streams == {"p": True, "rld": False, "md": False}
+    off = load_config("configs/local.yaml", ["router.pdd.stream_kv=false"])
+    assert not any(off.streams_kv(w.id) for w in off.workers)
 
 
 def test_sampling_params_carry_kv_transfer_params_and_eos(engine_cls) -> None:

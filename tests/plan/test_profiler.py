@@ -27,6 +27,9 @@ class FakeEngine:
         self.seen: list[tuple[str, int, int]] = []  # (salt, prompt tokens, cached tokens)
         self.active = 0
 
+    def step_tokens(self) -> int | None:
+        return self.engine_config.max_num_batched_tokens
+
     async def generate(self, rid: str, prompt: list[int], spec: SamplingSpec, cache_salt: str = ""):
         held = self.cached.setdefault(cache_salt, set())
         hit = 0
