@@ -6,6 +6,7 @@ serves it at ``/debug/config``. Unknown keys are rejected with their full key pa
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from pdd.config.transfer import TransferConfig
 from pdd.config.worker import WorkerConfig
 from pdd.errors import ConfigError
 from pdd.protocol import Role
+
+log = logging.getLogger("pdd.config")
 
 __all__ = [
     "CacheConfig",
@@ -148,10 +151,29 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, 
     return loaded
 
 
+def unreached_engine_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """A sentence for each ``--set engine.X=...`` that workers with an engine section of their
+    own do not see (theirs replaces the top-level one whole; a YAML anchor copies it)."""
+    workers = data.get("workers") if isinstance(data.get("workers"), list) else []
+    own = [(i, w.get("id", str(i))) for i, w in enumerate(workers)
+           if isinstance(w, dict) and isinstance(w.get("engine"), dict)]  # fmt: skip
+    out = []
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith("engine.") and own:
+            rest = key.removeprefix("engine.")
+            names = ", ".join(str(wid) for _, wid in own)
+            out.append(f"--set {key} does not reach worker(s) {names}: each has its own engine "
+                       f"section; set workers.{own[0][0]}.engine.{rest} (and so on) for them")  # fmt: skip
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PddConfig:
     """Load a YAML file (or defaults when path is None) and apply overrides."""
     data = read_yaml_mapping(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
+    for warning in unreached_engine_overrides(data, overrides or []):
+        log.warning("%s", warning)
     try:
         return PddConfig.model_validate(data)
     except ValidationError as exc:

@@ -88,3 +88,17 @@ def test_config_is_frozen():
     cfg = PddConfig()
     with pytest.raises(ValidationError):
         cfg.router.port = 1  # type: ignore[misc]
+
+
+def test_an_engine_override_that_workers_with_their_own_engine_never_see_is_named(caplog):
+    # configs/lab.yaml gives every worker an engine section of its own (a YAML anchor's copy):
+    # `--set engine.X` changes only the top-level default none of them reads, so it says so.
+    with caplog.at_level("WARNING", logger="pdd.config"):
+        cfg = load_config("configs/lab.yaml", ["engine.max_num_batched_tokens=512"])
+    assert cfg.engine_for("p").max_num_batched_tokens is None  # unchanged, as the warning says
+    assert "--set engine.max_num_batched_tokens does not reach worker(s) p, rld, md" in caplog.text
+    assert "workers.0.engine.max_num_batched_tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pdd.config"):
+        load_config("configs/colocated.yaml", ["engine.max_num_seqs=4"])  # reaches every worker
+    assert caplog.text == ""
