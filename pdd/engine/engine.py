@@ -113,7 +113,7 @@ PREFILL_EWMA = 0.3
 # and vLLM's GPU default (8,192 or more) leaves a prompt's first 8K tokens unsent. 2,048:
 # vLLM's "small" chunked-prefill budget, where an H100's GEMMs stay efficient (assumed, not
 # measured here). CPU engines keep vLLM's default (2,048): on the lab 512 started the WAN
-# 5 s sooner on a 3,000-token prompt but the link's CPU then ran beside P's prefill, +20-27%
+# 5 s sooner on a 3,000-token prompt but the link's CPU then ran beside P's prefill, +20-26%
 # on P's TTFT (docs/benchmarks.md, "P's step budget").
 STREAM_STEP_TOKENS_GPU = 2048
 

@@ -126,7 +126,7 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
         engine_cfg,
         plane.connector_spec() if plane is not None else None,
         measure_prefill=worker.role is Role.MAIN_DECODE,  # for router.pdd.md_recompute
-        streams_kv=cfg.streams_kv(worker.id),  # a P: small steps, so its KV leaves early
+        streams_kv=cfg.streams_kv(worker.id),  # a P (on a GPU: smaller steps, KV leaves sooner)
     )
     ctx = RoleContext(engine, plane, worker, cfg, engine_cfg.block_size, block_bytes)
     role = parts["role"] = role_cls(ctx)
