@@ -328,7 +328,7 @@ def _notes(engine: Any, plan: Plan) -> tuple[str, ...]:
     return (
         f"Measured by pdd profile on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
         f"vLLM engine, dtype {cfg.dtype or engine.model_config.dtype}, block {cfg.block_size}, "
-        f"max_num_batched_tokens {cfg.max_num_batched_tokens}, no KV connector (the "
+        f"max_num_batched_tokens {engine.step_tokens()}, no KV connector (the "
         f"connector's copies are not in these times; the router's and gRPC's are in "
         f"`serving` when --served measured them).",
         f"Samples: prompt lengths {list(plan.lengths)} cold and cached, extend "

@@ -15,6 +15,7 @@ brought up stays: ``pdd lab down`` removes it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 
@@ -112,6 +113,8 @@ class LabSites:
             with self.lab.enter(dc):
                 return free_port(host)
         except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
             raise LabError(
                 f"lab {self.cfg.prefix}: cannot bind {host} in {dc} ({exc.strerror}); the lab "
                 "went away while this `pdd serve` started (was another one stopping?): run "
