@@ -59,7 +59,8 @@ from vllm.v1.outputs import KVConnectorOutput
 from pdd.engine.connector_meta import PddConnectorMetadata
 from pdd.engine.connector_params import ConnectorSettings
 from pdd.engine.connector_scheduler import SchedulerHalf
-from pdd.engine.connector_worker import HeadShard, WorkerHalf
+from pdd.engine.connector_worker import WorkerHalf
+from pdd.engine.kv_copy import HeadShard
 from pdd.errors import ConfigError
 
 if TYPE_CHECKING:

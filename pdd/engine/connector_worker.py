@@ -14,10 +14,11 @@ shell), and the per-step copy statistics. Holds no request state: the scheduler 
 every copy.
 
 Tensor parallelism: every rank runs a worker half over its own paged cache, which holds only
-its KV heads (``HeadShard``). A slot always holds a whole block, every head, in the layout
-below, so P's and MD's tensor-parallel degrees never show on the wire: each rank copies its
-heads' bytes of each layer block (contiguous there: heads come first in vLLM's CPU block),
-and ranks holding a replicated head write the same bytes.
+its KV heads (``kv_copy.HeadShard``). A slot always holds a whole block, every head, in the
+layout below, so P's and MD's tensor-parallel degrees never show on the wire: each rank copies
+its heads' bytes of each layer block (contiguous in vLLM's CPU block, where heads come first;
+strided in other layouts: kv_copy.py), and ranks holding a replicated head write the same
+bytes.
 
 Two copiers, picked at ``register_kv_caches`` from the tensors (layout rule: kv_copy.py):
 - ``SlotCopier`` (numpy views, ``PagedKv``): vLLM's CPU layout, contiguous block-first CPU
@@ -43,31 +44,10 @@ import torch
 from pdd.cache.arena import FenceBoard, SlotArena
 from pdd.engine.connector_meta import CopyJob, CopyStat, PddConnectorMetadata, PddWorkerMetadata
 from pdd.engine.connector_params import ConnectorSettings
-from pdd.engine.kv_copy import PagedLayers, TorchBlockCopier
+from pdd.engine.kv_copy import HeadShard, PagedLayers, TorchBlockCopier
 from pdd.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The KV heads one tensor-parallel rank holds: ``start .. start + count`` of ``total``."""
-
-    start: int
-    count: int
-    total: int
-
-    @classmethod
-    def of_rank(cls, rank: int, world: int, total: int) -> HeadShard:
-        """vLLM's split: ``total // world`` heads a rank, or one replicated head each when
-        there are more ranks than heads (``world`` a multiple of ``total``)."""
-        if total % world and world % total:
-            raise ConfigError(f"{total} KV heads cannot be split over {world} ranks")
-        return cls(rank * total // world, max(1, total // world), total)
-
-    @property
-    def whole(self) -> bool:
-        return self.count == self.total
 
 
 @dataclass(frozen=True)
@@ -176,14 +156,8 @@ class WorkerHalf:
         try:
             if layers.is_cpu_packed:
                 self._copier = SlotCopier(PagedKv(kv_caches), self._arena, self._shard)
-            elif self._shard is not None and not self._shard.whole:
-                raise ConfigError(
-                    f"tensor parallelism: pdd's connector copies a rank's KV heads in vLLM's "
-                    f"CPU layout only, not {tuple(next(iter(kv_caches.values())).shape)} on "
-                    f"{layers.device}"
-                )
             else:
-                self._copier = TorchBlockCopier(layers, self._arena)
+                self._copier = TorchBlockCopier(layers, self._arena, shard=self._shard)
         except ConfigError:
             self._arena.close()
             self._arena = None

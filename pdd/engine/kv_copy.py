@@ -33,6 +33,14 @@ Copy path (save; load runs it backwards and ends with ``index_copy_`` into the p
                                 straight into the slots; "staging": into a pinned buffer,
                                 then a CPU copy into the slots; "cpu": CPU tensors)
 
+Tensor parallelism (``HeadShard``): a rank's paged tensors hold only its KV heads, but a slot
+always holds every head of the block, in the wire layout above (so the degrees of P and MD
+never show on the wire). A rank's copier reads and writes only its heads' part of each layer
+block: the KV-head axis of the logical block (``PagedLayers.head_axis``: [H, B, 2D] axis 0,
+[2, B, H, D] axis 2), a strided CPU copy between the slot and a compact host row; on CUDA
+through the pinned staging buffer (``host`` "auto" picks "staging"; "register" is refused).
+Ranks holding a replicated head write the same bytes.
+
 Every call synchronizes its stream before it returns: the caller frees or reuses slots at once.
 """
 
@@ -64,6 +72,27 @@ class SlotMemory(Protocol):
     def num_slots(self) -> int: ...
     @property
     def slot_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The KV heads one tensor-parallel rank holds: ``start .. start + count`` of ``total``."""
+
+    start: int
+    count: int
+    total: int
+
+    @classmethod
+    def of_rank(cls, rank: int, world: int, total: int) -> HeadShard:
+        """vLLM's split: ``total // world`` heads a rank, or one replicated head each when
+        there are more ranks than heads (``world`` a multiple of ``total``)."""
+        if total % world and world % total:
+            raise ConfigError(f"{total} KV heads cannot be split over {world} ranks")
+        return cls(rank * total // world, max(1, total // world), total)
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.total
 
 
 def detect_block_dim(shape: tuple[int, ...], num_blocks: int | None = None) -> int:
@@ -130,10 +159,7 @@ class PagedLayers:
 
     @property
     def layer_block_elems(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n
+        return _prod(self.block_shape)
 
     @property
     def layer_block_bytes(self) -> int:
@@ -145,6 +171,17 @@ class PagedLayers:
         return self.layer_block_bytes * len(self.tensors)
 
     @property
+    def head_axis(self) -> int | None:
+        """Index of the KV-head axis in ``block_shape``: [H, B, 2D] (vLLM 0.32's logical block,
+        every backend) 0; [2, B, H, D] (FlashInfer before 0.32, K/V-split) 2; None for any
+        other shape (e.g. an MLA latent [B, C], which has no heads to split)."""
+        if len(self.block_shape) == 3:
+            return 0
+        if len(self.block_shape) == 4 and self.block_shape[0] == 2:
+            return 2
+        return None
+
+    @property
     def is_cpu_packed(self) -> bool:
         """vLLM's CPU layout: contiguous block-first CPU tensors (the numpy fast path's case)."""
         return (
@@ -154,15 +191,43 @@ class PagedLayers:
         )
 
 
-def check_slot_bytes(layers: PagedLayers, slots: SlotMemory) -> None:
-    """ConfigError unless one arena slot holds exactly one block of every layer."""
-    if slots.slot_bytes != layers.block_bytes:
+def wire_block_shape(layers: PagedLayers, shard: HeadShard | None) -> tuple[int, ...]:
+    """One layer block as a slot holds it: ``layers.block_shape`` with every KV head of the
+    model (a rank's ``shard`` holds ``shard.count`` of ``shard.total``). ConfigError when
+    the rank's blocks do not hold its heads on a known axis."""
+    if shard is None or shard.whole:
+        return layers.block_shape
+    axis = layers.head_axis
+    if axis is None or layers.block_shape[axis] != shard.count:
+        raise ConfigError(
+            f"tensor parallelism: KV block {layers.block_shape} does not hold this rank's "
+            f"{shard.count} of {shard.total} KV heads on its head axis "
+            f"({'none known' if axis is None else axis})"
+        )
+    return (*layers.block_shape[:axis], shard.total, *layers.block_shape[axis + 1 :])
+
+
+def check_slot_bytes(
+    layers: PagedLayers, slots: SlotMemory, shard: HeadShard | None = None
+) -> None:
+    """ConfigError unless one arena slot holds exactly one block of every layer, every head."""
+    wire = wire_block_shape(layers, shard)
+    layer_bytes = layers.layer_block_bytes // layers.layer_block_elems * _prod(wire)
+    if slots.slot_bytes != layer_bytes * len(layers.tensors):
+        heads = "" if shard is None or shard.whole else f", {shard.total} heads over the ranks"
         raise ConfigError(
             f"arena has {slots.slot_bytes}-byte slots, but one KV block of this engine is "
-            f"{layers.block_bytes} bytes ({len(layers.tensors)} layers x "
-            f"{layers.layer_block_bytes}, {layers.dtype}, layer shape "
-            f"{tuple(layers.tensors[0].shape)})"
+            f"{layer_bytes * len(layers.tensors)} bytes ({len(layers.tensors)} layers x "
+            f"{layer_bytes}, {layers.dtype}, layer shape "
+            f"{tuple(layers.tensors[0].shape)}{heads})"
         )
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -240,7 +305,8 @@ class TorchBlockCopier:
     "staging" mode, a pinned host buffer of the same size; in "register" mode the arena's pages
     stay page-locked until ``close``. Call ``close`` before the arena is unmapped.
     ``host``: "auto" (register, falling back to staging), "register" or "staging"; ignored on
-    CPU. Not thread-safe: one caller (vLLM's model-runner thread).
+    CPU. ``shard``: the KV heads this tensor-parallel rank holds (None: every head); a rank
+    copies through the staging buffer. Not thread-safe: one caller (vLLM's model-runner thread).
     """
 
     def __init__(
@@ -248,21 +314,30 @@ class TorchBlockCopier:
         layers: PagedLayers,
         slots: SlotMemory,
         *,
+        shard: HeadShard | None = None,
         host: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if host not in HOST_MODES:
             raise ConfigError(f"host copy mode {host!r} is not one of {HOST_MODES}")
-        check_slot_bytes(layers, slots)
+        check_slot_bytes(layers, slots, shard)
         self._layers = layers
         self._num_slots = slots.num_slots
         n_layers, b = len(layers.tensors), layers.layer_block_bytes
         # [num_slots, slot_bytes], sharing memory with the arena
         self._slots: torch.Tensor | None = torch.frombuffer(slots.buffer, dtype=torch.uint8).view(
-            slots.num_slots, n_layers * b
+            slots.num_slots, slots.slot_bytes
         )
+        # a rank's heads of every slot: [num_slots, L, *block] in the KV dtype, strided
+        self._heads: torch.Tensor | None = None
+        if shard is not None and not shard.whole:
+            axis = 2 + layers.head_axis  # type: ignore[operator]  # checked by check_slot_bytes
+            whole = self._slots.view(layers.dtype).view(
+                slots.num_slots, n_layers, *wire_block_shape(layers, shard)
+            )
+            self._heads = whole.narrow(axis, shard.start, shard.count)
         self.chunk_blocks = max(1, chunk_bytes // layers.block_bytes)
-        # [C, L, E] in the KV dtype: row j = one slot's bytes (wire layout)
+        # [C, L, E] in the KV dtype: row j = one slot's bytes (wire layout), of a rank its heads
         self._stage = torch.empty(
             (self.chunk_blocks, n_layers, b), dtype=torch.uint8, device=layers.device
         ).view(layers.dtype)
@@ -273,13 +348,21 @@ class TorchBlockCopier:
     def _setup_host(self, host: str) -> str:
         if self._layers.device.type != "cuda":
             return "cpu"
-        if host in ("auto", "register") and _HostPins.acquire(self._slots):
-            self._registered = True
-            return "register"
-        if host == "register":
-            raise ConfigError("cudaHostRegister of the arena failed (host copy mode 'register')")
+        if self._heads is not None and host == "register":
+            raise ConfigError("a tensor-parallel rank copies its heads through a staging buffer "
+                              "(host copy mode 'register' cannot)")  # fmt: skip
+        if self._heads is None and host in ("auto", "register"):
+            if _HostPins.acquire(self._slots):
+                self._registered = True
+                return "register"
+            if host == "register":
+                raise ConfigError(
+                    "cudaHostRegister of the arena failed (host copy mode 'register')"
+                )
         self._pinned = torch.empty(
-            (self.chunk_blocks, self._slots.shape[1]), dtype=torch.uint8, pin_memory=True
+            (self.chunk_blocks, self._stage[0].numel() * self._stage.element_size()),
+            dtype=torch.uint8,
+            pin_memory=True,
         )
         return "staging"
 
@@ -314,6 +397,7 @@ class TorchBlockCopier:
             _HostPins.release(self._slots)
             self._registered = False
         self._slots = None
+        self._heads = None
         self._pinned = None
 
     # --- steps ----------------------------------------------------------------------------------
@@ -359,23 +443,37 @@ class TorchBlockCopier:
 
     def _to_slots(self, dst: list[int]) -> None:
         """self._stage[:len(dst)] -> arena slots dst (D2H on CUDA)."""
-        rows = self._stage[: len(dst)].view(torch.uint8).view(len(dst), -1)  # [n, slot_bytes]
+        rows = self._stage[: len(dst)].view(torch.uint8).view(len(dst), -1)  # [n, row_bytes]
         if self.host == "staging":
             assert self._pinned is not None
             self._pinned[: len(dst)].copy_(rows, non_blocking=True)
             self._sync()  # the CPU copy below reads the pinned buffer
             rows = self._pinned
+        into, rows = self._slot_rows(rows)
         for j, s, k in _runs(dst):
-            self._slots[s : s + k].copy_(rows[j : j + k], non_blocking=True)
+            into[s : s + k].copy_(rows[j : j + k], non_blocking=True)
 
     def _from_slots(self, src: list[int]) -> None:
         """Arena slots src -> self._stage[:len(src)] (H2D on CUDA)."""
         rows = self._stage[: len(src)].view(torch.uint8).view(len(src), -1)
         via = self._pinned if self.host == "staging" else rows
+        assert via is not None
+        out_of, into = self._slot_rows(via)
         for j, s, k in _runs(src):
-            via[j : j + k].copy_(self._slots[s : s + k], non_blocking=True)
+            into[j : j + k].copy_(out_of[s : s + k], non_blocking=True)
         if via is not rows:
             rows.copy_(via[: len(src)], non_blocking=True)
+
+    def _slot_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the arena's slots, ``rows``) as alike tensors to copy runs between: whole slots
+        and uint8 rows, or a rank's heads of each slot (strided) and the rows as its blocks."""
+        assert self._slots is not None
+        if self._heads is None:
+            return self._slots, rows
+        n_layers = len(self._layers.tensors)
+        return self._heads, rows.view(self._layers.dtype).view(
+            rows.shape[0], n_layers, *self._layers.block_shape
+        )
 
     def _sync(self) -> None:
         if self._layers.device.type == "cuda":

@@ -146,18 +146,31 @@ def test_export_progress_is_posted_once_every_ranks_copies_are_in(arenas):
         half.shutdown()
 
 
+def _blocks_outer(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values stored [blocks, layers, heads, block_size, 2*head_dim] (vLLM's BLHNC
+    layout on GPUs: every layer of a block together): each layer's view strides over blocks,
+    not vLLM's CPU layout, so the worker half copies them with the torch copier."""
+    one = torch.stack(list(caches.values()), dim=1)
+    return {n: one[:, i] for i, n in enumerate(caches)}
+
+
+@pytest.mark.parametrize("stored", ["cpu-packed", "blocks-outer"])
 @pytest.mark.parametrize("world", [3, 6])
-def test_tensor_parallel_ranks_each_copy_their_heads_of_whole_slots(arenas, world):
+def test_tensor_parallel_ranks_each_copy_their_heads_of_whole_slots(arenas, world, stored):
     """A slot holds every KV head whatever the tensor-parallel degree: P's ranks (3 heads over
     3 ranks, or replicated over 6) fill it with the bytes one rank would write, and MD's ranks
-    each load only their own heads from it."""
+    each load only their own heads from it; in vLLM's CPU layout (numpy copier) and in a
+    strided one (torch copier, as on GPUs)."""
     settings = arenas(3)
     whole, shard_of = _caches(4), lambda r: HeadShard.of_rank(r, world, SHAPE[1])
-    ranks = [{n: t[:, s.start : s.start + s.count].clone() for n, t in whole.items()}
+    lay = _blocks_outer if stored == "blocks-outer" else dict
+    ranks = [lay({n: t[:, s.start : s.start + s.count].clone() for n, t in whole.items()})
              for s in map(shard_of, range(world))]  # fmt: skip
     one = _worker(settings, _caches(4))
     p = [_worker(settings, c, shard_of(r)) for r, c in enumerate(ranks)]
-    loaded = [{n: torch.zeros_like(t) for n, t in c.items()} for c in ranks]
+    copier = "TorchBlockCopier" if stored == "blocks-outer" else "SlotCopier"
+    assert {type(half._copier).__name__ for half in p} == {copier}
+    loaded = [lay({n: torch.zeros_like(t) for n, t in c.items()}) for c in ranks]
     md = [_worker(settings, c, shard_of(r)) for r, c in enumerate(loaded)]
     arena = SlotArena.attach_ref(settings.arena)
     try:

@@ -14,6 +14,7 @@ from pdd.cache.arena import SlotArena
 from pdd.engine.kv_copy import (
     BLOCK_FIRST,
     KV_SPLIT,
+    HeadShard,
     PagedLayers,
     TorchBlockCopier,
     _HostPins,
@@ -42,8 +43,15 @@ cuda = pytest.mark.skipif(
 )
 
 
-def make_caches(layout: str, dtype, seed: int, device="cpu") -> dict[str, torch.Tensor]:
+# the KV-head dim of each layout's logical per-layer tensor
+HEAD_DIM = {"cpu-packed": 1, "flashinfer": 3, "flashinfer-hnd": 3, "kv-split": 3}
+
+
+def make_caches(
+    layout: str, dtype, seed: int, device="cpu", heads: int = H
+) -> dict[str, torch.Tensor]:
     shape, order = LAYOUTS[layout]
+    shape = (*shape[: HEAD_DIM[layout]], heads, *shape[HEAD_DIM[layout] + 1 :])
     g = torch.Generator().manual_seed(seed)
     out = {}
     for i in range(LAYERS):
@@ -282,6 +290,78 @@ def test_numpy_path_and_torch_path_agree_on_the_cpu_layout(arena_of, copier_of):
     assert slots_bytes(a1) == slots_bytes(a2)
 
 
+# --- tensor-parallel ranks: each copies its KV heads of whole slots ------------------------
+
+
+def ranks_of(whole: dict[str, torch.Tensor], layout: str, world: int, seed: int | None = None):
+    """Per rank: its HeadShard and caches of its heads, laid out like ``whole`` (physical order
+    kept); the heads' values copied from ``whole``, or random (``seed``) to be loaded into."""
+    total = next(iter(whole.values())).shape[HEAD_DIM[layout]]
+    out = []
+    for r in range(world):
+        shard = HeadShard.of_rank(r, world, total)
+        device = next(iter(whole.values())).device
+        caches = make_caches(layout, next(iter(whole.values())).dtype, seed or 0, device,
+                             heads=shard.count)  # fmt: skip
+        if seed is None:
+            for name, t in caches.items():
+                t.copy_(whole[name].narrow(HEAD_DIM[layout], shard.start, shard.count))
+        out.append((shard, caches))
+    return out
+
+
+def check_ranks_write_and_read_whole_slots(arena_of, copier_of, layout, heads, world, device,
+                                           **copier_kw):  # fmt: skip
+    """The ranks' saves fill the slots byte for byte as one engine holding every head would;
+    each rank's load takes back exactly its heads."""
+    whole = make_caches(layout, torch.bfloat16, 1, device, heads=heads)
+    lw = PagedLayers.from_caches(whole, N)
+    one, many = arena_of(lw), arena_of(lw)
+    one.buffer[:] = many.buffer
+    saved, slots, loaded = (5, 0, 8), (3, 6, 1), (2, 7, 4)
+    copier_of(lw, one).save(saved, slots)
+    for shard, caches in ranks_of(whole, layout, world):
+        rank = copier_of(PagedLayers.from_caches(caches, N), many, shard=shard, **copier_kw)
+        rank.save(saved, slots)
+    assert slots_bytes(many) == slots_bytes(one)
+    for shard, caches in ranks_of(whole, layout, world, seed=7):
+        rank = copier_of(PagedLayers.from_caches(caches, N), many, shard=shard, **copier_kw)
+        rank.load(slots, loaded)
+        hd, bd = HEAD_DIM[layout], lw.block_dim
+        for name, t in caches.items():
+            want = whole[name].narrow(hd, shard.start, shard.count)
+            got = t.index_select(bd, torch.tensor(loaded, device=device))
+            assert same_bits(got, want.index_select(bd, torch.tensor(saved, device=device)))
+    return rank
+
+
+@pytest.mark.parametrize("heads, world", [(2, 2), (4, 2), (2, 4)], ids=["1-each", "2-each",
+                                                                      "replicated"])  # fmt: skip
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tensor_parallel_ranks_fill_whole_slots_and_load_their_heads(
+    arena_of, copier_of, layout, heads, world
+):
+    rank = check_ranks_write_and_read_whole_slots(
+        arena_of, copier_of, layout, heads, world, "cpu", chunk_bytes=1
+    )
+    assert rank.chunk_blocks == 1  # a chunk a block: runs of slots split across chunks too
+
+
+def test_a_rank_whose_blocks_do_not_hold_its_heads_is_refused(arena_of):
+    whole = PagedLayers.from_caches(make_caches("kv-split", torch.float32, 1, heads=4), N)
+    arena = arena_of(whole)
+    rank = PagedLayers.from_caches(make_caches("kv-split", torch.float32, 1, heads=2), N)
+    with pytest.raises(ConfigError, match=r"does not hold this rank's 1 of 4 KV heads on its "
+                                          r"head axis \(2\)"):  # fmt: skip
+        TorchBlockCopier(rank, arena, shard=HeadShard.of_rank(0, 4, 4))
+    with pytest.raises(ConfigError, match="arena has 3072-byte slots, but one KV block of this "
+                                          "engine is 4608 bytes .*6 heads over the ranks"):  # fmt: skip
+        TorchBlockCopier(rank, arena, shard=HeadShard.of_rank(0, 3, 6))
+    latent = {f"layers.{i}.attn": torch.zeros(N, B, 576) for i in range(LAYERS)}  # MLA: no heads
+    with pytest.raises(ConfigError, match="on its head axis \\(none known\\)"):
+        TorchBlockCopier(PagedLayers.from_caches(latent, N), arena, shard=HeadShard(0, 1, 2))
+
+
 # --- copies on CUDA tensors -----------------------------------------------------------------
 
 
@@ -340,3 +420,13 @@ def test_cuda_copiers_share_one_registration_of_an_arena(arena_of, copier_of):
     second.close()
     assert _HostPins._count == {}
     assert copier_of(layers, arena).host == "register"  # unregistered: registers again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (not yet run on one)")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_tensor_parallel_ranks_fill_whole_slots_through_staging(arena_of, copier_of, layout):
+    rank = check_ranks_write_and_read_whole_slots(arena_of, copier_of, layout, 4, 2, "cuda")
+    assert rank.host == "staging"  # "auto": a rank's heads are strided in the slot
+    whole = PagedLayers.from_caches(make_caches(layout, torch.float32, 1, "cuda", heads=2), N)
+    with pytest.raises(ConfigError, match="host copy mode 'register' cannot"):
+        TorchBlockCopier(whole, arena_of(whole), shard=HeadShard(0, 2, 4), host="register")
