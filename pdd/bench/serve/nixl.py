@@ -87,7 +87,10 @@ def kv_transfer_config(name: str) -> dict[str, str]:
 
 
 def vllm_argv(topo: PddConfig, e: Engine, model_path: Path) -> list[str]:
-    """`vllm serve` with the worker's engine settings (as pdd's engine passes them to vLLM)."""
+    """`vllm serve` with the worker's engine settings (as pdd's engine passes them to vLLM).
+    The step budget only where configured: vLLM's P sends its KV after the whole prefill, so
+    the budget pdd's streaming P takes by default on a GPU (``Engine.step_tokens``) does not
+    apply, and vLLM keeps its own (the same as pdd's on CPU)."""
     c = e.engine
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
