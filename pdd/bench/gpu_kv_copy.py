@@ -12,7 +12,9 @@ random ("random") or consecutive ("run") slots of a real SlotArena, with the are
 a plain ``.cpu()`` of a contiguous device tensor (allocates fresh pageable memory), a copy
 into an existing pageable buffer, into a pinned buffer and into the registered arena (raw
 DMA), and the H2D counterparts. Also the registered save/load of 256 blocks with 16 and 256 MiB
-of staging instead of the default 64 MiB. Each number is the
+of staging instead of the default 64 MiB, and a tensor-parallel rank's copier (rank 0 of TP 2:
+half the KV heads, into and out of the model's whole slots through pinned staging; its bytes
+are the rank's). Each number is the
 median of --reps timed calls after 2 warm-ups; a call includes its final synchronize. Also
 checks one 256-block save + load round trip per layout bit for bit. Writes <out>/results.json.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pdd.cache.arena import SlotArena
-from pdd.engine.kv_copy import PagedLayers, TorchBlockCopier
+from pdd.engine.kv_copy import HeadShard, PagedLayers, TorchBlockCopier
 
 MODELS = {  # name -> (layers, kv heads, head dim, block size)
     "8b": (32, 8, 128, 16),
@@ -63,9 +65,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_cache(model: str, layout: str, dtype, device) -> dict[str, torch.Tensor]:
+def make_cache(
+    model: str, layout: str, dtype, device, heads: int | None = None
+) -> dict[str, torch.Tensor]:
     layers, h, d, b = (SMOKE_MODELS | MODELS)[model]
-    shape = LAYOUTS[layout](NUM_BLOCKS, h, b, d)
+    shape = LAYOUTS[layout](NUM_BLOCKS, heads or h, b, d)
     g = torch.Generator(device=device).manual_seed(0)
     return {
         f"layers.{i}": torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
@@ -134,6 +138,26 @@ def chunk_sizes(model: str, layers: PagedLayers, arena: SlotArena, reps: int) ->
     return rows
 
 
+def rank_rows(model: str, layout: str, arena: SlotArena, device, reps: int) -> list[dict]:
+    """Rank 0 of TP 2: a cache of half the model's KV heads, copied into and out of its heads
+    of the whole slots."""
+    heads = (SMOKE_MODELS | MODELS)[model][1]
+    caches = make_cache(model, layout, torch.bfloat16, device, heads=heads // 2)
+    layers = PagedLayers.from_caches(caches, NUM_BLOCKS)
+    t0 = time.perf_counter()
+    copier = TorchBlockCopier(layers, arena, shard=HeadShard.of_rank(0, 2, heads))
+    setup = time.perf_counter() - t0
+    ok = check_roundtrip(copier, caches, layers.block_dim)
+    rows = []
+    for n in COUNTS:
+        r = bench_copier(copier, n, "random", reps)
+        rows.append({"model": model, "layout": layout, "host": f"{copier.host}/tp2-rank",
+                     "slots": "random", "blocks": n, "bytes": n * layers.block_bytes,
+                     "setup_s": setup, "roundtrip_ok": ok, **r})  # fmt: skip
+    copier.close()
+    return rows
+
+
 def run_model(model: str, device, reps: int) -> tuple[list[dict], list[dict]]:
     rows, base = [], []
     for layout in LAYOUTS:
@@ -152,6 +176,8 @@ def run_model(model: str, device, reps: int) -> tuple[list[dict], list[dict]]:
                                      "slots": order, "blocks": n, "bytes": n * layers.block_bytes,
                                      "setup_s": setup, "roundtrip_ok": ok, **r})  # fmt: skip
                 copier.close()
+            if (SMOKE_MODELS | MODELS)[model][1] % 2 == 0:
+                rows += rank_rows(model, layout, arena, device, reps)
             if layout == "flash-attn" and device.type == "cuda":
                 rows += chunk_sizes(model, layers, arena, reps)
             if layout == "flash-attn":
