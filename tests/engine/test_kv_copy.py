@@ -427,6 +427,7 @@ def test_cuda_copiers_share_one_registration_of_an_arena(arena_of, copier_of):
 def test_cuda_tensor_parallel_ranks_fill_whole_slots_through_staging(arena_of, copier_of, layout):
     rank = check_ranks_write_and_read_whole_slots(arena_of, copier_of, layout, 4, 2, "cuda")
     assert rank.host == "staging"  # "auto": a rank's heads are strided in the slot
-    whole = PagedLayers.from_caches(make_caches(layout, torch.float32, 1, "cuda", heads=2), N)
+    four, two = (PagedLayers.from_caches(make_caches(layout, torch.float32, 1, "cuda", heads=h), N)
+                 for h in (4, 2))  # fmt: skip
     with pytest.raises(ConfigError, match="host copy mode 'register' cannot"):
-        TorchBlockCopier(whole, arena_of(whole), shard=HeadShard(0, 2, 4), host="register")
+        TorchBlockCopier(two, arena_of(four), shard=HeadShard(0, 2, 4), host="register")
