@@ -47,6 +47,7 @@ Every call synchronizes its stream before it returns: the caller frees or reuses
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -159,7 +160,7 @@ class PagedLayers:
 
     @property
     def layer_block_elems(self) -> int:
-        return _prod(self.block_shape)
+        return math.prod(self.block_shape)
 
     @property
     def layer_block_bytes(self) -> int:
@@ -212,7 +213,7 @@ def check_slot_bytes(
 ) -> None:
     """ConfigError unless one arena slot holds exactly one block of every layer, every head."""
     wire = wire_block_shape(layers, shard)
-    layer_bytes = layers.layer_block_bytes // layers.layer_block_elems * _prod(wire)
+    layer_bytes = layers.layer_block_bytes // layers.layer_block_elems * math.prod(wire)
     if slots.slot_bytes != layer_bytes * len(layers.tensors):
         heads = "" if shard is None or shard.whole else f", {shard.total} heads over the ranks"
         raise ConfigError(
@@ -221,13 +222,6 @@ def check_slot_bytes(
             f"{layer_bytes}, {layers.dtype}, layer shape "
             f"{tuple(layers.tensors[0].shape)}{heads})"
         )
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

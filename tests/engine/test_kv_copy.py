@@ -422,7 +422,13 @@ def test_cuda_copiers_share_one_registration_of_an_arena(arena_of, copier_of):
     assert copier_of(layers, arena).host == "register"  # unregistered: registers again
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (not yet run on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (this machine and CI have none; not yet run on one): the same "
+    "rank copies are checked on CPU tensors of every layout by "
+    "test_tensor_parallel_ranks_fill_whole_slots_and_load_their_heads; on CUDA they also go "
+    "through pinned staging",
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_tensor_parallel_ranks_fill_whole_slots_through_staging(arena_of, copier_of, layout):
     rank = check_ranks_write_and_read_whole_slots(arena_of, copier_of, layout, 4, 2, "cuda")
