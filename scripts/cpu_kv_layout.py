@@ -8,7 +8,8 @@ block, byte for byte. Also prints the layout each engine reports (``cpu_amx``: v
 kernels, whose interior pdd does not convert).
 
     .venv/bin/python scripts/cpu_kv_layout.py float32     # ~1 minute here
-    .venv/bin/python scripts/cpu_kv_layout.py bfloat16    # on a CPU without AMX tiles
+    .venv/bin/python scripts/cpu_kv_layout.py bfloat16    # on a CPU without AMX tiles: and
+                                                          # widened against float32's blocks
     .venv/bin/python scripts/cpu_kv_layout.py fp8_e4m3    # vLLM's fp8 KV cache (see below)
 
 With an fp8 KV-cache dtype it checks what an MD of that cache does to P's float32 KV instead:
@@ -114,7 +115,30 @@ async def main(dtype: str) -> int:
         got = regroup.put(i, block, [0]).get(0, got)
     equal = got == big[0]
     print(f"{dtype}: four 32-token blocks regrouped == the 128-token block: {equal}")
+    if dtype == "bfloat16" and equal:
+        return await widened(small_geometry, small, prompt)
     return 0 if equal else 1
+
+
+async def widened(geometry, blocks: list[bytes], prompt: list[int]) -> int:
+    """One interior for both dtypes: the bfloat16 blocks widened by pdd against a float32
+    engine's own, per layer (they differ by the weights' and the cache's rounding only, so
+    the correlation is ~1; another interior, as AMX's, gives ~0)."""
+    wide_geometry, wide = await export("float32", 32, prompt)
+    layers = geometry.num_layers
+    ours, theirs = [], []
+    for b, w in zip(blocks, wide, strict=True):
+        out = bytearray(wide_geometry.block_bytes)
+        convert_block(b, geometry, out, wide_geometry)
+        ours.append(np.frombuffer(bytes(out), np.float32).reshape(layers, -1))
+        theirs.append(np.frombuffer(w, np.float32).reshape(layers, -1))
+    a, b = np.concatenate(ours, axis=1), np.concatenate(theirs, axis=1)
+    corr = [float(np.corrcoef(x, y)[0, 1]) for x, y in zip(a, b, strict=True)]
+    rel = [float(np.abs(x - y).mean() / np.abs(y).mean()) for x, y in zip(a, b, strict=True)]
+    print(f"bfloat16 widened vs float32, per layer: correlation min {min(corr):.5f} (layer 0 "
+          f"{corr[0]:.5f}); mean |difference| / mean |value| max {max(rel):.4f} (layer 0 "
+          f"{rel[0]:.4f})")  # fmt: skip
+    return 0 if min(corr) > 0.99 else 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """Greedy agreement of p_md when MD's KV dtype differs from P's (issue 15, "when the precision
 changes"): the exactness suite's 20 prompts through `pdd serve --config configs/local.yaml`
-with MD's engine changed, against a colocated vLLM run of MD's own configuration (and, for
-comparison, of P's). Prints one JSON line: per oracle, the share of equal token positions,
+with MD's or P's engine changed, against a colocated vLLM run of MD's own configuration (and,
+for comparison, of P's). Prints one JSON line: per oracle, the share of equal token positions,
 the prompts identical, and the median first divergence.
 
     .venv/bin/python scripts/kv_dtype_agreement.py kv_cache_dtype=fp8_e4m3 [MAX_TOKENS]
+    .venv/bin/python scripts/kv_dtype_agreement.py dtype=bfloat16          # MD in bfloat16
+    .venv/bin/python scripts/kv_dtype_agreement.py p.dtype=bfloat16        # P in bfloat16
+    .venv/bin/python scripts/kv_dtype_agreement.py dtype=bfloat16 32 serial
 
-Each KEY=VALUE is one of MD's engine settings (workers.2.engine.KEY) and one of the oracle's
-vLLM arguments. Takes ~3 minutes on 2 cores.
+``serial`` sends the prompts one at a time, as the oracles run them (by default 4 clients at
+once, as a server meets them): a bfloat16 engine's figures depend on what it batches.
+
+Each KEY=VALUE is one of MD's engine settings (workers.2.engine.KEY), p.KEY=VALUE one of P's
+(workers.0.engine.KEY, RLD's too), and each is one of that side's oracle's vLLM arguments.
+Takes ~3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -50,19 +57,25 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def main() -> None:
     settings = [a for a in sys.argv[1:] if "=" in a]
-    max_tokens = int(next((a for a in sys.argv[1:] if "=" not in a), 32))
-    engine = {k: v for k, _, v in (s.partition("=") for s in settings)}
+    serial = "serial" in sys.argv[1:]  # one request at a time, as the oracles run them
+    max_tokens = int(next((a for a in sys.argv[1:] if "=" not in a and a != "serial"), 32))
+    pairs = [(k, v) for k, _, v in (s.partition("=") for s in settings)]
+    engine = {k: v for k, v in pairs if not k.startswith("p.")}
+    p_engine = {k[2:]: v for k, v in pairs if k.startswith("p.")}
     codec = TextCodec.from_folder(ModelConfig(dtype=DTYPE).resolved_path())
     prompts = build_prompts(codec)
     runs = [{"prompt_token_ids": p} for p in prompts]
     own = run_oracle(runs, DTYPE, max_tokens, engine=engine)
-    ps = run_oracle(runs, DTYPE, max_tokens)
-    md = WORKERS.index("md")
-    served = serve(CONFIG, WORKERS, [*COMMON, *(f"workers.{md}.engine.{s}" for s in settings)])
+    ps = run_oracle(runs, DTYPE, max_tokens, engine=p_engine)
+    sets = [f"workers.{WORKERS.index('md')}.engine.{k}={v}" for k, v in engine.items()]
+    sets += [f"workers.{WORKERS.index(w)}.engine.{k}={v}"
+             for w in ("p", "rld") for k, v in p_engine.items()]  # fmt: skip
+    served = serve(CONFIG, WORKERS, [*COMMON, *sets])
     try:
         bodies = at_once(
             lambda p: complete(served.url, p, {"pipeline": "p_md"}, max_tokens=max_tokens),
             prompts,
+            clients=1 if serial else 4,
         )
     finally:
         stop(served)
@@ -70,7 +83,7 @@ def main() -> None:
     got = [codec.encode(b["choices"][0]["text"]) for b in bodies]
     own_t, ps_t = ([codec.encode(codec.decode(o["token_ids"])) for o in x] for x in (own, ps))
     print(json.dumps({
-        "md_engine": engine, "max_tokens": max_tokens, "prompts": len(prompts),
+        "md_engine": engine, "p_engine": p_engine, "max_tokens": max_tokens, "serial": serial, "prompts": len(prompts),
         "vs_md_own_configuration": agreement(got, own_t),
         "vs_p_configuration": agreement(got, ps_t),
         "md_own_vs_p": agreement(own_t, ps_t),

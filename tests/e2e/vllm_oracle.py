@@ -1,7 +1,8 @@
 """The oracle: a direct vLLM run (no pdd code on the generation path), greedy.
 
 Usage: python vllm_oracle.py MODEL_DIR DTYPE MAX_TOKENS [ENGINE_JSON] < prompts.json > results.json
-ENGINE_JSON: more of vLLM's engine arguments, e.g. {"kv_cache_dtype": "fp8_e4m3"}, or
+ENGINE_JSON: more of vLLM's engine arguments, e.g. {"kv_cache_dtype": "fp8_e4m3"} or
+{"dtype": "bfloat16"} (instead of DTYPE: MODEL_DIR's weights cast, as pdd's engine.dtype), or
 {"tensor_parallel_size": 3, "omp_threads_bind": "0|1|1"} (vLLM's multiprocess executor, a
 process per rank, each on its entry of VLLM_CPU_OMP_THREADS_BIND)
 prompts.json is a list of prompts: strings, lists of token ids, or {"prompt_token_ids": [...]}
@@ -20,6 +21,7 @@ import sys
 def main() -> None:
     model, dtype, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     engine = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    dtype = engine.pop("dtype", dtype)  # weights cast from MODEL_DIR's, as pdd's engine.dtype
     if "omp_threads_bind" in engine:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.pop("omp_threads_bind")
     if engine.get("tensor_parallel_size", 1) > 1:
