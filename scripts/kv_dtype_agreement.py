@@ -83,7 +83,8 @@ def main() -> None:
     got = [codec.encode(b["choices"][0]["text"]) for b in bodies]
     own_t, ps_t = ([codec.encode(codec.decode(o["token_ids"])) for o in x] for x in (own, ps))
     print(json.dumps({
-        "md_engine": engine, "p_engine": p_engine, "max_tokens": max_tokens, "serial": serial, "prompts": len(prompts),
+        "md_engine": engine, "p_engine": p_engine, "max_tokens": max_tokens, "serial": serial,
+        "prompts": len(prompts),
         "vs_md_own_configuration": agreement(got, own_t),
         "vs_p_configuration": agreement(got, ps_t),
         "md_own_vs_p": agreement(own_t, ps_t),
