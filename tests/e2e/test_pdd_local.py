@@ -524,16 +524,22 @@ def test_a_p_of_another_kv_dtype_sends_kv_its_receivers_widen(served, tmp_path):
     Where vLLM runs bfloat16 with its vec kernels, RLD and MD widen P's KV as it lands
     (bit-exact): a two-turn conversation is served with MD loading it, no chunk refused, turn 2
     finds turn 1's prompt in MD's DRC, and the WAN carries P's bfloat16 bytes (half of
-    float32's) of the new blocks only."""
+    float32's) of the new blocks only. Where it runs bfloat16 on AMX, P's block interior is
+    not converted: every request is refused naming both workers and the field."""
     with (_extra_worker("p", ["dtype=bfloat16"], tmp_path / "p-bf16.log") as port,
           _router_over(served, {"p": port}) as (router, rows)):  # fmt: skip
         geometry = rows["p"]["geometry"]
-        if geometry["layout"] == "cpu_amx":
-            pytest.skip("a CPU with AMX tiles: vLLM's AMX kernels keep bfloat16 KV in an "
-                        "interior pdd does not convert, so this pair is refused (asserted by "
-                        "test_an_md_of_another_kv_dtype_lands_ps_kv_converted_or_is_refused)")  # fmt: skip
         assert geometry["kv_dtype"] == "bfloat16" and rows["p"]["admitted"]
         assert _stats_at(port).kv_block_bytes * 2 == stats(served, "md").kv_block_bytes
+        if geometry["layout"] == "cpu_amx":
+            body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
+            r = httpx.post(router.url + "/completions", json=body, timeout=30)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"] == (
+                "no main_decode worker can take KV from p: workers p and md cannot exchange "
+                "KV: layout differs (p: cpu_amx, md: cpu_packed_kv)"
+            )
+            return
         refused = stats(served, "rld").kv_refused_chunks
         _two_turns(served, router, served.worker_ports["md"],
                    "Notes on widening. " + _long_text(30, 3), port)  # fmt: skip
