@@ -76,22 +76,28 @@ async def export(dtype: str, block: int, prompt: list[int], kv_cache_dtype: str 
             owned.unlink()
 
 
+def by_layer(blocks: list[bytes], src, dst, dtype) -> np.ndarray:
+    """``blocks`` of geometry ``src`` converted by pdd into ``dst`` (as they are when the two
+    are one), as [layer, every value of that layer over the blocks] of ``dtype``."""
+    out = []
+    for block in blocks:
+        if src != dst:
+            converted = bytearray(dst.block_bytes)
+            convert_block(block, src, converted, dst)
+            block = bytes(converted)
+        out.append(np.frombuffer(block, dtype).reshape(dst.num_layers, -1))
+    return np.concatenate(out, axis=1)
+
+
 async def narrowed(fp8: str, prompt: list[int]) -> int:
     """float32 blocks narrowed by pdd against an fp8 cache's own, per layer."""
     wide_geometry, wide = await export("float32", 32, prompt)
     fp8_geometry, own = await export("float32", 32, prompt, fp8)
     print(f"fp8 cache: layout {fp8_geometry.layout}, kv_dtype {fp8_geometry.kv_dtype}")
     layers = fp8_geometry.num_layers
-    equal = [0] * layers
-    total = 0
-    for w, o in zip(wide, own, strict=True):
-        out = bytearray(fp8_geometry.block_bytes)
-        convert_block(w, wide_geometry, out, fp8_geometry)
-        mine = np.frombuffer(bytes(out), np.uint8).reshape(layers, -1)
-        theirs = np.frombuffer(o, np.uint8).reshape(layers, -1)
-        equal = [e + int((a == b).sum()) for e, a, b in zip(equal, mine, theirs, strict=True)]
-        total += mine.shape[1]
-    share = [e / total for e in equal]
+    mine = by_layer(wide, wide_geometry, fp8_geometry, np.uint8)
+    theirs = by_layer(own, fp8_geometry, fp8_geometry, np.uint8)
+    share = [float(x) for x in (mine == theirs).mean(axis=1)]
     print(f"{fp8}: layer 0 bytes equal {share[0]:.6f}; layers 1-{layers - 1}: "
           f"min {min(share[1:]):.4f}, mean {sum(share[1:]) / (layers - 1):.4f}")  # fmt: skip
     return 0 if share[0] == 1.0 else 1
@@ -125,14 +131,8 @@ async def widened(geometry, blocks: list[bytes], prompt: list[int]) -> int:
     engine's own, per layer (they differ by the weights' and the cache's rounding only, so
     the correlation is ~1; another interior, as AMX's, gives ~0)."""
     wide_geometry, wide = await export("float32", 32, prompt)
-    layers = geometry.num_layers
-    ours, theirs = [], []
-    for b, w in zip(blocks, wide, strict=True):
-        out = bytearray(wide_geometry.block_bytes)
-        convert_block(b, geometry, out, wide_geometry)
-        ours.append(np.frombuffer(bytes(out), np.float32).reshape(layers, -1))
-        theirs.append(np.frombuffer(w, np.float32).reshape(layers, -1))
-    a, b = np.concatenate(ours, axis=1), np.concatenate(theirs, axis=1)
+    a = by_layer(blocks, geometry, wide_geometry, np.float32)
+    b = by_layer(wide, wide_geometry, wide_geometry, np.float32)
     corr = [float(np.corrcoef(x, y)[0, 1]) for x, y in zip(a, b, strict=True)]
     rel = [float(np.abs(x - y).mean() / np.abs(y).mean()) for x, y in zip(a, b, strict=True)]
     print(f"bfloat16 widened vs float32, per layer: correlation min {min(corr):.5f} (layer 0 "
