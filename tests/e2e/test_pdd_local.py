@@ -510,13 +510,18 @@ def test_an_md_of_another_kv_dtype_lands_ps_kv_converted_or_is_refused(served, t
         if geometry["layout"] != "cpu_amx":
             _two_turns(served, router, port, "Notes on bfloat16. " + _long_text(30, 2))
             return
-        body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
-        r = httpx.post(router.url + "/completions", json=body, timeout=30)
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["message"] == (
-            "no main_decode worker can take KV from p: workers p and md cannot exchange KV: "
-            "layout differs (p: cpu_packed_kv, md: cpu_amx)"
-        )
+        _assert_layouts_refused(router, "cpu_packed_kv", "cpu_amx")
+
+
+def _assert_layouts_refused(router, p_layout: str, md_layout: str) -> None:
+    """A request is refused (503) naming both workers and their layouts."""
+    body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
+    r = httpx.post(router.url + "/completions", json=body, timeout=30)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"] == (
+        "no main_decode worker can take KV from p: workers p and md cannot exchange KV: "
+        f"layout differs (p: {p_layout}, md: {md_layout})"
+    )
 
 
 def test_a_p_of_another_kv_dtype_sends_kv_its_receivers_widen(served, tmp_path):
@@ -532,13 +537,7 @@ def test_a_p_of_another_kv_dtype_sends_kv_its_receivers_widen(served, tmp_path):
         assert geometry["kv_dtype"] == "bfloat16" and rows["p"]["admitted"]
         assert _stats_at(port).kv_block_bytes * 2 == stats(served, "md").kv_block_bytes
         if geometry["layout"] == "cpu_amx":
-            body = {"model": load_config(CONFIG).model.name, "prompt": "Hello", "max_tokens": 2}
-            r = httpx.post(router.url + "/completions", json=body, timeout=30)
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["message"] == (
-                "no main_decode worker can take KV from p: workers p and md cannot exchange "
-                "KV: layout differs (p: cpu_amx, md: cpu_packed_kv)"
-            )
+            _assert_layouts_refused(router, "cpu_amx", "cpu_packed_kv")
             return
         refused = stats(served, "rld").kv_refused_chunks
         _two_turns(served, router, served.worker_ports["md"],
