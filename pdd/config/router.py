@@ -30,12 +30,19 @@ class PddPolicyConfig(Section):
         0.02, ge=0, description="WAN round-trip estimate used until P reports a measured one."
     )
     md_recompute: bool = Field(
-        False,
+        True,
         description="Recompute or wait: MD computes the prompt blocks it lacks itself instead "
         "of waiting for their KV when its measured prefill (fixed + tokens / rate, measured by "
         "its engine at start and kept live) is sooner than the WAN transfer, and computes them "
         "while P prefills; the pipeline choice then weighs the "
         "sooner of the two against ttft_budget_s. Off: MD always waits for the WAN.",
+    )
+    md_recompute_max_tokens: int = Field(
+        512,
+        ge=1,
+        description="The most prompt tokens MD computes itself for one request (md_recompute): "
+        "a warm turn's new tail, not a cold prompt, whose prefill would stall MD's decode "
+        "batch for as long as colocated serving does; above it MD waits for the KV.",
     )
     stream_kv: bool = Field(
         True,

@@ -739,17 +739,20 @@ def test_a_lossless_wan_codec_equals_single_engine(served, codec, prompts, oracl
 def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(served, codec,
                                                                              prompts, oracle,
                                                                              tmp_path):  # fmt: skip
-    """router.pdd.md_recompute with a P that has not measured its WAN (a fresh engine, no
-    warm-up: transfer.warmup_bytes 0), so the router's link figure is its config's: at 1 Mbit/s MD computing a miss (at the prefill
-    rate its engine measured as it started) is sooner than the KV crossing, so MD computes
-    every prompt itself: p_md, greedy text equal to one engine's, no KV reaches MD. At 1 Tbit/s
-    a miss waits for its KV instead (MD computes nothing). Each router's requests carry a
-    tenant of their own, so every prompt is new to MD's DRC; the TTFT budget is lifted so
-    every request stays p_md whatever this machine's speed."""
+    """router.pdd.md_recompute (the default) with a P that has not measured its WAN (a fresh
+    engine, no warm-up: transfer.warmup_bytes 0), so the router's link figure is its config's:
+    at 1 Mbit/s, with md_recompute_max_tokens above every prompt, MD computing a miss (at the
+    prefill rate its engine measured as it started) is sooner than the KV crossing, so MD
+    computes every prompt itself: p_md, greedy text equal to one engine's, no KV reaches MD.
+    With a bound below every miss (md_recompute_max_tokens 16: while the KV lands, what is
+    left never falls under a block) the longest prompt waits for its KV on the same 1 Mbit/s
+    figure; at 1 Tbit/s (P has measured its link by then) a miss waits for its KV too (MD
+    computes nothing). Each router's requests carry a tenant of their own, so every
+    prompt is new to MD's DRC; the TTFT budget is lifted so every request stays p_md whatever
+    this machine's speed."""
     keys = tmp_path / "keys"
-    keys.write_text("sk-compute tenant=compute admin\nsk-wait tenant=wait admin\n")
-    sets = (f"router.api_keys_file={keys}", "router.pdd.md_recompute=true",
-            "router.pdd.ttft_budget_s=600")  # fmt: skip
+    keys.write_text("".join(f"sk-{t} tenant={t} admin\n" for t in ("compute", "bound", "wait")))
+    sets = (f"router.api_keys_file={keys}", "router.pdd.ttft_budget_s=600")
 
     def ask(router, prompt, key):
         body = {"model": load_config(CONFIG).model.name, "prompt": prompt, "temperature": 0,
@@ -763,7 +766,8 @@ def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(serv
     long, want = max(zip(prompts, oracle, strict=True), key=lambda po: len(po[0]))
     with _extra_worker("p", [], tmp_path / "p.log", ("transfer.warmup_bytes=0",)) as port:
         slow = (*sets, "router.pdd.wan_bandwidth_bps=1e6")
-        with _router_over(served, {"p": port}, slow, admin) as (router, _):
+        unbounded = (*slow, "router.pdd.md_recompute_max_tokens=2048")
+        with _router_over(served, {"p": port}, unbounded, admin) as (router, _):
             root = router.url.removesuffix("/v1")
 
             def md_rate():  # once the router polled MD's Stats: the rate it measured at start
@@ -782,14 +786,17 @@ def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(serv
                 lacked = len(prompt) // 32 * 32 > rec["md_cached_tokens"]  # a whole block
                 assert rec["md_computed"] == lacked, rec
             assert stats(served, "md").kv_bytes_received == received  # no KV reached MD
+        bounded = (*slow, "router.pdd.md_recompute_max_tokens=16")
         fast = (*sets, "router.pdd.wan_bandwidth_bps=1e12")
-        with _router_over(served, {"p": port}, fast, admin) as (router, _):
-            got = ask(router, long, "sk-wait")
-            assert got["choices"][0]["text"] == codec.decode(want["token_ids"])
-            rec = got["pdd"]
-            assert (rec["pipeline"], rec["md_computed"]) == ("p_md", False), rec
-            assert rec["wan_kv_bytes"] > 0
-            assert stats(served, "md").kv_bytes_received > received
+        for tenant, figures in (("bound", bounded), ("wait", fast)):
+            with _router_over(served, {"p": port}, figures, admin) as (router, _):
+                got = ask(router, long, f"sk-{tenant}")
+                assert got["choices"][0]["text"] == codec.decode(want["token_ids"])
+                rec = got["pdd"]
+                assert (rec["pipeline"], rec["md_computed"]) == ("p_md", False), (tenant, rec)
+                assert rec["wan_kv_bytes"] > 0
+                assert stats(served, "md").kv_bytes_received > received
+                received = stats(served, "md").kv_bytes_received
 
 
 # --- agentic clients: a tool conversation through the official openai client ---------------

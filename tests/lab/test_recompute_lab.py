@@ -1,6 +1,7 @@
-"""Recompute or wait on the lab (router.pdd.md_recompute): configs/lab.yaml's fleet (P and RLD
-in dc-a, MD in dc-b, 10 ms each way) with real engines, on a link built at 1 Gbit/s and then
-lowered to 5 Mbit/s under the running fleet (`Lab.set_rate`).
+"""Recompute or wait on the lab (router.pdd.md_recompute, with md_recompute_max_tokens raised
+above the prompt: by default MD computes at most 512 tokens itself): configs/lab.yaml's fleet
+(P and RLD in dc-a, MD in dc-b, 10 ms each way) with real engines, on a link built at 1 Gbit/s
+and then lowered to 5 Mbit/s under the running fleet (`Lab.set_rate`).
 
 The same cold ~1,500-token prompt (cold: each phase's requests carry a tenant of their own):
 - at 1 Gbit/s, before P has measured its link (the router's figure is the config's 1 Gbit/s),
@@ -43,7 +44,8 @@ def fleet(tmp_path_factory):
     lab.down()
     sets = [f"lab.prefix={PREFIX}", f"lab.subnet={SUBNET}", "lab.rate_mbit=1000",
             "router.pdd.wan_bandwidth_bps=1e9",  # the link's rate, until P measures it
-            "router.pdd.md_recompute=true", f"router.api_keys_file={keys}"]  # fmt: skip
+            "router.pdd.md_recompute_max_tokens=2048",  # the whole cold prompt may be computed
+            f"router.api_keys_file={keys}"]  # fmt: skip
     s = serve("configs/lab.yaml", [], sets, timeout_s=READY_S)
     yield s, lab
     stop(s)

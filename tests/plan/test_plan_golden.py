@@ -13,7 +13,10 @@ byte instead of the time a stale timer of the link fired (utilisations), and, fo
 TCP sender, and so the link, began to carry the transfer with the fewest bytes left first
 instead of sharing it equally (issue 16, item 5), and, for ``pdd_relay``, when Catch-Up began
 to warm MD up at least once however small the gap (``min_catch_up_rounds``: with MD's
-Catch-Up sessions the switch then computes only what RLD emitted since). Counts must match
+Catch-Up sessions the switch then computes only what RLD emitted since), and, for
+``pdd_busy_md``, when ``router.pdd.md_recompute`` became the default, bounded by
+``md_recompute_max_tokens`` (its MD, on P's chip, computes some short misses itself; every
+other case's figures stayed the same). Counts must match
 exactly; times and byte sums to 1e-9. Regenerate with ``python -m tests.plan.sim_cases`` only
 for a change of the model, never of speed.
 """

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdd.config.router import PddPolicyConfig
 from pdd.errors import ConfigError
 from pdd.plan import cli
 from pdd.plan.fleet import Fleet, Group
@@ -173,16 +174,21 @@ def test_trace_workload(tmp_path: Path, profiles) -> None:
     assert res.requests == 9 and res.ttft_p50_s > 0
 
 
-def _simulate_trace(path: Path, profiles, lines: list[dict]) -> object:
+def _simulate_trace(
+    path: Path, profiles, lines: list[dict], settings: SimSettings | None = None
+) -> object:
     """One pdd fleet (1 P, 1 RLD, 1 MD) over the trace ``lines``, written to ``path``."""
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    s = Searcher(profiles, Wan(10e9, 0.04), load_trace(path), Sla(5, 0.05), SimSettings())
+    s = Searcher(profiles, Wan(10e9, 0.04), load_trace(path), Sla(5, 0.05),
+                 settings or SimSettings())  # fmt: skip
     return s.simulate(cli.parse_fleet("pdd:P=A*1,RLD=A*1,MD=B*1", profiles))
 
 
 def test_a_trace_that_rewrites_history_and_marks_its_warm_up(tmp_path: Path, profiles) -> None:
     """``prefix_tokens``: a turn that shares only its previous prompt (not the answer) lands
-    the answer's blocks again; ``measured: false`` lines warm the caches and are not counted."""
+    the answer's blocks again; ``measured: false`` lines warm the caches and are not counted.
+    (MD waits for every miss here, md_recompute off, so the WAN's bytes show what it lacked.)"""
+    waits = SimSettings(policy=PddPolicyConfig(md_recompute=False))
 
     def run(**second) -> object:
         return _simulate_trace(tmp_path / "t.jsonl", profiles, [
@@ -192,7 +198,7 @@ def test_a_trace_that_rewrites_history_and_marks_its_warm_up(tmp_path: Path, pro
              "measured": False},
             {"timestamp": 30, "conversation_id": "c", "prompt_tokens": 8600, "output_tokens": 8,
              **second},
-        ])  # fmt: skip
+        ], waits)  # fmt: skip
 
     whole, rewritten = run(), run(prefix_tokens=8000)
     assert whole.requests == rewritten.requests == 3

@@ -191,20 +191,24 @@ def test_a_cancelled_transfer_gives_the_link_to_the_rest():
 
 
 def test_recompute_or_wait_keeps_the_kv_off_a_slow_wan(profiles) -> None:
-    """router.pdd.md_recompute on a 100 Mbit/s WAN: MD prefills a miss in less time than its KV
-    takes to cross, so misses go p_md with MD computing them and the WAN carries nothing; off,
-    the same workload sends its KV and RLD covers the transfer."""
+    """router.pdd.md_recompute on a 100 Mbit/s WAN with misses of 2,048 tokens or more: with
+    md_recompute_max_tokens above them, MD prefills each miss in less time than its KV takes
+    to cross, so misses go p_md with MD computing them and the WAN carries nothing; at the
+    default bound (512 tokens) or off, the same workload sends its KV and RLD covers the
+    transfer (MD's decode batch is never stalled by a cold prefill)."""
     slow = Wan(100e6, 0.04, 0.01)
     work = _work(requests=60, context_tokens=4096, hit_rate=0.5)
+    policies = {"off": PddPolicyConfig(md_recompute=False), "default": PddPolicyConfig(),
+                "unbounded": PddPolicyConfig(md_recompute_max_tokens=4096)}  # fmt: skip
     runs = {
-        on: Simulation(
-            _pdd(), profiles, slow, work, SLA, SimSettings(policy=PddPolicyConfig(md_recompute=on))
-        ).run()
-        for on in (False, True)
+        name: Simulation(_pdd(), profiles, slow, work, SLA, SimSettings(policy=policy)).run()
+        for name, policy in policies.items()
     }
-    assert runs[False].wan_gb > 0 and runs[False].pipelines.get("p_rld_md", 0) > 0
-    assert runs[True].wan_gb == 0 and runs[True].pipelines == {"p_md": 60}
-    assert runs[True].rld_token_share == 0 < runs[False].rld_token_share
+    assert runs["off"].wan_gb > 0 and runs["off"].pipelines.get("p_rld_md", 0) > 0
+    assert runs["default"].wan_gb == runs["off"].wan_gb
+    assert runs["default"].pipelines == runs["off"].pipelines
+    assert runs["unbounded"].wan_gb == 0 and runs["unbounded"].pipelines == {"p_md": 60}
+    assert runs["unbounded"].rld_token_share == 0 < runs["off"].rld_token_share
 
 
 @pytest.mark.parametrize("mode", [RouterMode.COLOCATED, RouterMode.PD_LOCAL, RouterMode.PDD])

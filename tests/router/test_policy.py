@@ -125,10 +125,16 @@ def test_recompute_or_wait_takes_the_sooner_of_md_s_prefill_and_the_wan(rate, pi
     assert d.eta_s == pytest.approx(eta)
 
 
-def test_recompute_is_off_by_default_and_needs_a_missing_block():
+def test_recompute_is_bounded_by_its_switch_and_max_tokens_and_needs_a_missing_block():
+    """On by default for a miss of at most md_recompute_max_tokens (a warm turn's tail); a
+    longer miss (a cold prompt) or md_recompute off: MD waits for its KV."""
     fast = md(prefill_tokens_per_s=1e6)
-    d = choose(fleet(p(), rld(), fast), req(40, {"md0": 0}))  # POLICY: md_recompute off
-    assert (d.pipeline, d.md_computes, d.wan_bytes) == (Pipeline.P_RLD_MD, False, 10_000)
+    assert choose(fleet(p(), rld(), fast), req(40, {"md0": 0})).md_computes  # POLICY's default
+    for update in ({"md_recompute": False}, {"md_recompute_max_tokens": 39}):
+        bounded = fleet(p(), rld(), fast, policy=POLICY.model_copy(update=update))
+        d = choose(bounded, req(40, {"md0": 0}))
+        assert (d.pipeline, d.md_computes, d.wan_bytes) == (Pipeline.P_RLD_MD, False, 10_000)
+        assert not md_computes_rest_sooner(bounded.workers[0], fast, 0, 0, 0, 40, bounded)
     d = choose(fleet(p(), rld(), fast, policy=RECOMPUTE), req(40, {"md0": 40}))  # a full hit
     assert (d.pipeline, d.md_computes, d.wan_bytes, d.eta_s) == (Pipeline.P_MD, False, 0, 0.0)
     # a forced p_md computes when that is sooner; a forced p_rld_md always sends MD its KV
@@ -152,7 +158,12 @@ def test_waiting_md_computes_the_rest_only_for_bytes_still_to_cross():
     # the transfer ended, its blocks not yet committed: nothing is left to cross
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 10_000, 40, view)
     assert not md_computes_rest_sooner(pw, mdw, 40, 10, 0, 40, view)  # all cached
-    assert not md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, fleet(pw, rld(), mdw))  # off
+    # more than md_recompute_max_tokens still missing: MD waits; 8 landed blocks leave 8 tokens
+    capped = fleet(
+        pw, rld(), mdw, policy=RECOMPUTE.model_copy(update={"md_recompute_max_tokens": 8})
+    )
+    assert not md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, capped)
+    assert md_computes_rest_sooner(pw, mdw, 0, 8, 0, 40, capped)
 
 
 def test_routes_only_where_the_prompt_s_kv_fits():

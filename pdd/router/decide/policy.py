@@ -30,7 +30,9 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
          (ratio: P's learned wire/raw ratio of its WAN codec, 1 when raw or unknown)
          eta       = rtt + wan_bytes * 8 / bandwidth      (P's live estimate, else config)
     compute   = fixed + (prompt - MD's cached tokens) / rate   (MD's measured prefill; inf
-              when MD reported none or router.pdd.md_recompute is off, or MD lacks no block)
+              when MD reported none, router.pdd.md_recompute is off, MD lacks no block, or
+              it lacks more than md_recompute_max_tokens: a cold prompt's prefill on MD
+              would stall its decode batch as colocated serving does, so its KV crosses)
     ready     = min(eta, compute): recompute or wait, when MD can start
     p_md      when ready <= ttft_budget_s, or no RLD has a free sequence slot and room (graceful
               degradation: a longer TTFT on MD instead of overloading RLD); MD computes the
@@ -65,6 +67,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
+from pdd.config.router import PddPolicyConfig
 from pdd.errors import UnavailableError
 from pdd.protocol import HandoffMode, Pipeline, Role, RouterMode
 from pdd.router.decide.view import (
@@ -131,6 +134,14 @@ def md_compute_s(md: WorkerView, tokens: int) -> float:
     return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
 
 
+def md_recompute_s(md: WorkerView, tokens: int, policy: PddPolicyConfig) -> float:
+    """``md_compute_s`` where the policy lets MD compute ``tokens`` itself (md_recompute on,
+    at most md_recompute_max_tokens), else math.inf: MD waits for their KV."""
+    if not policy.md_recompute or tokens > policy.md_recompute_max_tokens:
+        return math.inf
+    return md_compute_s(md, tokens)
+
+
 def md_computes_rest_sooner(
     p: WorkerView,
     md: WorkerView,
@@ -145,9 +156,8 @@ def md_computes_rest_sooner(
     what landed) and ``received_bytes`` reached it (counted once a transfer ended, before its
     blocks are committed). True when MD computing what has not landed (its live prefill
     rate) is sooner than the bytes still to come crossing at P's live WAN estimate: bytes
-    already across never count again. Never without md_recompute."""
-    if not view.policy.md_recompute:
-        return False
+    already across never count again. Never without md_recompute, nor for more than
+    md_recompute_max_tokens still missing."""
     sent = wan_estimate(p, md, cached_tokens, prompt_tokens, view)
     if sent.missing_blocks == 0:
         return False
@@ -159,7 +169,7 @@ def md_computes_rest_sooner(
     bandwidth, rtt, _ = _link(p, md, view)  # its own rest is among the queued bytes
     rest_s = rtt / 2 + rest_bytes * 8 / bandwidth
     landed = max(cached_tokens, landed_blocks * md.block_size)
-    return md_compute_s(md, prompt_tokens - landed) < rest_s
+    return md_recompute_s(md, prompt_tokens - landed, view.policy) < rest_s
 
 
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:
@@ -262,8 +272,7 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
     cached = min(request.md_cached_tokens.get(md.id, 0), n)
     est = wan_estimate(p, md, cached, n, view)
-    may_compute = policy.md_recompute and est.missing_blocks > 0
-    compute_s = md_compute_s(md, n - cached) if may_compute else math.inf
+    compute_s = md_recompute_s(md, n - cached, policy) if est.missing_blocks else math.inf
     ready_s = min(est.eta_s, compute_s)
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
