@@ -102,9 +102,6 @@ def test_the_eta_uses_p_s_link_to_the_md_it_names_and_what_is_queued_on_it():
     assert choose(fleet(unmeasured, rld(), md("md0")), one_block).eta_s == 1.0
 
 
-RECOMPUTE = POLICY.model_copy(update={"md_recompute": True})
-
-
 @pytest.mark.parametrize(
     ("rate", "pipeline", "wan_bytes", "eta"),
     [
@@ -120,7 +117,7 @@ def test_recompute_or_wait_takes_the_sooner_of_md_s_prefill_and_the_wan(rate, pi
     tokens at ``rate``. The sooner of the two is weighed against the 1 s budget: MD computes
     only on p_md (on p_rld_md the WAN carries MD's KV while RLD streams)."""
     mdw = md(prefill_tokens_per_s=rate, prefill_fixed_s=0.25)
-    d = choose(fleet(p(), rld(), mdw, policy=RECOMPUTE), req(40, {"md0": 0}))
+    d = choose(fleet(p(), rld(), mdw), req(40, {"md0": 0}))
     assert (d.pipeline, d.md_computes, d.wan_bytes) == (pipeline, not wan_bytes, wan_bytes)
     assert d.eta_s == pytest.approx(eta)
 
@@ -135,14 +132,12 @@ def test_recompute_is_bounded_by_its_switch_and_max_tokens_and_needs_a_missing_b
         d = choose(bounded, req(40, {"md0": 0}))
         assert (d.pipeline, d.md_computes, d.wan_bytes) == (Pipeline.P_RLD_MD, False, 10_000)
         assert not md_computes_rest_sooner(bounded.workers[0], fast, 0, 0, 0, 40, bounded)
-    d = choose(fleet(p(), rld(), fast, policy=RECOMPUTE), req(40, {"md0": 40}))  # a full hit
+    d = choose(fleet(p(), rld(), fast), req(40, {"md0": 40}))  # a full hit
     assert (d.pipeline, d.md_computes, d.wan_bytes, d.eta_s) == (Pipeline.P_MD, False, 0, 0.0)
     # a forced p_md computes when that is sooner; a forced p_rld_md always sends MD its KV
-    forced = choose(fleet(p(), rld(), fast, policy=RECOMPUTE),
-                    req(40, {"md0": 0}, pipeline=Pipeline.P_MD))  # fmt: skip
+    forced = choose(fleet(p(), rld(), fast), req(40, {"md0": 0}, pipeline=Pipeline.P_MD))
     assert (forced.pipeline, forced.md_computes, forced.wan_bytes) == (Pipeline.P_MD, True, 0)
-    forced = choose(fleet(p(), rld(), fast, policy=RECOMPUTE),
-                    req(40, {"md0": 0}, pipeline=Pipeline.P_RLD_MD))  # fmt: skip
+    forced = choose(fleet(p(), rld(), fast), req(40, {"md0": 0}, pipeline=Pipeline.P_RLD_MD))
     assert (forced.pipeline, forced.md_computes, forced.wan_bytes) == (
         Pipeline.P_RLD_MD, False, 10_000)  # fmt: skip
 
@@ -151,7 +146,7 @@ def test_waiting_md_computes_the_rest_only_for_bytes_still_to_cross():
     """Asked again while MD waits: a 40-token miss (10 blocks, 10 s over the WAN) against
     MD's prefill of 0.25 s + tokens / 40. What landed or reached MD never crosses again."""
     pw, mdw = p(), md(prefill_tokens_per_s=40.0, prefill_fixed_s=0.25, **GEOMETRY)
-    view = fleet(pw, rld(), mdw, policy=RECOMPUTE)
+    view = fleet(pw, rld(), mdw)
     assert md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, view)  # 1.25 s against 10 s
     assert md_computes_rest_sooner(pw, mdw, 0, 8, 0, 40, view)  # 0.45 s against 2 s
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 9_500, 40, view)  # 1.25 s against 0.5 s
@@ -159,9 +154,7 @@ def test_waiting_md_computes_the_rest_only_for_bytes_still_to_cross():
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 10_000, 40, view)
     assert not md_computes_rest_sooner(pw, mdw, 40, 10, 0, 40, view)  # all cached
     # more than md_recompute_max_tokens still missing: MD waits; 8 landed blocks leave 8 tokens
-    capped = fleet(
-        pw, rld(), mdw, policy=RECOMPUTE.model_copy(update={"md_recompute_max_tokens": 8})
-    )
+    capped = fleet(pw, rld(), mdw, policy=POLICY.model_copy(update={"md_recompute_max_tokens": 8}))
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, capped)
     assert md_computes_rest_sooner(pw, mdw, 0, 8, 0, 40, capped)
 
