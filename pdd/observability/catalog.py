@@ -103,6 +103,9 @@ ROUTER_METRICS = (
     _m("pdd_kv_deferred_total", C, "requests", (), ROUTER,
        "rld_finished requests whose KV to MD was left to land in the background (the next "
        "turn's prefix) instead of being cut."),
+    _m("pdd_md_computed_total", C, "requests", P, ROUTER,
+       "Requests whose MD computed the prompt blocks it lacked itself instead of receiving "
+       "their KV (recompute or wait, a wait given up, no room for the KV)."),
     _m("pdd_handoff_rounds", H, "rounds", ("mode",), ROUTER,
        "MD Generate calls per handoff (Catch-Up warm-ups + the switch)."),
     _m("pdd_handoff_stall_seconds", H, "seconds", ("mode",), ROUTER,

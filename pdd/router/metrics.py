@@ -134,6 +134,11 @@ class RouterMetrics:
             "pdd_kv_deferred", "rld_finished requests whose KV to MD was left to land in the "
             "background (the next turn's prefix) instead of being cut.", registry=r,
         )  # fmt: skip
+        self.md_computed = Counter(
+            "pdd_md_computed", "Requests whose MD computed the prompt blocks it lacked itself "
+            "instead of receiving their KV (recompute or wait, a wait given up, no room for "
+            "the KV).", ["pipeline"], registry=r,
+        )  # fmt: skip
         self.handoff_rounds = Histogram(
             "pdd_handoff_rounds", "MD Generate calls per handoff (warm-ups + the switch).",
             ["mode"], buckets=ROUNDS_BUCKETS, registry=r,
@@ -183,6 +188,8 @@ class RouterMetrics:
             self.wan_kv_raw_bytes.labels(t.pipeline.value).inc(t.wan_kv_raw_bytes)
         if t.kv_deferred:
             self.kv_deferred.inc()
+        if t.md_computed:
+            self.md_computed.labels(t.pipeline.value).inc()
         happened = t.handoff_rounds > 0 or t.handoff is HandoffMode.RLD_FINISHED
         if t.handoff is HandoffMode.NONE or not happened:
             return

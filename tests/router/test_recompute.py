@@ -8,8 +8,10 @@ reported), the request goes as before."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from pdd.router.text.tokenizer import TextCodec
@@ -45,13 +47,23 @@ def _seen(h: RouterHarness) -> float:
     return md["prefill"]["tokens_per_s"]
 
 
+def _computed(h: RouterHarness, pipeline: str) -> float:
+    """pdd_md_computed_total{pipeline} as the router's /metrics has it (0 before the first)."""
+    text = httpx.get(h.root + "/metrics", timeout=5).text
+    pattern = rf'^pdd_md_computed_total{{pipeline="{pipeline}"}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_md_that_computes_sooner_than_the_wan_gets_no_kv_and_the_whole_answer(pdd):
     ids = script(pdd, 6)
     _md_rate(pdd, 1e6)  # the prompt in microseconds against seconds of WAN
+    before = _computed(pdd, "p_md")
     body = complete(pdd).json()
     assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
     rec = body["pdd"]
     assert (rec["pipeline"], rec["md_computed"], rec["wan_kv_bytes"]) == ("p_md", True, 0)
+    assert _computed(pdd, "p_md") == before + 1  # what an SRE's dashboard counts
     md, p = pdd.by_id("md0"), pdd.by_id("p0")
     assert (md.kv.prepares, md.kv.awaits, p.kv.sends) == ([], [], [])
     warm, final = md.requests  # the prompt while P prefilled, then prompt + t1 to the end
@@ -61,12 +73,14 @@ def test_md_that_computes_sooner_than_the_wan_gets_no_kv_and_the_whole_answer(pd
 
 def test_md_with_no_measured_rate_waits_for_its_kv(pdd):
     ids = script(pdd, 6)
+    before = _computed(pdd, "p_md")
     body = complete(pdd, "p_md").json()  # no rate: the WAN, however slow
     assert body["choices"][0]["text"] == pdd.codec.decode(ids[:-1])
     rec = body["pdd"]
     assert (rec["pipeline"], rec["md_computed"]) == ("p_md", False)
     assert rec["wan_kv_bytes"] > 0
     assert len(pdd.by_id("md0").kv.prepares) == 1
+    assert _computed(pdd, "p_md") == before
 
 
 def test_a_request_that_ends_on_p_stops_md_s_warm_up(pdd):
