@@ -1,9 +1,9 @@
 """Recompute or wait on the lab: when MD's first token of a cold p_md prompt comes, as the
-WAN link changes under a running fleet (md_recompute_max_tokens raised above the prompt: by
-default MD computes at most 512 tokens itself, a warm turn's tail).
+WAN link changes under a running fleet (router.pdd.md_recompute as it comes: the prompt is
+over md_recompute_max_tokens, so MD computes it on p_md only where its KV would take longer
+than ttft_budget_s).
 
-    sudo .venv/bin/pdd serve --config configs/lab.yaml --set lab.rate_mbit=1000 \\
-        --set router.pdd.md_recompute_max_tokens=2048 &
+    sudo .venv/bin/pdd serve --config configs/lab.yaml --set lab.rate_mbit=1000 &
     sudo .venv/bin/pdd bench recompute --url http://10.77.0.6:8000/v1 --lab-prefix pdd \\
         --rates 1000,100,10
 

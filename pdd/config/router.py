@@ -42,7 +42,8 @@ class PddPolicyConfig(Section):
         ge=1,
         description="The most prompt tokens MD computes itself for one request (md_recompute): "
         "a warm turn's new tail, not a cold prompt, whose prefill would stall MD's decode "
-        "batch for as long as colocated serving does; above it MD waits for the KV.",
+        "batch for as long as colocated serving does; above it MD waits for the KV (RLD "
+        "streaming meanwhile), except on p_md when that wait would miss ttft_budget_s.",
     )
     stream_kv: bool = Field(
         True,

@@ -123,15 +123,28 @@ def test_recompute_or_wait_takes_the_sooner_of_md_s_prefill_and_the_wan(rate, pi
 
 
 def test_recompute_is_bounded_by_its_switch_and_max_tokens_and_needs_a_missing_block():
-    """On by default for a miss of at most md_recompute_max_tokens (a warm turn's tail); a
-    longer miss (a cold prompt) or md_recompute off: MD waits for its KV."""
+    """On by default for a miss of at most md_recompute_max_tokens (a warm turn's tail). A
+    longer miss (a cold prompt): its KV crosses, RLD streaming while it does; on p_md (no RLD
+    covers the wait) the bound gives way only when waiting would miss the TTFT budget.
+    md_recompute off: MD always waits for its KV."""
     fast = md(prefill_tokens_per_s=1e6)
-    assert choose(fleet(p(), rld(), fast), req(40, {"md0": 0})).md_computes  # POLICY's default
-    for update in ({"md_recompute": False}, {"md_recompute_max_tokens": 39}):
-        bounded = fleet(p(), rld(), fast, policy=POLICY.model_copy(update=update))
-        d = choose(bounded, req(40, {"md0": 0}))
+    miss, p_md = req(40, {"md0": 0}), req(40, {"md0": 0}, pipeline=Pipeline.P_MD)
+    assert choose(fleet(p(), rld(), fast), miss).md_computes  # POLICY's default
+    off = fleet(p(), rld(), fast, policy=POLICY.model_copy(update={"md_recompute": False}))
+    capped = POLICY.model_copy(update={"md_recompute_max_tokens": 39})
+    for view in (off, fleet(p(), rld(), fast, policy=capped)):
+        d = choose(view, miss)  # 10 s of WAN, over the 1 s budget: RLD covers it
         assert (d.pipeline, d.md_computes, d.wan_bytes) == (Pipeline.P_RLD_MD, False, 10_000)
-        assert not md_computes_rest_sooner(bounded.workers[0], fast, 0, 0, 0, 40, bounded)
+    assert not choose(off, p_md).md_computes
+    assert not md_computes_rest_sooner(off.workers[0], fast, 0, 0, 0, 40, off)
+    # p_md over the bound: a 10 s wait misses the 1 s budget, so MD computes; within a 20 s
+    # budget it waits for its KV (at the first choice and when asked again)
+    for budget, computes in ((1.0, True), (20.0, False)):
+        view = fleet(p(), rld(), fast, policy=capped.model_copy(update={"ttft_budget_s": budget}))
+        d = choose(view, p_md)
+        assert (d.pipeline, d.md_computes, d.wan_bytes) == (
+            Pipeline.P_MD, computes, 0 if computes else 10_000)  # fmt: skip
+        assert md_computes_rest_sooner(view.workers[0], fast, 0, 0, 0, 40, view) is computes
     d = choose(fleet(p(), rld(), fast), req(40, {"md0": 40}))  # a full hit
     assert (d.pipeline, d.md_computes, d.wan_bytes, d.eta_s) == (Pipeline.P_MD, False, 0, 0.0)
     # a forced p_md computes when that is sooner; a forced p_rld_md always sends MD its KV
@@ -153,8 +166,10 @@ def test_waiting_md_computes_the_rest_only_for_bytes_still_to_cross():
     # the transfer ended, its blocks not yet committed: nothing is left to cross
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 10_000, 40, view)
     assert not md_computes_rest_sooner(pw, mdw, 40, 10, 0, 40, view)  # all cached
-    # more than md_recompute_max_tokens still missing: MD waits; 8 landed blocks leave 8 tokens
-    capped = fleet(pw, rld(), mdw, policy=POLICY.model_copy(update={"md_recompute_max_tokens": 8}))
+    # more than md_recompute_max_tokens still missing: MD waits while the rest arrives within
+    # the budget (here 20 s); 8 landed blocks leave 8 tokens, under the bound
+    bound = {"md_recompute_max_tokens": 8, "ttft_budget_s": 20.0}
+    capped = fleet(pw, rld(), mdw, policy=POLICY.model_copy(update=bound))
     assert not md_computes_rest_sooner(pw, mdw, 0, 0, 0, 40, capped)
     assert md_computes_rest_sooner(pw, mdw, 0, 8, 0, 40, capped)
 

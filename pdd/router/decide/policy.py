@@ -32,7 +32,9 @@ router.mode pdd, per request (hit = cached prompt tokens / prompt tokens, in [0,
     compute   = fixed + (prompt - MD's cached tokens) / rate   (MD's measured prefill; inf
               when MD reported none, router.pdd.md_recompute is off, MD lacks no block, or
               it lacks more than md_recompute_max_tokens: a cold prompt's prefill on MD
-              would stall its decode batch as colocated serving does, so its KV crosses)
+              would stall its decode batch as colocated serving does, so its KV crosses,
+              RLD streaming meanwhile when the wait is over the budget; on p_md, with no
+              RLD to cover it, the bound gives way when eta is over ttft_budget_s)
     ready     = min(eta, compute): recompute or wait, when MD can start
     p_md      when ready <= ttft_budget_s, or no RLD has a free sequence slot and room (graceful
               degradation: a longer TTFT on MD instead of overloading RLD); MD computes the
@@ -134,10 +136,15 @@ def md_compute_s(md: WorkerView, tokens: int) -> float:
     return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
 
 
-def md_recompute_s(md: WorkerView, tokens: int, policy: PddPolicyConfig) -> float:
-    """``md_compute_s`` where the policy lets MD compute ``tokens`` itself (md_recompute on,
-    at most md_recompute_max_tokens), else math.inf: MD waits for their KV."""
-    if not policy.md_recompute or tokens > policy.md_recompute_max_tokens:
+def md_recompute_s(
+    md: WorkerView, tokens: int, policy: PddPolicyConfig, wait_s: float = 0.0
+) -> float:
+    """``md_compute_s`` where the policy lets MD compute ``tokens`` itself, else math.inf (MD
+    waits for their KV): md_recompute on, and at most md_recompute_max_tokens unless waiting
+    for them (``wait_s``, on p_md: nothing streams meanwhile) would miss ttft_budget_s."""
+    if not policy.md_recompute:
+        return math.inf
+    if tokens > policy.md_recompute_max_tokens and wait_s <= policy.ttft_budget_s:
         return math.inf
     return md_compute_s(md, tokens)
 
@@ -169,7 +176,7 @@ def md_computes_rest_sooner(
     bandwidth, rtt, _ = _link(p, md, view)  # its own rest is among the queued bytes
     rest_s = rtt / 2 + rest_bytes * 8 / bandwidth
     landed = max(cached_tokens, landed_blocks * md.block_size)
-    return md_recompute_s(md, prompt_tokens - landed, view.policy) < rest_s
+    return md_recompute_s(md, prompt_tokens - landed, view.policy, rest_s) < rest_s
 
 
 def _tie(w: WorkerView) -> tuple[int, float, int, str]:
@@ -272,8 +279,8 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
     md = _need(view, Role.MAIN_DECODE, pick_md(mds, affinity, n, policy.md_load_weight))
     cached = min(request.md_cached_tokens.get(md.id, 0), n)
     est = wan_estimate(p, md, cached, n, view)
-    compute_s = md_recompute_s(md, n - cached, policy) if est.missing_blocks else math.inf
-    ready_s = min(est.eta_s, compute_s)
+    missing = n - cached if est.missing_blocks else 0
+    ready_s = min(est.eta_s, md_recompute_s(md, missing, policy) if missing else math.inf)
     rld: WorkerView | None = None
     if request.pipeline is Pipeline.P_RLD_MD:
         rlds = _receivers(p, view.healthy(Role.RELAY_DECODE), Role.RELAY_DECODE)
@@ -289,6 +296,7 @@ def choose_pdd(view: FleetView, request: RouteRequest) -> Decision:
         roles.append((Role.RELAY_DECODE, rld.id))
     roles.append((Role.MAIN_DECODE, md.id))
     block_size = p.block_size or md.block_size
+    compute_s = md_recompute_s(md, missing, policy, est.eta_s) if missing else math.inf
     if rld is None and compute_s < est.eta_s:  # MD computes what it lacks: nothing crosses
         return Decision(pipeline, tuple(roles), handoff, cached, 0, compute_s, block_size,
                         md_computes=True)  # fmt: skip
