@@ -164,7 +164,8 @@ def md_computes_rest_sooner(
     blocks are committed). True when MD computing what has not landed (its live prefill
     rate) is sooner than the bytes still to come crossing at P's live WAN estimate: bytes
     already across never count again. Never without md_recompute, nor for more than
-    md_recompute_max_tokens still missing."""
+    md_recompute_max_tokens still missing while the rest would cross within ttft_budget_s
+    (p_md only: no RLD streams while MD waits)."""
     sent = wan_estimate(p, md, cached_tokens, prompt_tokens, view)
     if sent.missing_blocks == 0:
         return False
