@@ -8,13 +8,13 @@ reported), the request goes as before."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from pdd.router.text.tokenizer import TextCodec
+from tests.observability.scrape import parse, value
 from tests.router.conftest import PDD_POLICY, assert_released, fresh, wait_until
 from tests.router.harness import RouterHarness
 from tests.router.test_pdd_flow import complete, prompt_ids, script
@@ -49,10 +49,9 @@ def _seen(h: RouterHarness) -> float:
 
 def _computed(h: RouterHarness, pipeline: str) -> float:
     """pdd_md_computed_total{pipeline} as the router's /metrics has it (0 before the first)."""
-    text = httpx.get(h.root + "/metrics", timeout=5).text
-    pattern = rf'^pdd_md_computed_total{{pipeline="{pipeline}"}} (\S+)$'
-    found = re.search(pattern, text, re.M)
-    return float(found.group(1)) if found else 0.0
+    families = parse(httpx.get(h.root + "/metrics", timeout=5).text)
+    name = "pdd_md_computed_total"
+    return value(families, name, pipeline=pipeline) if name in families else 0.0
 
 
 def test_md_that_computes_sooner_than_the_wan_gets_no_kv_and_the_whole_answer(pdd):
