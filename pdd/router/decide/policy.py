@@ -128,25 +128,19 @@ def _link(p: WorkerView, md: WorkerView, view: FleetView) -> tuple[float, float,
             p.wan_rtt_s or view.policy.wan_rtt_s, queued)  # fmt: skip
 
 
-def md_compute_s(md: WorkerView, tokens: int) -> float:
-    """How long MD takes to compute ``tokens`` prompt tokens itself, from the prefill rate its
-    engine measured at start and keeps live (math.inf when it reported none)."""
-    if md.prefill_tokens_per_s <= 0:
-        return math.inf
-    return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
-
-
 def md_recompute_s(
     md: WorkerView, tokens: int, policy: PddPolicyConfig, wait_s: float = 0.0
 ) -> float:
-    """``md_compute_s`` where the policy lets MD compute ``tokens`` itself, else math.inf (MD
-    waits for their KV): md_recompute on, and at most md_recompute_max_tokens unless waiting
-    for them (``wait_s``, on p_md: nothing streams meanwhile) would miss ttft_budget_s."""
-    if not policy.md_recompute:
+    """How long MD takes to compute ``tokens`` prompt tokens itself, from the prefill rate its
+    engine measured at start and keeps live, where the policy lets it; else math.inf (MD
+    waits for their KV): md_recompute on, a rate reported, and at most
+    md_recompute_max_tokens unless waiting for them (``wait_s``, on p_md: nothing streams
+    meanwhile) would miss ttft_budget_s."""
+    if not policy.md_recompute or md.prefill_tokens_per_s <= 0:
         return math.inf
     if tokens > policy.md_recompute_max_tokens and wait_s <= policy.ttft_budget_s:
         return math.inf
-    return md_compute_s(md, tokens)
+    return md.prefill_fixed_s + tokens / md.prefill_tokens_per_s
 
 
 def md_computes_rest_sooner(
