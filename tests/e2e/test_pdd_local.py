@@ -746,10 +746,10 @@ def test_recompute_or_wait_follows_the_link_md_s_prefill_is_weighed_against(serv
     computes every prompt itself: p_md, greedy text equal to one engine's, no KV reaches MD.
     With a bound below every miss (md_recompute_max_tokens 16: while the KV lands, what is
     left never falls under a block) the longest prompt waits for its KV on the same 1 Mbit/s
-    figure (its ~440 s are within the lifted budget, so the bound holds); at 1 Tbit/s (P has measured its link by then) a miss waits for its KV too (MD
-    computes nothing). Each router's requests carry a tenant of their own, so every
-    prompt is new to MD's DRC; the TTFT budget is lifted so every request stays p_md whatever
-    this machine's speed."""
+    figure (its ~440 s are within the lifted budget, so the bound holds); at 1 Tbit/s (P has
+    measured its link by then) a miss waits for its KV too (MD computes nothing). Each
+    router's requests carry a tenant of their own, so every prompt is new to MD's DRC; the
+    TTFT budget is lifted so every request stays p_md whatever this machine's speed."""
     keys = tmp_path / "keys"
     keys.write_text("".join(f"sk-{t} tenant={t} admin\n" for t in ("compute", "bound", "wait")))
     sets = (f"router.api_keys_file={keys}", "router.pdd.ttft_budget_s=600")
