@@ -97,6 +97,7 @@ def _role_class(role: Role):
 async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     """Arena (KV roles) -> engine -> role -> metrics -> service; records each in ``parts``
     as it is made, so the caller can tear down whatever exists if a later step fails."""
+    from pdd.engine.model import prepare_model  # cheap: no vLLM
     from pdd.worker.capacity import check_arenas
     from pdd.worker.kv_plane import KvPlane
     from pdd.worker.layout import block_bytes_of
@@ -104,6 +105,8 @@ async def _build(cfg: PddConfig, worker: WorkerConfig, parts: dict):
     from pdd.worker.roles import RoleContext
     from pdd.worker.service import WorkerService
 
+    # The model folder before anything imports vLLM (seconds): a wrong model.path fails at once.
+    await asyncio.to_thread(prepare_model, cfg.model)  # ModelError
     engine_cfg = cfg.engine_for(worker.id)
     role_cls = _role_class(worker.role)
     plane, block_bytes = None, 0
