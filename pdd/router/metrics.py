@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pdd.config import PddConfig
-from pdd.protocol import HandoffMode, Role
+from pdd.protocol import HandoffMode, Pipeline, Role
 from pdd.router.decide.view import FleetView
 from pdd.router.record import RequestRecord
 
@@ -139,6 +139,8 @@ class RouterMetrics:
             "instead of receiving their KV (recompute or wait, a wait given up, no room for "
             "the KV).", ["pipeline"], registry=r,
         )  # fmt: skip
+        for pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):  # 0 until MD computes, not absent
+            self.md_computed.labels(pipeline.value)
         self.handoff_rounds = Histogram(
             "pdd_handoff_rounds", "MD Generate calls per handoff (warm-ups + the switch).",
             ["mode"], buckets=ROUNDS_BUCKETS, registry=r,

@@ -19,8 +19,9 @@ from pdd.observability.dashboard import dashboard_metrics, load
 from tests.observability.scrape import PROMETHEUS_ACCEPT, samples
 
 SLA = ["router.sla_ttft_s=120", "router.sla_tpot_s=10"]  # every request counts as good here
-# Counters that need rare events to move (evictions, failures): they must exist only.
-QUIET = {"pdd_drc_evicted_blocks_total", "pdd_requests_rejected_total"}
+# Counters that need rare events to move (evictions, failures, MD's prefill beating this
+# host's link): they must exist only.
+QUIET = {"pdd_drc_evicted_blocks_total", "pdd_requests_rejected_total", "pdd_md_computed_total"}
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
 
 
