@@ -136,7 +136,7 @@ class TransferError(PddError):
 
 
 class TransferCancelled(TransferError):
-    """The transfer was cancelled by its owner."""
+    """The transfer was cancelled by its owner (a receiver's: the request moved on)."""
 
 
 class TransferTimeout(TransferError):

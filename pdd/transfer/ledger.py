@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdd.errors import PddError, TransferError
+from pdd.errors import PddError, TransferCancelled, TransferError
 from pdd.transfer.api import InboundResult, ReceiverHooks, TransferState, TransferStatus
 from pdd.transfer.codec import CodecError, CodecId
 from pdd.transfer.wire import AckStatus, CancelReason, Chunk, ChunkHeader, decode_chunk
@@ -111,7 +111,7 @@ class OutboundLedger:
 
         def apply(rec: OutRecord) -> None:
             if status is not AckStatus.OK:
-                self._request_stop(rec, TransferState.FAILED, _ack_reason(status))
+                self._request_stop(rec, _stopped_by(status), _ack_reason(status))
                 return
             rec.acked += 1
             rec.bytes_acked += nbytes
@@ -214,7 +214,13 @@ def _ack_reason(status: AckStatus) -> str:
         AckStatus.GONE: "receiver no longer has the transfer (cancelled, expired or failed)",
         AckStatus.INTERNAL: "receiver hit an internal error (see its log)",
         AckStatus.CODEC: "integrity check failed: a chunk did not decode (corrupt codec frame)",
+        AckStatus.CANCELLED: "receiver no longer wants the KV (its request moved on)",
     }.get(status, f"receiver answered {status.name}")
+
+
+def _stopped_by(status: AckStatus) -> TransferState:
+    """The state a transfer ends in when its receiver answers ``status`` (not OK)."""
+    return TransferState.CANCELLED if status is AckStatus.CANCELLED else TransferState.FAILED
 
 
 @dataclass
@@ -269,6 +275,9 @@ class InboundLedger:
             buf = memoryview(self._hooks.allocate(header)).cast("B")
             if buf.readonly or buf.nbytes != header.nbytes:
                 raise TransferError(f"allocator gave {buf.nbytes} bytes, need {header.nbytes}")
+        except TransferCancelled as exc:  # its owner gave the KV up: cancelled, not failed
+            self.end_chunk(header.transfer_id, 0, AckStatus.CANCELLED, str(exc))
+            return None, AckStatus.CANCELLED
         except PddError as exc:  # a refusal: this transfer fails, the stream goes on
             self.end_chunk(
                 header.transfer_id, 0, AckStatus.REFUSED, f"allocator refused chunk: {exc}"
@@ -293,7 +302,7 @@ class InboundLedger:
         def apply(rec: InRecord) -> AckStatus:
             rec.busy -= 1
             if failure is not AckStatus.OK:
-                self._request_stop(rec, TransferState.FAILED, error, failure)
+                self._request_stop(rec, _stopped_by(failure), error, failure)
                 return failure
             rec.received += 1
             rec.bytes_received += nbytes

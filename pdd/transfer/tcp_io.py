@@ -13,7 +13,7 @@ import struct
 
 from pdd.config.transfer import TransferConfig
 from pdd.errors import ConfigError, TransferError
-from pdd.transfer.wire import BODY_SIZE, PREFIX, FrameKind, Hasher, unpack_prefix
+from pdd.transfer.wire import BODY_SIZE, PREFIX, FrameKind, Hasher, sender_reads, unpack_prefix
 
 SLICE = 1 << 20  # checksum granularity: fits in L2 next to what the kernel copies
 
@@ -81,6 +81,7 @@ class FrameReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self.sender_reads = 0  # the last frame's prefix: the ACKS_* its sender reads (DATA)
 
     def has_data(self) -> bool:
         """True if reading one frame would find bytes without waiting for the network."""
@@ -111,7 +112,8 @@ class FrameReader:
         return out
 
     def read_frame(self) -> tuple[FrameKind, bytes]:
-        kind = unpack_prefix(self.read(PREFIX.size))
+        prefix = self.read(PREFIX.size)
+        kind, self.sender_reads = unpack_prefix(prefix), sender_reads(prefix)
         return kind, self.read(BODY_SIZE[kind])
 
     def readinto(self, dest: memoryview, algo: int = 0, slice_bytes: int = SLICE) -> int:

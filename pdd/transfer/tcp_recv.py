@@ -40,6 +40,7 @@ from pdd.transfer.wire import (
     AckStatus,
     ChunkHeader,
     FrameKind,
+    ack_of,
     pack_ack,
     pack_challenge,
     unpack_cancel,
@@ -161,7 +162,7 @@ class ReceiverStream:
         while True:
             kind, body = self.reader.read_frame()
             if kind is FrameKind.DATA:
-                self._chunk(ChunkHeader.unpack(body))
+                self._chunk(ChunkHeader.unpack(body, self.reader.sender_reads))
             elif kind is FrameKind.CANCEL:
                 tid, reason = unpack_cancel(body)
                 inbound.stop(tid, *cancel_outcome(reason))
@@ -195,4 +196,4 @@ class ReceiverStream:
                 status = inbound.end_chunk(tid, 0, AckStatus.CHECKSUM, reason)
             else:
                 status = land_chunk(inbound, header, land, buf)
-        send_all(self.sock, [pack_ack(tid, header.chunk_index, status, header.nbytes)])
+        send_all(self.sock, [ack_of(header, status)])

@@ -39,8 +39,9 @@ from pdd.transfer.wire import (
     AckStatus,
     ChunkHeader,
     FrameKind,
+    ack_of,
     checksum,
-    pack_ack,
+    sender_reads,
     unpack_cancel,
     unpack_prefix,
 )
@@ -176,13 +177,14 @@ class UcxReceiver:
             if sender not in self._senders:  # never passed the handshake (or already gone)
                 log.debug("frame from unknown sender %x dropped", sender)
                 return
-            kind = unpack_prefix(raw[8 : 8 + PREFIX.size])
+            prefix = raw[8 : 8 + PREFIX.size]
+            kind = unpack_prefix(prefix)
             body = raw[8 + PREFIX.size :]
             if kind is FrameKind.CANCEL:
                 tid, reason = unpack_cancel(body[: BODY_SIZE[FrameKind.CANCEL]])
                 self.inbound.stop(tid, *cancel_outcome(reason))
             elif kind is FrameKind.DATA:
-                self._on_data_header(sender, ChunkHeader.unpack(body))
+                self._on_data_header(sender, ChunkHeader.unpack(body, sender_reads(prefix)))
             elif kind is FrameKind.BYE:
                 self.inbound.stop_where(
                     lambda r: r.source == sender, TransferState.FAILED, "sender closed"
@@ -241,7 +243,5 @@ class UcxReceiver:
         ep = self._endpoint_of(sender)
         if ep is None or not ep.alive:  # the sender is gone; it learns nothing more from us
             return
-        frame = np.frombuffer(
-            pack_ack(header.transfer_id, header.chunk_index, status, header.nbytes), np.uint8
-        )
+        frame = np.frombuffer(ack_of(header, status), np.uint8)
         self.loop.send(ep, frame, ACK_TAG, lambda e: None)

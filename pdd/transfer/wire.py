@@ -1,14 +1,16 @@
 """Wire format of the KV transfer layer: typed frames, the chunk header, checksums, chunking.
 
-Every frame starts with an 8-byte prefix `magic "PDDK" | version u8 | kind u8 | 2 pad bytes`,
-followed by a fixed-size body per kind. A DATA frame's body is the `ChunkHeader`; its payload
+Every frame starts with an 8-byte prefix `magic "PDDK" | version u8 | kind u8 | reads u16`,
+followed by a fixed-size body per kind (`reads`: on DATA frames, the acks its sender reads,
+`ACKS_*`; older senders wrote 0 there and older receivers skip it). A DATA frame's body is the `ChunkHeader`; its payload
 (`nbytes` bytes) follows it directly. Over TCP a 4-byte checksum trailer follows the payload
 (the header's checksum field is 0) so both sides checksum each 1 MiB slice while it is hot in
 cache; UCX and inproc carry the checksum in the header. The checksum (xxh3 by default, crc32c
 or crc32) is named per chunk, so mixed versions interoperate.
 
     DATA    sender -> receiver   ChunkHeader, then payload
-    ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA
+    ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA;
+                                 CANCELLED (the receiver gave the KV up) only where read
     CANCEL  sender -> receiver   (transfer_id, reason): stop; chunks still in flight are dropped
     HELLO   sender -> receiver   (sender_id, stream_index, stream_count): first frame of a stream
     BYE     sender -> receiver   (sender_id): the sender is closing; its open transfers fail
@@ -76,6 +78,8 @@ class AckStatus(enum.IntEnum):
     GONE = 3  # the transfer is no longer open on the receiver (cancelled, expired, failed)
     INTERNAL = 4  # the receiver hit a bug landing the chunk (logged there with its traceback)
     CODEC = 5  # payload passed its checksum but did not decode to its raw size: discarded
+    CANCELLED = 6  # the receiver's owner gave the KV up (its request moved on): not a failure
+    # (sent only to senders whose DATA frames say they read it: ACKS_CANCELLED)
 
 
 class CancelReason(enum.IntEnum):
@@ -142,7 +146,11 @@ def checksum(algo: ChecksumAlgo | int, data: Any) -> int:
 TRAILER = struct.Struct("<I")  # TCP: the payload's checksum follows the payload
 
 
-PREFIX = struct.Struct("<4sBB2x")
+# magic | version | kind | what the sender reads (DATA frames: ACKS_*; 0 from older senders,
+# whose 2 bytes were padding that older receivers still skip: no VERSION change)
+PREFIX = struct.Struct("<4sBBH")
+ACKS_CANCELLED = 1  # the sender reads AckStatus.CANCELLED (an older one: REFUSED instead)
+SENDER_READS = ACKS_CANCELLED  # what this version's senders read
 # The DATA body is field groups appended one after another; a new group goes at the end
 # (and VERSION goes up). Version 2 appended _DATA_KV (issue 15: what the chunk carries) and
 # _DATA_CODEC (issue 17: the payload's codec and its bytes on the wire).
@@ -199,6 +207,7 @@ class ChunkHeader:
     deadline_ms: int = 0  # time left when the chunk was sent; the receiver's own deadline
     codec: int = 0  # pdd.transfer.codec.CodecId of the payload on the wire
     wire_nbytes: int = -1  # payload bytes on the wire; -1 (unset) becomes nbytes (raw)
+    sender_reads: int = SENDER_READS  # the ACKS_* its sender reads (its DATA prefix)
 
     def __post_init__(self) -> None:
         if self.wire_nbytes < 0:
@@ -262,10 +271,11 @@ class ChunkHeader:
             self.codec,
             self.wire_size,
         )
-        return PREFIX.pack(MAGIC, VERSION, FrameKind.DATA) + body
+        return PREFIX.pack(MAGIC, VERSION, FrameKind.DATA, SENDER_READS) + body
 
     @classmethod
-    def unpack(cls, body: bytes | memoryview) -> ChunkHeader:
+    def unpack(cls, body: bytes | memoryview, sender_reads: int = 0) -> ChunkHeader:
+        """The header of a DATA frame's ``body``; ``sender_reads``: its prefix's ACKS_*."""
         f = _DATA.unpack(body)
         ndim = f[15]
         if ndim > MAX_DIMS or f[9] > f[10] or f[8] + f[9] > f[10] or f[10] > f[11]:
@@ -299,13 +309,22 @@ class ChunkHeader:
             layout=f[_KV_AT + 2].rstrip(b"\0").decode(),
             codec=codec,
             wire_nbytes=wire,
+            sender_reads=sender_reads,
         )
 
 
 def pack_ack(transfer_id: int, chunk_index: int, status: AckStatus, nbytes: int) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.ACK) + _ACK.pack(
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.ACK, 0) + _ACK.pack(
         transfer_id, chunk_index, status, nbytes
     )
+
+
+def ack_of(header: ChunkHeader, status: AckStatus) -> bytes:
+    """The ACK frame of ``header``'s chunk, in a status its sender reads: an older sender
+    is told a cancellation as REFUSED (its transfer fails, as before ACKS_CANCELLED)."""
+    if status is AckStatus.CANCELLED and not header.sender_reads & ACKS_CANCELLED:
+        status = AckStatus.REFUSED
+    return pack_ack(header.transfer_id, header.chunk_index, status, header.nbytes)
 
 
 def unpack_ack(body: bytes) -> tuple[int, int, AckStatus, int]:
@@ -314,7 +333,7 @@ def unpack_ack(body: bytes) -> tuple[int, int, AckStatus, int]:
 
 
 def pack_cancel(transfer_id: int, reason: int = 0) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.CANCEL) + _CANCEL.pack(transfer_id, reason)
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.CANCEL, 0) + _CANCEL.pack(transfer_id, reason)
 
 
 def unpack_cancel(body: bytes) -> tuple[int, CancelReason]:
@@ -325,7 +344,7 @@ def unpack_cancel(body: bytes) -> tuple[int, CancelReason]:
 
 
 def pack_hello(sender_id: int, stream_index: int, stream_count: int) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.HELLO) + _HELLO.pack(
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.HELLO, 0) + _HELLO.pack(
         sender_id, stream_index, stream_count
     )
 
@@ -335,27 +354,32 @@ def unpack_hello(body: bytes) -> tuple[int, int, int]:
 
 
 def pack_challenge(nonce: bytes) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.CHALLENGE) + _NONCE.pack(nonce)
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.CHALLENGE, 0) + _NONCE.pack(nonce)
 
 
 def pack_auth(proof: bytes) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.AUTH) + _NONCE.pack(proof)
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.AUTH, 0) + _NONCE.pack(proof)
 
 
 def pack_bye(sender_id: int) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.BYE) + _BYE.pack(sender_id)
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.BYE, 0) + _BYE.pack(sender_id)
 
 
 def pack_probe(nbytes: int) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, FrameKind.PROBE) + _PROBE.pack(nbytes)
+    return PREFIX.pack(MAGIC, VERSION, FrameKind.PROBE, 0) + _PROBE.pack(nbytes)
 
 
 def unpack_probe(body: bytes) -> int:
     return _PROBE.unpack(body)[0]
 
 
+def sender_reads(prefix: bytes) -> int:
+    """The ACKS_* a DATA frame's prefix says its sender reads."""
+    return PREFIX.unpack(prefix)[3]
+
+
 def unpack_prefix(prefix: bytes) -> FrameKind:
-    magic, version, kind = PREFIX.unpack(prefix)
+    magic, version, kind, _reads = PREFIX.unpack(prefix)
     if magic != MAGIC or version != VERSION:
         raise TransferError(f"bad frame prefix {bytes(prefix)!r}: not a pdd transfer peer")
     try:

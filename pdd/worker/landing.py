@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from pdd.errors import TransferError
+from pdd.errors import TransferCancelled, TransferError
 from pdd.kv_geometry import KvGeometry
 from pdd.transfer import ChunkHeader, InboundResult, TransferState
 from pdd.transfer.ucx_auth import kv_token
@@ -64,6 +64,7 @@ from pdd.worker.kv_wire import KvWireCheck
 from pdd.worker.roles import AwaitKvResult
 
 log = logging.getLogger(__name__)
+LEASE_EXPIRED = "lease expired"  # the one give-up that fails a transfer still arriving
 
 Later = Callable[[], None] | None  # what a source hook leaves to do once the lock is released
 
@@ -196,7 +197,7 @@ class Landings(Generic[S]):
                 self.refused_chunks += 1
                 raise TransferError(f"KV of {kv_id!r}: not from the P its reservation is for")
             if not self._accepts(rec):
-                raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
+                raise _unwanted(kv_id, rec.inbound.cancelled)
             view = self._source.buffer(rec, header, src)
             rec.inbound.seen(header.transfer_id, header.request_id)
         return view
@@ -206,8 +207,8 @@ class Landings(Generic[S]):
         noun = self._source.noun
         if not self._source.opens_on_chunk:
             raise TransferError(f"no {noun} for the KV of {kv_id!r}")
-        if kv_id in self._recent:
-            raise TransferError(f"KV of {kv_id!r} is no longer wanted here")
+        if (past := self._recent.get(kv_id)) is not None:
+            raise _unwanted(kv_id, past.reason)
         if kv_token() is not None:  # keyed fleet: only a PrepareKv makes a landing
             self.refused_chunks += 1
             raise TransferError(f"no {noun} prepared for the KV of {kv_id!r}")
@@ -399,7 +400,7 @@ class Landings(Generic[S]):
                 r for r in self._recs.values() if r.held and r.deadline <= now and not r.users
             ]
             for rec in expired:
-                self._give_up(rec, "lease expired")
+                self._give_up(rec, LEASE_EXPIRED)
         for rec in expired:
             log.warning("KV %s of %s: lease expired, releasing it", self._source.noun, rec.kv_id)
             self.waiters.notify(rec.kv_id)
@@ -413,3 +414,11 @@ class Landings(Generic[S]):
                 if rec.held:
                     self._source.release(rec)
                     rec.held = False
+
+
+def _unwanted(kv_id: str, why: str | None) -> TransferError:
+    """The refusal of a chunk whose landing was given up: the transfer is cancelled (its
+    sender's outcome too) when the request moved on (CancelKv, handed off, computed,
+    released), and fails when the landing's lease ran out before the KV arrived."""
+    msg = f"KV of {kv_id!r} is no longer wanted here" + (f" ({why})" if why else "")
+    return TransferError(msg) if why == LEASE_EXPIRED else TransferCancelled(msg)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from pdd.errors import OverloadedError
+from pdd.errors import OverloadedError, TransferCancelled
 from pdd.kv_geometry import LAYOUT_CPU_PACKED
 from pdd.transfer import FaultHooks, KVSegment, SendRequest, TransferState
 from pdd.transfer.testing import LandingZone, crc_of, pattern, peer_to_json
@@ -185,6 +185,24 @@ def test_allocator_refusal_fails_the_transfer(kind, make_pair):
         "failed",
         "allocator refused chunk: no room for this request",
     )
+
+
+def test_a_receiver_that_gave_the_kv_up_cancels_the_transfer_on_both_sides(kind, make_pair):
+    # e.g. RLD after the router handed the request to MD: the rest of P's send is not a failure
+    def gave_up(header):
+        raise TransferCancelled("KV of 'g' is no longer wanted here (handed off to MD)")
+
+    pair = make_pair(kind, **SMALL)
+    pair.receiver.hooks.allocate = gave_up
+    handle = pair.sender.send(pair.receiver.address, SendRequest("g", [seg(8, 1 * MiB)]))
+    status = handle.wait(10)
+    assert (status.state, status.reason) == (
+        TransferState.CANCELLED,
+        "receiver no longer wants the KV (its request moved on)",
+    )
+    result = pair.result(handle.transfer_id)
+    assert (result.state, result.internal_error) == (TransferState.CANCELLED, False)
+    assert "handed off to MD" in result.reason
 
 
 def test_allocator_bug_is_loud_and_fails_only_its_transfer(kind, make_pair, caplog):

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
 from pdd.errors import InvalidRequestError, TransferError
 from pdd.transfer import KVSegment, SendRequest
 from pdd.transfer.wire import (
+    ACKS_CANCELLED,
     PREFIX,
+    AckStatus,
     ChunkHeader,
     FrameKind,
+    ack_of,
     pack_ack,
     plan_chunks,
+    sender_reads,
+    unpack_ack,
     unpack_prefix,
 )
 
@@ -42,8 +49,23 @@ def test_header_round_trips_with_checksum_and_deadline():
     h = header()
     frame = h.pack_sent(checksum=0xDEADBEEF, deadline_ms=1234)
     assert unpack_prefix(frame[: PREFIX.size]) is FrameKind.DATA
-    back = ChunkHeader.unpack(frame[PREFIX.size :])
+    back = ChunkHeader.unpack(frame[PREFIX.size :], sender_reads(frame[: PREFIX.size]))
     assert back == header(checksum=0xDEADBEEF, deadline_ms=1234)
+
+
+def test_a_cancellation_is_acked_as_cancelled_only_to_a_sender_that_reads_it():
+    """This version's DATA prefix says its sender reads AckStatus.CANCELLED (in 2 bytes an
+    older receiver skips as padding); an older sender's prefix says nothing, and it is told
+    REFUSED (its transfer fails, as it always did)."""
+    frame = header().pack()
+    assert struct.unpack("<4sBB2x", frame[: PREFIX.size])[2] == FrameKind.DATA  # older parse
+    assert sender_reads(frame[: PREFIX.size]) == ACKS_CANCELLED
+    older = struct.pack("<4sBB2x", *struct.unpack("<4sBB2x", frame[: PREFIX.size]))
+    for prefix, told in ((frame[: PREFIX.size], AckStatus.CANCELLED), (older, AckStatus.REFUSED)):
+        h = ChunkHeader.unpack(frame[PREFIX.size :], sender_reads(prefix))
+        ack = ack_of(h, AckStatus.CANCELLED)
+        assert unpack_ack(ack[PREFIX.size :])[2] is told
+        assert unpack_ack(ack_of(h, AckStatus.CHECKSUM)[PREFIX.size :])[2] is AckStatus.CHECKSUM
 
 
 def test_malformed_headers_and_prefixes_are_refused():

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdd.errors import TransferError
+from pdd.errors import TransferCancelled, TransferError
 from pdd.transfer import InboundResult, TransferState
 from pdd.transfer.wire import ChunkHeader
 from pdd.worker.kv_wire import KvWireCheck
@@ -91,6 +91,32 @@ def test_after_the_generate_took_it_only_a_cache_still_lands_chunks(caches: bool
         return source.released, machine.open_records
 
     assert asyncio.run(run()) == (["kv"], 0)
+
+
+@pytest.mark.parametrize("given_up", ["cancel", "lease"])
+def test_a_chunk_after_the_landing_was_given_up_cancels_or_fails_its_transfer(given_up) -> None:
+    """RLD handed off (CancelKv): the rest of P's send is refused as cancelled (the request
+    moved on, not a failure); a landing whose lease ran out first fails it."""
+
+    async def run():
+        machine, _ = landings(caches=False)
+        machine.waiters.bind(asyncio.get_running_loop())
+        machine.allocate(header(0))
+        if given_up == "cancel":
+            machine.cancel("kv", "handed off to MD")
+        else:
+            machine.expire(now=float("inf"))
+        with pytest.raises(TransferError) as refused:
+            machine.allocate(header(1))
+        return refused.value
+
+    refusal = asyncio.run(run())
+    if given_up == "cancel":
+        assert isinstance(refusal, TransferCancelled)
+        assert str(refusal) == "KV of 'kv' is no longer wanted here (handed off to MD)"
+    else:
+        assert not isinstance(refusal, TransferCancelled)
+        assert str(refusal) == "KV of 'kv' is no longer wanted here (lease expired)"
 
 
 @pytest.mark.parametrize("caches", [False, True])
