@@ -2,11 +2,11 @@
 
 Every frame starts with an 8-byte prefix `magic "PDDK" | version u8 | kind u8 | reads u16`,
 followed by a fixed-size body per kind (`reads`: on DATA frames, the acks its sender reads,
-`ACKS_*`; older senders wrote 0 there and older receivers skip it). A DATA frame's body is
-the `ChunkHeader`; its payload (`nbytes` bytes) follows it directly. Over TCP a 4-byte
-checksum trailer follows the payload (the header's checksum field is 0) so both sides checksum
-each 1 MiB slice while it is hot in cache; UCX and inproc carry the checksum in the header. The checksum (xxh3 by default, crc32c
-or crc32) is named per chunk, so mixed versions interoperate.
+`ACKS_*`; older senders wrote 0 there and older receivers skip it). A DATA frame's body is the
+`ChunkHeader`; its payload (`nbytes` bytes) follows it directly. Over TCP a 4-byte checksum
+trailer follows the payload (the header's checksum field is 0) so both sides checksum each 1
+MiB slice while it is hot in cache; UCX and inproc carry the checksum in the header. The
+checksum (xxh3 by default, crc32c or crc32) is named per chunk, so mixed versions interoperate.
 
     DATA    sender -> receiver   ChunkHeader, then payload
     ACK     receiver -> sender   (transfer_id, chunk_index, status, nbytes): one per DATA;
