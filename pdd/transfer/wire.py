@@ -34,7 +34,7 @@ import functools
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdd.errors import InvalidRequestError, TransferError
@@ -207,7 +207,8 @@ class ChunkHeader:
     deadline_ms: int = 0  # time left when the chunk was sent; the receiver's own deadline
     codec: int = 0  # pdd.transfer.codec.CodecId of the payload on the wire
     wire_nbytes: int = -1  # payload bytes on the wire; -1 (unset) becomes nbytes (raw)
-    sender_reads: int = SENDER_READS  # the ACKS_* its sender reads (its DATA prefix)
+    # The ACKS_* its sender reads (the DATA frame's prefix): how to ack it, not what it carries.
+    sender_reads: int = field(default=SENDER_READS, compare=False)
 
     def __post_init__(self) -> None:
         if self.wire_nbytes < 0:
