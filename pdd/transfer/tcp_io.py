@@ -13,7 +13,7 @@ import struct
 
 from pdd.config.transfer import TransferConfig
 from pdd.errors import ConfigError, TransferError
-from pdd.transfer.wire import BODY_SIZE, PREFIX, FrameKind, Hasher, sender_reads, unpack_prefix
+from pdd.transfer.wire import BODY_SIZE, PREFIX, FrameKind, Hasher, read_prefix
 
 SLICE = 1 << 20  # checksum granularity: fits in L2 next to what the kernel copies
 
@@ -112,8 +112,7 @@ class FrameReader:
         return out
 
     def read_frame(self) -> tuple[FrameKind, bytes]:
-        prefix = self.read(PREFIX.size)
-        kind, self.sender_reads = unpack_prefix(prefix), sender_reads(prefix)
+        kind, self.sender_reads = read_prefix(self.read(PREFIX.size))
         return kind, self.read(BODY_SIZE[kind])
 
     def readinto(self, dest: memoryview, algo: int = 0, slice_bytes: int = SLICE) -> int:

@@ -41,9 +41,8 @@ from pdd.transfer.wire import (
     FrameKind,
     ack_of,
     checksum,
-    sender_reads,
+    read_prefix,
     unpack_cancel,
-    unpack_prefix,
 )
 
 if TYPE_CHECKING:
@@ -177,14 +176,13 @@ class UcxReceiver:
             if sender not in self._senders:  # never passed the handshake (or already gone)
                 log.debug("frame from unknown sender %x dropped", sender)
                 return
-            prefix = raw[8 : 8 + PREFIX.size]
-            kind = unpack_prefix(prefix)
+            kind, reads = read_prefix(raw[8 : 8 + PREFIX.size])
             body = raw[8 + PREFIX.size :]
             if kind is FrameKind.CANCEL:
                 tid, reason = unpack_cancel(body[: BODY_SIZE[FrameKind.CANCEL]])
                 self.inbound.stop(tid, *cancel_outcome(reason))
             elif kind is FrameKind.DATA:
-                self._on_data_header(sender, ChunkHeader.unpack(body, sender_reads(prefix)))
+                self._on_data_header(sender, ChunkHeader.unpack(body, reads))
             elif kind is FrameKind.BYE:
                 self.inbound.stop_where(
                     lambda r: r.source == sender, TransferState.FAILED, "sender closed"

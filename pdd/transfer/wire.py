@@ -374,19 +374,19 @@ def unpack_probe(body: bytes) -> int:
     return _PROBE.unpack(body)[0]
 
 
-def sender_reads(prefix: bytes) -> int:
-    """The ACKS_* a DATA frame's prefix says its sender reads."""
-    return PREFIX.unpack(prefix)[3]
-
-
-def unpack_prefix(prefix: bytes) -> FrameKind:
-    magic, version, kind, _reads = PREFIX.unpack(prefix)
+def read_prefix(prefix: bytes) -> tuple[FrameKind, int]:
+    """A frame's kind and (DATA) the ACKS_* its sender reads, from one unpack of its prefix."""
+    magic, version, kind, reads = PREFIX.unpack(prefix)
     if magic != MAGIC or version != VERSION:
         raise TransferError(f"bad frame prefix {bytes(prefix)!r}: not a pdd transfer peer")
     try:
-        return FrameKind(kind)
+        return FrameKind(kind), reads
     except ValueError:
         raise TransferError(f"unknown frame kind {kind}") from None
+
+
+def unpack_prefix(prefix: bytes) -> FrameKind:
+    return read_prefix(prefix)[0]
 
 
 @dataclass(frozen=True)

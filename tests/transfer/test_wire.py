@@ -18,7 +18,7 @@ from pdd.transfer.wire import (
     ack_of,
     pack_ack,
     plan_chunks,
-    sender_reads,
+    read_prefix,
     unpack_ack,
     unpack_prefix,
 )
@@ -49,7 +49,7 @@ def test_header_round_trips_with_checksum_and_deadline():
     h = header()
     frame = h.pack_sent(checksum=0xDEADBEEF, deadline_ms=1234)
     assert unpack_prefix(frame[: PREFIX.size]) is FrameKind.DATA
-    back = ChunkHeader.unpack(frame[PREFIX.size :], sender_reads(frame[: PREFIX.size]))
+    back = ChunkHeader.unpack(frame[PREFIX.size :], read_prefix(frame[: PREFIX.size])[1])
     assert back == header(checksum=0xDEADBEEF, deadline_ms=1234)
 
 
@@ -59,10 +59,10 @@ def test_a_cancellation_is_acked_as_cancelled_only_to_a_sender_that_reads_it():
     REFUSED (its transfer fails, as it always did)."""
     frame = header().pack()
     assert struct.unpack("<4sBB2x", frame[: PREFIX.size])[2] == FrameKind.DATA  # older parse
-    assert sender_reads(frame[: PREFIX.size]) == ACKS_CANCELLED
+    assert read_prefix(frame[: PREFIX.size])[1] == ACKS_CANCELLED
     older = struct.pack("<4sBB2x", *struct.unpack("<4sBB2x", frame[: PREFIX.size]))
     for prefix, told in ((frame[: PREFIX.size], AckStatus.CANCELLED), (older, AckStatus.REFUSED)):
-        h = ChunkHeader.unpack(frame[PREFIX.size :], sender_reads(prefix))
+        h = ChunkHeader.unpack(frame[PREFIX.size :], read_prefix(prefix)[1])
         ack = ack_of(h, AckStatus.CANCELLED)
         assert unpack_ack(ack[PREFIX.size :])[2] is told
         assert unpack_ack(ack_of(h, AckStatus.CHECKSUM)[PREFIX.size :])[2] is AckStatus.CHECKSUM
