@@ -396,11 +396,12 @@ def test_cancel_mid_transfer_releases_everything(workers) -> None:
     async def scenario(c: Client):
         _, staged, _, prep_md = await p_stage(c, "x1", prompt)
         await send(c, "x1", [(prep_md.address, 0)])
-        cancels = [
-            c.stub[w].CancelKv(pb.CancelKvRequest(kv_request_id="x1", reason="test"))
+        # P first: a receiver cancelled first refuses P's next chunk, which ends P's send and
+        # releases its stage before P's own CancelKv could find it (a race, not a leak)
+        found = [
+            await c.stub[w].CancelKv(pb.CancelKvRequest(kv_request_id="x1", reason="test"))
             for w in ("p", "rld", "md")
         ]
-        found = await asyncio.gather(*cancels)
         state = await c.stub["md"].AwaitKv(pb.AwaitKvRequest(kv_request_id="x1", timeout_s=10))
         with pytest.raises(grpc.aio.AioRpcError) as again:
             await send(c, "x1", [(prep_md.address, 0)])
