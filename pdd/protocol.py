@@ -47,5 +47,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+# Sampling bounds the router checks (a 400 naming the field) and the engine re-checks: one
+# source, so a value the router admits is never a worker's 400.
+MAX_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 100.0  # vLLM has no bound; past this every token is suppressed anyway
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+
+
 def new_request_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdd.errors import InvalidRequestError
+from pdd.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -59,8 +60,9 @@ class SamplingSpec:
     min_tokens: int = 0
     constraint: ConstraintSpec | None = None
     prior_output_tokens: int = 0  # the prompt's last N tokens are earlier tiers' output
-
-    MAX_LOGPROBS = 20
+    min_p: float = 0.0  # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # (): every token
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -76,14 +78,25 @@ class SamplingSpec:
                 "must be <= max_tokens",
             ),
             (
-                self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
-                f"must be between 0 and {self.MAX_LOGPROBS}",
+                f"must be between 0 and {MAX_LOGPROBS}",
             ),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
+            (
+                0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}]",
+            ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (
+                all(t >= 0 and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias),
+                "logit_bias",
+                f"must map token ids to a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids", "must be >= 0"),
         ]
         for ok, param, msg in checks:
             if not ok:

@@ -32,6 +32,9 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     prior_output_tokens: int = 0  # the prompt's last N tokens were emitted by earlier tiers
+    min_p: float = 0.0  # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by id
+    allowed_token_ids: tuple[int, ...] = ()  # (): every token
 
 
 @dataclass(frozen=True, slots=True)

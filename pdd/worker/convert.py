@@ -61,6 +61,9 @@ def sampling_from_proto(
         min_tokens=p.min_tokens,
         constraint=None if constraint is None else constraint_from_proto(constraint),
         prior_output_tokens=p.prior_output_tokens,
+        min_p=p.min_p,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        allowed_token_ids=tuple(p.allowed_token_ids),
     )
 
 

@@ -90,16 +90,16 @@ def prompts(codec):
 @pytest.fixture(scope="module")
 def oracles(codec, prompts):
     """One engine, greedy, in one oracle run (one vLLM start): the tokens of ``prompts``;
-    vLLM's own structured outputs (xgrammar) of SCHEMAS; PENALTY_QUESTIONS under PENALTIES."""
+    vLLM's own structured outputs (xgrammar) of SCHEMAS; the SAMPLED questions under their
+    sampling settings."""
     chat = lambda q: codec.encode_chat([{"role": "user", "content": q}])  # noqa: E731
     long = {"max_tokens": SCHEMA_MAX_TOKENS}
     runs = [{"prompt_token_ids": p} for p in prompts]
     runs += [{"prompt_token_ids": chat(q), "json_schema": schema, **long} for q, schema in SCHEMAS]
-    runs += [{"prompt_token_ids": chat(q), "sampling": PENALTIES, **long}
-             for q in PENALTY_QUESTIONS]  # fmt: skip
+    runs += [{"prompt_token_ids": chat(q), "sampling": s, **long} for q, s in sampled(codec)]
     out = run_oracle(runs, DTYPE, MAX_TOKENS)
     n, k = len(prompts), len(prompts) + len(SCHEMAS)
-    return {"plain": out[:n], "schema": out[n:k], "penalty": out[k:]}
+    return {"plain": out[:n], "schema": out[n:k], "sampled": out[k:]}
 
 
 @pytest.fixture(scope="module")
@@ -1079,8 +1079,16 @@ assert len(SCHEMAS) == 20
 
 
 PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 1.0}
-PENALTY_QUESTIONS = ["List five fruits, then list the same five again.",
-                     "Say the word river ten times."]  # fmt: skip
+BANNED_WORDS = [f"{s}{w}" for w in ("red", "Red", "blue", "Blue") for s in ("", " ")]
+
+
+def sampled(codec) -> list[tuple[str, dict]]:
+    """Questions with sampling settings beyond greedy: presence and frequency penalties, and
+    a logit_bias that bans the first token of each spelling of two primary colours."""
+    banned = {str(codec.encode(w, add_special_tokens=False)[0]): -100 for w in BANNED_WORDS}
+    return [("List five fruits, then list the same five again.", PENALTIES),
+            ("Say the word river ten times.", PENALTIES),
+            ("Name the three primary colors of paint.", {"logit_bias": banned})]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -1120,21 +1128,26 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, oracles, varia
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_penalties_count_every_emitted_token_on_every_pipeline(served, oracles, variant):
-    """Greedy with presence and frequency penalties: each pipeline's answer equals one vLLM
-    engine's, so every tier after P's token counted the tokens earlier tiers emitted
-    (``prior_output_tokens``, pdd.engine.penalties) instead of restarting the penalties."""
+def test_penalties_and_logit_bias_hold_on_every_tier(served, codec, oracles, variant):
+    """Greedy with presence and frequency penalties, and with a logit_bias: each pipeline's
+    answer equals one vLLM engine's, so every tier after P's token counted the tokens earlier
+    tiers emitted (``prior_output_tokens``, pdd.engine.penalties) instead of restarting the
+    penalties, and applied the bias (none of the banned tokens in the answer)."""
 
-    def ask(question):
-        body = {"model": load_config(CONFIG).model.name, "temperature": 0, **PENALTIES,
+    def ask(question_settings):
+        question, settings = question_settings
+        body = {"model": load_config(CONFIG).model.name, "temperature": 0, **settings,
                 "messages": [{"role": "user", "content": question}],
                 "max_tokens": SCHEMA_MAX_TOKENS, "pdd": VARIANTS[variant]}  # fmt: skip
         return httpx.post(f"{served.url}/chat/completions", json=body, timeout=300)
 
-    answers = at_once(ask, PENALTY_QUESTIONS)
-    for want, r in zip(oracles["penalty"], answers, strict=True):
+    questions = sampled(codec)
+    answers = at_once(ask, questions)
+    for (_, settings), want, r in zip(questions, oracles["sampled"], answers, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want["text"], r.json()["pdd"]
+        banned = {int(t) for t in settings.get("logit_bias", {})}
+        assert not banned & set(want["token_ids"])
 
 
 def test_a_seeded_request_is_reproducible_on_p_md(served):

@@ -7,7 +7,8 @@ ENGINE_JSON: more of vLLM's engine arguments, e.g. {"kv_cache_dtype": "fp8_e4m3"
 process per rank, each on its entry of VLLM_CPU_OMP_THREADS_BIND)
 prompts.json is a list of prompts: strings, lists of token ids, or {"prompt_token_ids": [...]}
 with any of "json_schema": {...} (a greedy run under vLLM's own structured outputs, xgrammar
-backend), "sampling": {"frequency_penalty": ...} (more vLLM SamplingParams) and "max_tokens": N
+backend), "sampling": {"frequency_penalty": ...} (more vLLM SamplingParams; logit_bias keys as
+strings, as in JSON) and "max_tokens": N
 (instead of MAX_TOKENS);
 the last stdout line is ORACLE_JSON: followed by
 [{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
@@ -45,6 +46,8 @@ def main() -> None:
 
     def params(p: dict) -> SamplingParams:
         extra = dict(p.get("sampling", {}))
+        if "logit_bias" in extra:  # JSON object keys are strings; vLLM takes token ids
+            extra["logit_bias"] = {int(t): b for t, b in extra["logit_bias"].items()}
         if "json_schema" in p:
             extra["structured_outputs"] = StructuredOutputsParams(json=p["json_schema"])
         return SamplingParams(temperature=0.0, max_tokens=p.get("max_tokens", max_tokens), **extra)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -120,6 +121,25 @@ def test_stop_token_ids(h: Harness) -> None:
     assert tokens(deltas) == [PARIS, PERIOD]
     assert deltas[-1].finish_reason == "stop"
     assert deltas[-1].stop_token_id == PERIOD
+
+
+def test_logit_bias_allowed_token_ids_and_min_p_steer_sampling(h: Harness) -> None:
+    """A -100 bias on greedy's answer makes the engine pick another token; a +100 bias on a
+    token makes it the answer; allowed_token_ids keeps every sampled token in the set; min_p
+    1.0 keeps only the most likely token, so it samples greedy's answer at temperature 1."""
+    greedy = SamplingSpec(temperature=0, max_tokens=1)
+    banned = h.run(
+        h.collect("bias-ban", PARIS_PROMPT, replace(greedy, logit_bias=((PARIS, -100),)))
+    )
+    assert tokens(banned) != [PARIS]
+    forced = h.run(h.collect("bias-up", PARIS_PROMPT, replace(greedy, logit_bias=((42, 100),))))
+    assert tokens(forced) == [42]
+    allowed = (PERIOD, 42, 1000)
+    spec = SamplingSpec(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                        allowed_token_ids=allowed)  # fmt: skip
+    assert set(tokens(h.run(h.collect("allowed", PARIS_PROMPT, spec)))) <= set(allowed)
+    spec = SamplingSpec(temperature=1.0, seed=5, max_tokens=1, min_p=1.0)
+    assert tokens(h.run(h.collect("min-p", PARIS_PROMPT, spec))) == [PARIS]
 
 
 def test_logprobs_top_k(h: Harness) -> None:

@@ -122,10 +122,13 @@ def test_sampling_parameters_reach_the_worker(client, router):
     client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0.25, top_p=0.5, seed=7, max_tokens=9,
         presence_penalty=0.5, frequency_penalty=-0.5,
-        extra_body={"top_k": 5, "repetition_penalty": 1.2, "stop_token_ids": [100],
-                    "min_tokens": 1, "ignore_eos": True},
+        logit_bias={"42": -100, "7": 3}, extra_body={
+            "top_k": 5, "repetition_penalty": 1.2, "stop_token_ids": [100], "min_tokens": 1,
+            "ignore_eos": True, "min_p": 0.25, "allowed_token_ids": [7, 9, 42]},
     )  # fmt: skip
     s = router.fake.requests[-1].sampling
+    assert (dict(s.logit_bias), s.min_p, list(s.allowed_token_ids)) == (
+        {42: -100.0, 7: 3.0}, 0.25, [7, 9, 42])  # fmt: skip
     assert (s.top_k, s.max_tokens, s.seed, s.min_tokens, s.ignore_eos) == (5, 9, 7, 1, True)
     assert list(s.stop_token_ids) == [100] and s.logprobs == -1
     assert (s.temperature, s.top_p, s.presence_penalty, s.frequency_penalty) == (

@@ -58,6 +58,13 @@ def test_all_fields_map_to_the_spec():
     assert completion(stop="\n").text.stop == ("\n",)
 
 
+def test_logit_bias_min_p_and_allowed_token_ids_map_to_the_spec():
+    req = completion(logit_bias={"7": -100, "3": 2.5}, min_p=0.05, allowed_token_ids=[9, 3, 9])
+    s = req.sampling
+    assert (s.logit_bias, s.min_p, s.allowed_token_ids) == (((3, 2.5), (7, -100.0)), 0.05, (9, 3))
+    assert (chat().sampling.logit_bias, chat().sampling.allowed_token_ids) == ((), ())
+
+
 def test_generation_config_defaults_apply_only_when_omitted():
     limits = ServingLimits(("m",), 100, 1000, {"temperature": 0.3, "top_k": 20})
     body = ChatCompletionRequest.model_validate({"messages": MSG})
@@ -93,6 +100,14 @@ BAD = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1000": 1}}, "logit_bias"),  # past the vocabulary
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+    ({"logit_bias": {"5": float("inf")}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, 1000]}, "allowed_token_ids"),
 ]
 
 

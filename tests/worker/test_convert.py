@@ -55,6 +55,9 @@ def test_proto_values_carry_over() -> None:
         ignore_eos=True,
         min_tokens=3,
         prior_output_tokens=4,
+        logit_bias={9: -100.0, 2: 1.5},
+        min_p=0.125,
+        allowed_token_ids=[9, 2, 40],
     )
     assert sampling_from_proto(p) == SamplingSpec(
         temperature=0.5,
@@ -70,6 +73,9 @@ def test_proto_values_carry_over() -> None:
         ignore_eos=True,
         min_tokens=3,
         prior_output_tokens=4,
+        logit_bias=((2, 1.5), (9, -100.0)),
+        min_p=0.125,
+        allowed_token_ids=(9, 2, 40),
     )
 
 
@@ -85,6 +91,11 @@ def test_proto_values_carry_over() -> None:
         (pb.SamplingParams(presence_penalty=3), "presence_penalty"),
         (pb.SamplingParams(repetition_penalty=-1), "repetition_penalty"),
         (pb.SamplingParams(stop_token_ids=[-5]), "stop_token_ids"),
+        (pb.SamplingParams(repetition_penalty=101), "repetition_penalty"),
+        (pb.SamplingParams(min_p=1.5), "min_p"),
+        (pb.SamplingParams(logit_bias={3: 200.0}), "logit_bias"),
+        (pb.SamplingParams(logit_bias={-3: 1.0}), "logit_bias"),
+        (pb.SamplingParams(allowed_token_ids=[-1]), "allowed_token_ids"),
     ],
 )
 def test_bad_sampling_is_invalid_request(params: pb.SamplingParams, param: str) -> None:

@@ -327,6 +327,9 @@ def request_to_proto(
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
         prior_output_tokens=s.prior_output_tokens,
+        logit_bias=dict(s.logit_bias),
+        min_p=s.min_p,
+        allowed_token_ids=list(s.allowed_token_ids),
     )
     if s.seed is not None:
         sampling.seed = s.seed

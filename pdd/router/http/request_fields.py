@@ -19,8 +19,8 @@ from pdd.router.types import Constraint
 # a request that sets one gets a 400 naming it. ``functions``/``function_call`` are OpenAI's
 # deprecated spelling of tools.
 UNSERVED_FIELDS = (
-    "guided_whitespace_pattern", "logit_bias",
-    "functions", "function_call", "min_p", "bad_words", "allowed_token_ids", "prompt_logprobs",
+    "guided_whitespace_pattern",
+    "functions", "function_call", "bad_words", "prompt_logprobs",
     "use_beam_search", "length_penalty", "truncate_prompt_tokens", "chat_template",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
     "logits_processors", "vllm_xargs", "prediction", "audio", "modalities", "web_search_options",
@@ -81,7 +81,7 @@ def check_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 def _is_plain(name: str, value: Any) -> bool:
     """Values of an unserved field that ask for nothing beyond the default."""
-    if name in ("logit_bias", "chat_template_kwargs"):
+    if name == "chat_template_kwargs":
         return value == {}
     if name in ("use_beam_search", "echo", "continue_final_message"):
         return value is False
@@ -89,8 +89,6 @@ def _is_plain(name: str, value: Any) -> bool:
         return value is True
     if name == "modalities":
         return value == ["text"]
-    if name == "min_p":
-        return value == 0
     if name == "length_penalty":
         return value == 1
     return False

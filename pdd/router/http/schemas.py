@@ -115,6 +115,13 @@ class SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = Field(None, description="Extension (vLLM).")
+    min_p: float | None = Field(None, description="Extension (vLLM): 0 disables.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="Extension (vLLM): sample only among these token ids."
+    )
     ignore_eos: bool = Field(False, description="Extension (vLLM).")
     include_stop_str_in_output: bool = Field(False, description="Extension (vLLM).")
     skip_special_tokens: bool = Field(True, description="Extension (vLLM).")

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from pdd.errors import ContextLengthError, InvalidRequestError, ModelError, ModelNotFoundError
-from pdd.protocol import HandoffMode, Pipeline
+from pdd.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    HandoffMode,
+    Pipeline,
+)
 from pdd.router.http.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -24,8 +30,6 @@ from pdd.router.types import GenerationRequest, SamplingSpec, ServingLimits, Tex
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
-MAX_REPETITION_PENALTY = 100.0  # vLLM has no bound; past this every token is suppressed anyway
-MAX_LOGPROBS = 20
 PIPELINE_OVERRIDES = {"auto": None, "p_md": Pipeline.P_MD, "p_rld_md": Pipeline.P_RLD_MD}
 KV_WAIT_OVERRIDES = {"in_generate": False, "await_first": True}  # -> await_kv_first
 HANDOFF_OVERRIDES = {
@@ -192,6 +196,9 @@ def _build(
         frequency_penalty=_float(body.frequency_penalty, 0.0, -2.0, 2.0, "frequency_penalty"),
         repetition_penalty=_repetition_penalty(body.repetition_penalty, limits),
         ignore_eos=body.ignore_eos,
+        min_p=_float(body.min_p, 0.0, 0.0, 1.0, "min_p"),
+        logit_bias=_logit_bias(body.logit_bias, limits),
+        allowed_token_ids=_allowed_token_ids(body.allowed_token_ids, limits),
     )
     if sampling.min_tokens > sampling.max_tokens:
         raise InvalidRequestError(
@@ -321,6 +328,35 @@ def _stop_token_ids(ids: list[int] | None, limits: ServingLimits) -> list[int]:
         return []
     check_token_ids(ids, limits, "stop_token_ids")
     return list(dict.fromkeys(ids))
+
+
+def _logit_bias(
+    bias: dict[str, float] | None, limits: ServingLimits
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) -> a bias in
+    [-100, 100]; sorted by token id."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        check_token_ids([token], limits, "logit_bias")
+        out[token] = _float(value, 0.0, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "logit_bias")
+    return tuple(sorted(out.items()))
+
+
+def _allowed_token_ids(ids: list[int] | None, limits: ServingLimits) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not ids:
+        raise InvalidRequestError(
+            "allowed_token_ids must name at least one token", param="allowed_token_ids"
+        )
+    check_token_ids(ids, limits, "allowed_token_ids")
+    return tuple(dict.fromkeys(ids))
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
