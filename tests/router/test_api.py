@@ -35,6 +35,52 @@ def test_models_list(client, router):
     assert raw["max_model_len"] == MAX_MODEL_LEN and raw["owned_by"] == "pdd"
 
 
+def test_models_retrieve(client, router):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.owned_by) == (MODEL, "pdd")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def root(router) -> str:
+    return router.url.removesuffix("/v1")
+
+
+def test_tokenize_gives_the_ids_a_request_would_send(client, router):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are the ones /v1/completions sends
+    the worker, a conversation's the ones /v1/chat/completions sends; detokenize inverts."""
+    script_text(router, "ok")
+    client.completions.create(model=MODEL, prompt=TEXT)
+    sent = list(router.fake.requests[-1].prompt_token_ids)
+    r = httpx.post(root(router) + "/tokenize", json={"model": MODEL, "prompt": TEXT}).json()
+    assert (r["tokens"], r["count"], r["max_model_len"]) == (sent, len(sent), MAX_MODEL_LEN)
+    assert r["token_strs"] is None
+    client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    sent = list(router.fake.requests[-1].prompt_token_ids)
+    r = httpx.post(root(router) + "/tokenize", json={"messages": MESSAGES}).json()
+    assert r["tokens"] == sent
+    bare = httpx.post(root(router) + "/tokenize", json={"messages": MESSAGES,
+                      "add_generation_prompt": False, "return_token_strs": True}).json()  # fmt: skip
+    assert sent[: bare["count"]] == bare["tokens"] and bare["count"] < len(sent)
+    assert len(bare["token_strs"]) == bare["count"] and bare["token_strs"][0] == "<|im_start|>"
+    r = httpx.post(root(router) + "/detokenize", json={"model": MODEL, "tokens": sent})
+    assert r.json()["prompt"] == router.codec.decode(sent, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+     ("/tokenize", {}, "prompt"),
+     ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, "model"),
+     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ x }}"}, "chat_template"),
+     ("/detokenize", {"tokens": [1, 10**9]}, "tokens")],
+)  # fmt: skip
+def test_tokenize_refuses_bad_input_naming_the_field(router, path, body, param):
+    r = httpx.post(root(router) + path, json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
 def test_chat_non_streaming_applies_template_and_counts_usage(client, router):
     ids = script_text(router, TEXT)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES)

@@ -161,6 +161,7 @@ def test_every_api_path_needs_a_valid_key(authed):
     assert_401(httpx.get(url + "/models", headers={"Authorization": "Basic " + KEY_A}),
                missing=True)  # fmt: skip
     assert_401(httpx.get(authed.root + "/debug/config"), missing=True)
+    assert_401(httpx.post(authed.root + "/tokenize", json={"prompt": "x"}), missing=True)
     assert_401(httpx.get(authed.root + "/no/such/path"), missing=True)  # deny by default
     big = b"x" * 100_000  # over max_body_bytes: still 401, the body is never read
     r = httpx.post(url + "/completions", content=big, headers={"content-type": "text/plain"})

@@ -11,7 +11,12 @@ import json
 from typing import Any
 
 from pdd.errors import InvalidRequestError
-from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from pdd.router.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+)
 from pdd.router.text.tool_prompt import ToolPlan, call_constraint
 from pdd.router.types import Constraint
 
@@ -27,7 +32,7 @@ UNSERVED_FIELDS = (
 )  # fmt: skip
 
 
-def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
+def tool_plan(body: ChatCompletionRequest | TokenizeRequest, parser: str | None) -> ToolPlan | None:
     """The request's tools and tool_choice, checked (400 naming the parameter); None: none."""
     choice = body.tool_choice
     if not body.tools:
@@ -70,7 +75,7 @@ def with_tool_call(structured: Constraint | None, plan: ToolPlan | None) -> Cons
     return forced
 
 
-def check_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
+def check_unserved(body: ChatCompletionRequest | CompletionRequest | TokenizeRequest) -> None:
     """400 for a field that would change the answer and is not served (never a silent drop).
     Other unknown fields (annotations such as ``metadata``, ``store``) are accepted."""
     extra = body.model_extra or {}

@@ -18,7 +18,7 @@ from dataclasses import replace
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdd.errors import PddError, WorkerError
+from pdd.errors import InvalidRequestError, PddError, WorkerError
 from pdd.observability.context import bind_request
 from pdd.protocol import new_request_id
 from pdd.router.debug import recent_view, request_view, workers_view
@@ -31,7 +31,12 @@ from pdd.router.http.request_fields import (
     with_tool_call,
 )
 from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
-from pdd.router.http.schemas import ChatCompletionRequest, CompletionRequest
+from pdd.router.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pdd.router.http.sse import (
     DONE,
     ClientDisconnected,
@@ -50,7 +55,7 @@ from pdd.router.http.validation import (
 )
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.state import RouterState
-from pdd.router.text.tool_prompt import prompt_ids
+from pdd.router.text.tool_prompt import prompt_ids, prompt_text
 from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
 
 router = APIRouter()
@@ -182,8 +187,19 @@ async def _sse(
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    """OpenAI's retrieve: the served model's card, or 404 model_not_found."""
     st = _state(request)
-    card = {
+    check_model(model, st.limits)
+    return JSONResponse(_model_card(st))
+
+
+def _model_card(st: RouterState) -> dict:
+    return {
         "id": st.model_name,
         "object": "model",
         "created": st.started_at,
@@ -191,7 +207,40 @@ async def list_models(request: Request) -> JSONResponse:
         "root": st.model_name,  # never the model's filesystem path
         "max_model_len": st.limits.max_model_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """vLLM's /tokenize: the token ids /v1/completions (``prompt``) or /v1/chat/completions
+    (``messages``) would send for the same input."""
+    st = _state(request)
+    check_model(body.model, st.limits)
+    check_unserved(body)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        messages = chat_messages(body.messages)
+        plan = tool_plan(body, st.cfg.model.tool_parser)
+        text = await asyncio.to_thread(
+            prompt_text, st.codec, messages, plan, add_generation_prompt=body.add_generation_prompt
+        )
+        special = bool(body.add_special_tokens)
+    else:
+        text, special = body.prompt, body.add_special_tokens is not False
+    ids = await asyncio.to_thread(st.codec.encode, text, add_special_tokens=special)
+    strs = st.codec.pieces(ids) if body.return_token_strs else None
+    return JSONResponse({"count": len(ids), "max_model_len": st.limits.max_model_len,
+                         "tokens": ids, "token_strs": strs})  # fmt: skip
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    """vLLM's /detokenize: the text of token ids (special tokens kept, as vLLM's)."""
+    st = _state(request)
+    check_model(body.model, st.limits)
+    check_token_ids(body.tokens, st.limits, "tokens")
+    text = await asyncio.to_thread(st.codec.decode, body.tokens, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})
 
 
 @router.get("/health")

@@ -151,3 +151,29 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: ``prompt`` (text, special tokens added by default) or
+    ``messages`` (rendered as /v1/chat/completions renders them, tools included)."""
+
+    model_config = ConfigDict(extra="allow")  # unserved fields get a 400 (request_fields)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = Field(
+        None, description="Default: true for prompt, false for messages (the template's own)."
+    )
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]

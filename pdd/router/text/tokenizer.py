@@ -111,6 +111,10 @@ class TextCodec:
         text = self.render_chat(messages, add_generation_prompt=True, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
+    def pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own string of each token (e.g. "Ġthe" in a byte-level BPE)."""
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (a byte-level token may be part of a character)."""
         piece = self._tok.id_to_token(token_id)

@@ -100,21 +100,28 @@ def call_constraint(plan: ToolPlan) -> Constraint | None:
     return Constraint("tool_call", json.dumps(alternatives), "tools")
 
 
-def prompt_text(codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None) -> str:
+def prompt_text(
+    codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None,
+    *, add_generation_prompt: bool = True,
+) -> str:  # fmt: skip
     """The whole prompt of a chat request: the rendered template, then the forced prefix."""
     native = codec.knows_tools
     tools = list(plan.tools) if plan is not None and native else None
     rendered = codec.render_chat(
-        template_messages(messages, plan, native=native), add_generation_prompt=True, tools=tools
+        template_messages(messages, plan, native=native),
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
     )
     return rendered + (plan.forced_prefix if plan is not None else "")
 
 
 def prompt_ids(
-    codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None
-) -> list[int]:
+    codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None,
+    *, add_generation_prompt: bool = True,
+) -> list[int]:  # fmt: skip
     """``prompt_text`` tokenized (the template carries its own special tokens)."""
-    return codec.encode(prompt_text(codec, messages, plan), add_special_tokens=False)
+    text = prompt_text(codec, messages, plan, add_generation_prompt=add_generation_prompt)
+    return codec.encode(text, add_special_tokens=False)
 
 
 def template_messages(
