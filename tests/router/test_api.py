@@ -68,6 +68,24 @@ def test_tokenize_gives_the_ids_a_request_would_send(client, router):
     assert r.json()["prompt"] == router.codec.decode(sent, skip_special_tokens=False)
 
 
+def test_an_answer_can_continue_the_assistants_message(client, router):
+    """vLLM's continue_final_message: the worker gets the conversation cut where the
+    assistant's message ends (no end of turn), as /tokenize shows it too."""
+    script_text(router, " red.")
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Hello! My favourite colour is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True,
+             "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, messages=prefill, extra_body=extra)
+    assert r.choices[0].message.content == " red."
+    sent = list(router.fake.requests[-1].prompt_token_ids)
+    assert router.codec.decode(sent).endswith("assistant\nHello! My favourite colour is")
+    shown = httpx.post(root(router) + "/tokenize", json={"messages": prefill, **extra}).json()
+    assert shown["tokens"] == sent
+    r = httpx.post(router.url + "/chat/completions", json={
+        "model": MODEL, "messages": prefill, "continue_final_message": True})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),

@@ -116,7 +116,9 @@ class ModelTokens(TokenModel):
         return tuple(self.codec.encode(atom, add_special_tokens=False))
 
     def _render(self, messages: list[dict[str, str]], gen: bool) -> list[int]:
-        text = self.codec.render_chat(messages, add_generation_prompt=gen)
+        from pdd.router.text.tokenizer import ChatOptions
+
+        text = self.codec.render_chat(messages, options=ChatOptions(add_generation_prompt=gen))
         return self.codec.encode(text, add_special_tokens=False)
 
     def message_overhead(self, role: str) -> tuple[int, int]:

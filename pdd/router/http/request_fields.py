@@ -13,10 +13,12 @@ from typing import Any
 from pdd.errors import InvalidRequestError
 from pdd.router.http.schemas import (
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     NamedToolChoice,
     TokenizeRequest,
 )
+from pdd.router.text.tokenizer import ChatOptions
 from pdd.router.text.tool_prompt import ToolPlan, call_constraint
 from pdd.router.types import Constraint
 
@@ -26,8 +28,7 @@ from pdd.router.types import Constraint
 UNSERVED_FIELDS = (
     "guided_whitespace_pattern",
     "functions", "function_call", "bad_words", "prompt_logprobs",
-    "use_beam_search", "length_penalty", "truncate_prompt_tokens", "chat_template",
-    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
+    "use_beam_search", "length_penalty", "truncate_prompt_tokens", "chat_template", "documents",
     "logits_processors", "vllm_xargs", "prediction", "audio", "modalities", "web_search_options",
 )  # fmt: skip
 
@@ -61,6 +62,15 @@ def tool_plan(body: ChatCompletionRequest | TokenizeRequest, parser: str | None)
     return ToolPlan(parser, tools, chosen, parallel=body.parallel_tool_calls)
 
 
+def chat_options(body: ChatTemplateFields) -> ChatOptions:
+    """How the request's conversation becomes its prompt (400 for a bad combination)."""
+    return ChatOptions(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs or {},
+    )
+
+
 def with_tool_call(structured: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
     """The request's constraint once tools are known: a forced call (tool_choice required or
     a named function) is constrained to its tools' schemas; with another constraint too, 400."""
@@ -86,12 +96,8 @@ def check_unserved(body: ChatCompletionRequest | CompletionRequest | TokenizeReq
 
 def _is_plain(name: str, value: Any) -> bool:
     """Values of an unserved field that ask for nothing beyond the default."""
-    if name == "chat_template_kwargs":
-        return value == {}
-    if name in ("use_beam_search", "echo", "continue_final_message"):
+    if name == "use_beam_search":
         return value is False
-    if name == "add_generation_prompt":
-        return value is True
     if name == "modalities":
         return value == ["text"]
     if name == "length_penalty":

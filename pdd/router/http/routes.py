@@ -25,6 +25,7 @@ from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
 from pdd.router.http.errors import pdd_error_body
 from pdd.router.http.request_fields import (
+    chat_options,
     check_unserved,
     constraint,
     tool_plan,
@@ -81,7 +82,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = chat_messages(body.messages)
     plan = tool_plan(body, st.cfg.model.tool_parser)
     structured = with_tool_call(structured, plan)
-    prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan)
+    options = chat_options(body)
+    prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan, options)
     rid = new_request_id("chatcmpl")
     req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
     req = replace(req, constraint=structured)
@@ -221,9 +223,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         messages = chat_messages(body.messages)
         plan = tool_plan(body, st.cfg.model.tool_parser)
-        text = await asyncio.to_thread(
-            prompt_text, st.codec, messages, plan, add_generation_prompt=body.add_generation_prompt
-        )
+        text = await asyncio.to_thread(prompt_text, st.codec, messages, plan, chat_options(body))
         special = bool(body.add_special_tokens)
     else:
         text, special = body.prompt, body.add_special_tokens is not False

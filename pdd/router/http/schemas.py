@@ -129,7 +129,19 @@ class SamplingFields(_Body):
     user: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Body):
+    """vLLM's chat-template extras (``tokenizer.ChatOptions``)."""
+
+    add_generation_prompt: bool = Field(True, description="Extension (vLLM).")
+    continue_final_message: bool = Field(
+        False, description="Extension (vLLM): the answer continues the last (assistant) message."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM): more variables for the chat template."
+    )
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     # Unknown keys are kept (``model_extra``) so validation can refuse the ones that would
     # change the answer and that pdd does not serve (``request_fields.UNSERVED_FIELDS``).
     model_config = ConfigDict(extra="allow")
@@ -153,7 +165,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's ``/tokenize``: ``prompt`` (text, special tokens added by default) or
     ``messages`` (rendered as /v1/chat/completions renders them, tools included)."""
 
@@ -165,7 +177,6 @@ class TokenizeRequest(_Body):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
     add_special_tokens: bool | None = Field(
         None, description="Default: true for prompt, false for messages (the template's own)."
     )

@@ -13,7 +13,8 @@ renders and encodes prompts in a worker thread (``asyncio.to_thread``).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +28,42 @@ from tokenizers import Tokenizer
 from pdd.errors import InvalidRequestError, ModelError
 
 REPLACEMENT_CHAR = "\ufffd"
+# What the template renders from the request itself; chat_template_kwargs may not set these.
+RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token",
+     "pad_token", "raise_exception", "strftime_now"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation becomes a prompt (vLLM's chat request extras).
+
+    ``add_generation_prompt``: open the assistant's turn; ``continue_final_message``: the
+    prompt ends inside the last message (an assistant's), which the answer continues;
+    ``template_kwargs``: more variables for the template (e.g. ``enable_thinking``).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message cannot be combined with add_generation_prompt (set it "
+                "to false)",
+                param="continue_final_message",
+            )
+        reserved = sorted(RESERVED_TEMPLATE_VARS & set(self.template_kwargs))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
+
+
+CHAT_DEFAULTS = ChatOptions()  # a chat completion's: the assistant's turn opened
 
 
 class TextCodec:
@@ -82,24 +119,36 @@ class TextCodec:
         self,
         messages: list[dict[str, Any]],
         *,
-        add_generation_prompt: bool,
+        options: ChatOptions = CHAT_DEFAULTS,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Apply the chat template (``tools`` as transformers passes them: None when there are
-        none). A template error is the client's (400)."""
+        none). With ``continue_final_message`` the text ends where the last message's content
+        does, as vLLM cuts it. A template error is the client's (400)."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
             )
         try:
-            return self._template.render(
+            text = self._template.render(
+                **options.template_kwargs,
                 messages=messages,
                 tools=tools,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=options.add_generation_prompt,
                 **self._special,
             )
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. str + None
             raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
+        if not options.continue_final_message:
+            return text
+        final = messages[-1]
+        cut = text.rfind(final["content"]) if final["content"] else -1
+        if final["role"] != "assistant" or cut < 0:
+            raise InvalidRequestError(
+                "continue_final_message needs the last message to be the assistant's, with content",
+                param="continue_final_message",
+            )
+        return text[: cut + len(final["content"])]
 
     def encode_chat(
         self,
@@ -108,7 +157,7 @@ class TextCodec:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render with the generation prompt and tokenize (the template adds special tokens)."""
-        text = self.render_chat(messages, add_generation_prompt=True, tools=tools)
+        text = self.render_chat(messages, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:

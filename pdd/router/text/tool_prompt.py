@@ -33,7 +33,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdd.router.text.tokenizer import TextCodec
+from pdd.errors import InvalidRequestError
+from pdd.router.text.tokenizer import CHAT_DEFAULTS, ChatOptions, TextCodec
 from pdd.router.types import Constraint
 
 HERMES_INSTRUCTIONS = (
@@ -102,26 +103,30 @@ def call_constraint(plan: ToolPlan) -> Constraint | None:
 
 def prompt_text(
     codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None,
-    *, add_generation_prompt: bool = True,
+    options: ChatOptions = CHAT_DEFAULTS,
 ) -> str:  # fmt: skip
     """The whole prompt of a chat request: the rendered template, then the forced prefix."""
     native = codec.knows_tools
     tools = list(plan.tools) if plan is not None and native else None
+    forced = plan.forced_prefix if plan is not None else ""
+    if forced and not options.add_generation_prompt:
+        raise InvalidRequestError(
+            f"tool_choice {plan.choice!r} opens a tool call after the generation prompt; it "
+            "needs add_generation_prompt true",
+            param="tool_choice",
+        )
     rendered = codec.render_chat(
-        template_messages(messages, plan, native=native),
-        add_generation_prompt=add_generation_prompt,
-        tools=tools,
+        template_messages(messages, plan, native=native), options=options, tools=tools
     )
-    return rendered + (plan.forced_prefix if plan is not None else "")
+    return rendered + forced
 
 
 def prompt_ids(
     codec: TextCodec, messages: list[dict[str, Any]], plan: ToolPlan | None,
-    *, add_generation_prompt: bool = True,
+    options: ChatOptions = CHAT_DEFAULTS,
 ) -> list[int]:  # fmt: skip
     """``prompt_text`` tokenized (the template carries its own special tokens)."""
-    text = prompt_text(codec, messages, plan, add_generation_prompt=add_generation_prompt)
-    return codec.encode(text, add_special_tokens=False)
+    return codec.encode(prompt_text(codec, messages, plan, options), add_special_tokens=False)
 
 
 def template_messages(
