@@ -27,9 +27,9 @@ class ConstraintSpec:
     ``spec``: a JSON schema (JSON text), a regex, a JSON list of choices, an EBNF or Lark
     grammar, "" for ``json_object``; for ``tool_call`` a JSON list of ``{"prefix", "schema",
     "suffix"}`` (one alternative per tool: literal text, the arguments' JSON schema, literal
-    text), the continuation of a forced tool-call opening. ``resume``: the tokens already emitted under the constraint (the
-    client's text so far; the request's prompt ends with them). ``param``: the request field
-    it came from, named in a 400.
+    text), the continuation of a forced tool-call opening. ``resume``: the tokens already
+    emitted under the constraint (the client's text so far; the request's prompt ends with
+    them). ``param``: the request field it came from, named in a 400.
     """
 
     kind: str

@@ -706,10 +706,11 @@ def _assert_equal(router, hints: dict, some: list, oracle: list, codec) -> None:
 def test_a_lossless_wan_codec_equals_single_engine(served, codec, prompts, oracle, tmp_path):
     """A P whose KV crosses to MD zstd-coded (transfer.wan_codec): p_md's greedy text
     equals one engine's on every prompt of the suite, fewer bytes cross than P's raw KV (P's
-    counters of what was acknowledged and what went on the wire), and MD refuses no chunk. The requests carry a tenant of their own (an API key of tenant
-    codec-NAME), so every prompt is new to MD's DRC and P sends every whole block. One lossless
-    codec here (a P worker and the suite's prompts take ~70 s): lz4, and every codec on each
-    transport, are byte-exact in tests/transfer/test_contract.py."""
+    counters of what was acknowledged and what went on the wire), and MD refuses no chunk.
+    The requests carry a tenant of their own (an API key of tenant codec-NAME), so every
+    prompt is new to MD's DRC and P sends every whole block. One lossless codec here (a P
+    worker and the suite's prompts take ~70 s): lz4, and every codec on each transport, are
+    byte-exact in tests/transfer/test_contract.py."""
     wan_codec = "zstd"
     keys = tmp_path / "keys"
     keys.write_text(f"sk-{wan_codec} tenant=codec-{wan_codec} admin\n")

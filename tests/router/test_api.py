@@ -60,8 +60,8 @@ def test_tokenize_gives_the_ids_a_request_would_send(client, router):
     sent = list(router.fake.requests[-1].prompt_token_ids)
     r = httpx.post(root(router) + "/tokenize", json={"messages": MESSAGES}).json()
     assert r["tokens"] == sent
-    bare = httpx.post(root(router) + "/tokenize", json={"messages": MESSAGES,
-                      "add_generation_prompt": False, "return_token_strs": True}).json()  # fmt: skip
+    ask = {"messages": MESSAGES, "add_generation_prompt": False, "return_token_strs": True}
+    bare = httpx.post(root(router) + "/tokenize", json=ask).json()
     assert sent[: bare["count"]] == bare["tokens"] and bare["count"] < len(sent)
     assert len(bare["token_strs"]) == bare["count"] and bare["token_strs"][0] == "<|im_start|>"
     r = httpx.post(root(router) + "/detokenize", json={"model": MODEL, "tokens": sent})
