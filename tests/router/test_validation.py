@@ -65,6 +65,16 @@ def test_logit_bias_min_p_and_allowed_token_ids_map_to_the_spec():
     assert (chat().sampling.logit_bias, chat().sampling.allowed_token_ids) == ((), ())
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end():
+    req = completion(prompt_len=30, truncate_prompt_tokens=8)
+    assert req.prompt_token_ids == tuple(range(22, 30))
+    assert req.sampling.max_tokens == 100 - 8  # the context left after the kept tokens
+    # -1: as much as the context holds (vLLM's): which leaves no room for a completion
+    with pytest.raises(ContextLengthError):
+        completion(prompt_len=150, truncate_prompt_tokens=-1)
+    assert chat(prompt_len=150, truncate_prompt_tokens=60).prompt_token_ids[0] == 90
+
+
 def test_generation_config_defaults_apply_only_when_omitted():
     limits = ServingLimits(("m",), 100, 1000, {"temperature": 0.3, "top_k": 20})
     body = ChatCompletionRequest.model_validate({"messages": MSG})
@@ -108,6 +118,9 @@ BAD = [
     ({"logit_bias": {"5": float("inf")}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [3, 1000]}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 101}, "truncate_prompt_tokens"),  # past max_model_len
 ]
 
 

@@ -28,7 +28,7 @@ from pdd.router.types import Constraint
 UNSERVED_FIELDS = (
     "guided_whitespace_pattern",
     "functions", "function_call", "bad_words", "prompt_logprobs",
-    "use_beam_search", "length_penalty", "truncate_prompt_tokens", "chat_template", "documents",
+    "use_beam_search", "length_penalty", "chat_template", "documents",
     "logits_processors", "vllm_xargs", "prediction", "audio", "modalities", "web_search_options",
 )  # fmt: skip
 

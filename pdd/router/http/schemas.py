@@ -123,6 +123,11 @@ class SamplingFields(_Body):
         None, description="Extension (vLLM): sample only among these token ids."
     )
     ignore_eos: bool = Field(False, description="Extension (vLLM).")
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        description="Extension (vLLM): keep only the prompt's last N tokens (-1: as many "
+        "as max_model_len holds).",
+    )
     include_stop_str_in_output: bool = Field(False, description="Extension (vLLM).")
     skip_special_tokens: bool = Field(True, description="Extension (vLLM).")
     pdd: PddOptions | None = Field(None, description="Extension (pdd): routing overrides.")

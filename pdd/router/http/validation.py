@@ -179,6 +179,7 @@ def _build(
     max_tokens: tuple[int | None, str],
 ) -> GenerationRequest:
     _check_stream(body)
+    prompt_ids = _truncated(prompt_ids, body.truncate_prompt_tokens, limits)
     sampling = SamplingSpec(
         max_tokens=_max_tokens(max_tokens, len(prompt_ids), limits, _prompt_word(body)),
         temperature=_float(
@@ -328,6 +329,22 @@ def _stop_token_ids(ids: list[int] | None, limits: ServingLimits) -> list[int]:
         return []
     check_token_ids(ids, limits, "stop_token_ids")
     return list(dict.fromkeys(ids))
+
+
+def _truncated(prompt_ids: list[int], keep: int | None, limits: ServingLimits) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as
+    the context holds)."""
+    if keep is None:
+        return prompt_ids
+    limit = limits.max_model_len
+    if keep == -1:
+        keep = limit
+    if not 1 <= keep <= limit:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be -1 or in [1, {limit}] (max_model_len), got {keep}",
+            param="truncate_prompt_tokens",
+        )
+    return prompt_ids[-keep:]
 
 
 def _logit_bias(
