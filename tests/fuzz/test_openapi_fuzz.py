@@ -30,7 +30,7 @@ MAX_EXAMPLES = 100
 BUDGET_S = 40.0
 MODEL = "SmolLM2-135M-Instruct"
 OPERATIONS = sorted(
-    (method, route.path)
+    (method, route.path_format)  # as OpenAPI writes it: "{model:path}" is "{model}"
     for route in api_routes.routes
     for method in route.methods  # type: ignore[attr-defined]
 )  # every endpoint the router defines, including ones added later
