@@ -386,6 +386,7 @@ def read_prefix(prefix: bytes) -> tuple[FrameKind, int]:
 
 
 def unpack_prefix(prefix: bytes) -> FrameKind:
+    """A frame's kind alone (the UCX sender reading its acks, where no sender_reads applies)."""
     return read_prefix(prefix)[0]
 
 
