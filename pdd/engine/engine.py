@@ -371,7 +371,7 @@ class Engine:
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
                 if out is not STREAM_FINISHED:
-                    delta = _to_delta(out, sampling.logprobs)
+                    delta = _to_delta(out, sampling)
                     if first:
                         first = False
                         self._observe_prefill(delta, time.monotonic() - started)
@@ -479,6 +479,7 @@ class Engine:
                 stop_token_ids=stop_ids,
                 seed=s.seed,
                 logprobs=s.logprobs,
+                prompt_logprobs=s.prompt_logprobs,
                 presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty,
                 repetition_penalty=s.repetition_penalty,
@@ -567,7 +568,7 @@ class EngineSession:
                 out = queue.get_nowait() or await queue.get()
                 if out is STREAM_FINISHED:
                     raise WorkerError(f"session {self.request_id} ended by the engine")
-                delta = _to_delta(out, sampling.logprobs)
+                delta = _to_delta(out, sampling)
                 done = delta.finish_reason is not None
                 yield delta
             if delta.finish_reason == "abort":
@@ -723,7 +724,7 @@ def _eos_ids(llm: AsyncLLM) -> tuple[int, ...]:
     return (eos,) if isinstance(eos, int) else tuple(eos)
 
 
-def _to_delta(out: RequestOutput, want_logprobs: int | None) -> EngineDelta:
+def _to_delta(out: RequestOutput, sampling: SamplingSpec) -> EngineDelta:
     comp = out.outputs[0]
     token_ids = tuple(comp.token_ids)
     finish = comp.finish_reason
@@ -731,10 +732,20 @@ def _to_delta(out: RequestOutput, want_logprobs: int | None) -> EngineDelta:
         raise PddError(f"unexpected finish reason {finish!r} from vLLM")
     stop_token_id = token_ids[-1] if finish == "stop" and token_ids else None
     logprobs = None
-    if want_logprobs is not None and comp.logprobs is not None:
+    if sampling.logprobs is not None and comp.logprobs is not None:
         logprobs = tuple(
-            _token_logprob(tid, pos, want_logprobs)
+            _token_logprob(tid, pos, sampling.logprobs)
             for tid, pos in zip(token_ids, comp.logprobs, strict=True)
+        )
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    if sampling.prompt_logprobs is not None and out.prompt_logprobs:
+        # whole, on the first output (vLLM's engine core sends no partial prefill); the
+        # first prompt token has none (None)
+        prompt = out.prompt_token_ids or ()
+        prompt_logprobs = tuple(
+            _token_logprob(tid, pos, sampling.prompt_logprobs)
+            for tid, pos in zip(prompt, out.prompt_logprobs, strict=True)
+            if pos is not None
         )
     return EngineDelta(
         token_ids=token_ids,
@@ -744,13 +755,15 @@ def _to_delta(out: RequestOutput, want_logprobs: int | None) -> EngineDelta:
         num_prompt_tokens=len(out.prompt_token_ids or ()),
         num_cached_tokens=out.num_cached_tokens or 0,
         kv_transfer_params=out.kv_transfer_params,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
 def _token_logprob(token_id: int, position: Any, k: int) -> TokenLogprob:
-    """``position`` maps token id -> Logprob(logprob, rank) for the sampled token + top-k."""
+    """``position`` maps token id -> Logprob(logprob, rank) for the token + top-k."""
     top = sorted(
         (TopLogprob(tid, lp.logprob) for tid, lp in position.items() if lp.rank and lp.rank <= k),
         key=lambda t: -t.logprob,
     )
-    return TokenLogprob(token_id, position[token_id].logprob, tuple(top[:k]))
+    own = position[token_id]
+    return TokenLogprob(token_id, own.logprob, tuple(top[:k]), own.rank or 0)

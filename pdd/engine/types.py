@@ -43,6 +43,8 @@ class SamplingSpec:
     """How to sample one request. Validated on construction (InvalidRequestError on bad input).
 
     ``logprobs``: None for none, 0 for the sampled token only, k for k alternatives too.
+    ``prompt_logprobs``: the same for every prompt token after the first (vLLM computes the
+    whole prompt then: no prefix-cache hit).
     ``max_tokens``: None means up to the end of the context.
     """
 
@@ -63,6 +65,7 @@ class SamplingSpec:
     min_p: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # (): every token
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -80,6 +83,11 @@ class SamplingSpec:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
+                f"must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
                 f"must be between 0 and {MAX_LOGPROBS}",
             ),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
@@ -115,11 +123,13 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token's logprob and, when asked for, the top-k alternatives (best first)."""
+    """A token's logprob and, when asked for, the top-k alternatives (best first). ``rank``:
+    its rank in that step's distribution (1: the most likely; 0: unknown)."""
 
     token_id: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,7 @@ class EngineDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (the first delta)
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ output. ``OutputDelta`` is what the API layer formats into OpenAI chunks and res
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdd.protocol import HandoffMode, Pipeline
 
@@ -35,15 +35,23 @@ class SamplingSpec:
     min_p: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by id
     allowed_token_ids: tuple[int, ...] = ()  # (): every token
+    # the prompt's tokens after the first, as ``logprobs``; only P (or the colocated worker)
+    # computes them (``EmittedStream.continuation`` asks no other tier)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TextOptions:
-    """How the router turns tokens into text (workers never see these)."""
+    """How the router turns tokens into text (workers never see these). ``echo``: the
+    prompt's text, put before the completion (completions' ``echo``); ``echo_only``: the
+    completion itself is not shown (``echo`` with ``max_tokens`` 0: one token is generated, as
+    vLLM does, and dropped)."""
 
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    echo: str | None = None
+    echo_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +97,13 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """Logprob of one sampled token, with the top alternatives when requested."""
+    """Logprob of one token, with the top alternatives when requested; ``rank``: its rank in
+    that step's distribution (1: the most likely; 0: unknown)."""
 
     token_id: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +122,7 @@ class TokenEvent:
     stop_token_id: int | None = None
     worker_id: str = ""
     kv_staged_blocks: int = 0  # P with kv_stage: whole prompt blocks staged (last event)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (first event, if asked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +155,25 @@ class SessionRef:
 
 @dataclass(frozen=True, slots=True)
 class LogprobText:
-    """One token's logprob with its text, ready for OpenAI's logprob shapes."""
+    """One token's logprob with its text, ready for OpenAI's (and vLLM's) logprob shapes.
+    ``logprob`` is None only for an echoed prompt's first token (nothing precedes it)."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float | None
+    text_offset: int  # character offset of the token's text in the response's text
+    top: tuple[TopText, ...] = ()
+    token_id: int = -1
+    rank: int = 0  # in its step's distribution (1: the most likely; 0: unknown)
+
+
+class TopText(NamedTuple):
+    """One top alternative of a ``LogprobText`` (its rank: its place in ``top``, from 1)."""
 
     token: str
     token_bytes: bytes
     logprob: float
-    text_offset: int  # character offset of the token's text in the completion text
-    top: tuple[tuple[str, bytes, float], ...] = ()
+    token_id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +197,7 @@ class OutputDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     pdd: PddSummary | None = None  # on the first and the last delta of a request
+    prompt_logprobs: tuple[LogprobText, ...] | None = None  # the first delta, when asked
 
 
 @dataclass(frozen=True, slots=True)

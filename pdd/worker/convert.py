@@ -9,7 +9,13 @@ context. Temperature 0 is greedy. ``logprobs`` -1 (or any negative) means none.
 from __future__ import annotations
 
 from pdd.cache.messages import DrcSnapshot
-from pdd.engine.types import ConstraintSpec, EngineDelta, EngineStats, SamplingSpec
+from pdd.engine.types import (
+    ConstraintSpec,
+    EngineDelta,
+    EngineStats,
+    SamplingSpec,
+    TokenLogprob,
+)
 from pdd.proto import worker_pb2 as pb
 from pdd.worker.roles import (
     AwaitKvCall,
@@ -64,6 +70,7 @@ def sampling_from_proto(
         min_p=p.min_p,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         allowed_token_ids=tuple(p.allowed_token_ids),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -77,15 +84,16 @@ def delta_to_proto(d: EngineDelta, first: bool) -> pb.GenerateResponse:
     if first:
         resp.num_prompt_tokens = d.num_prompt_tokens
         resp.num_cached_tokens = d.num_cached_tokens
-    for lp in d.logprobs or ():
-        resp.logprobs.append(
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
-            )
-        )
+    resp.logprobs.extend(_logprob_to_proto(lp) for lp in d.logprobs or ())
+    resp.prompt_logprobs.extend(_logprob_to_proto(lp) for lp in d.prompt_logprobs)
     return resp
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+    )  # fmt: skip
 
 
 def call_from_proto(req: pb.GenerateRequest, spec: SamplingSpec) -> GenerateCall:

@@ -204,6 +204,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"worker {self._worker.id} (role {self.role}) cannot serve {feature}",
                 )
+        if spec.prompt_logprobs is not None and (call.kv_in is not None or call.session):
+            raise InvalidRequestError(
+                "prompt_logprobs needs the whole prompt computed here: not with kv_in or a "
+                "session", param="prompt_logprobs",
+            )  # fmt: skip
         self._engine.validate(call.prompt, spec)
         self._check_queue()
         return call

@@ -97,9 +97,17 @@ def oracles(codec, prompts):
     runs = [{"prompt_token_ids": p} for p in prompts]
     runs += [{"prompt_token_ids": chat(q), "json_schema": schema, **long} for q, schema in SCHEMAS]
     runs += [{"prompt_token_ids": chat(q), "sampling": s, **long} for q, s in sampled(codec)]
+    logprobs = {"prompt_logprobs": 1, "logprobs": 1}
+    runs += [{"prompt_token_ids": p, "sampling": logprobs} for p in echoed(prompts)]
     out = run_oracle(runs, DTYPE, MAX_TOKENS)
     n, k = len(prompts), len(prompts) + len(SCHEMAS)
-    return {"plain": out[:n], "schema": out[n:k], "sampled": out[k:]}
+    e = k + len(sampled(codec))
+    return {"plain": out[:n], "schema": out[n:k], "sampled": out[k:e], "echo": out[e:]}
+
+
+def echoed(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts of the echo test: a chat question and a ~200-token document."""
+    return [prompts[0], prompts[len(QUESTIONS) + len(RAW)]]
 
 
 @pytest.fixture(scope="module")
@@ -1149,6 +1157,36 @@ def test_penalties_and_logit_bias_hold_on_every_tier(served, codec, oracles, var
         assert r.json()["choices"][0]["message"]["content"] == want["text"], r.json()["pdd"]
         banned = {int(t) for t in settings.get("logit_bias", {})}
         assert not banned & set(want["token_ids"])
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "pd_wan"])
+def test_echo_and_prompt_logprobs_equal_one_engines(
+    served, baselines, codec, prompts, oracles, variant
+):
+    """lm-eval's loglikelihood request (a completion with echo, logprobs, temperature 0) on
+    every pipeline: the echoed prompt's logprobs are P's (it computes the whole prompt for
+    them, its prefix cache unread) and equal one engine's (float32, within 1e-3), the answer
+    after them too; vLLM's prompt_logprobs carry the same values."""
+    url = baselines["pd_wan"] if variant == "pd_wan" else served.url
+    pdd = {} if variant == "pd_wan" else {"pdd": VARIANTS[variant]}
+    model = load_config(CONFIG).model.name
+    for ids, want in zip(echoed(prompts), oracles["echo"], strict=True):
+        body = {"model": model, "prompt": ids, "echo": True, "logprobs": 1, "temperature": 0,
+                "max_tokens": MAX_TOKENS, **pdd}  # fmt: skip
+        r = httpx.post(f"{url}/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        choice, n = r.json()["choices"][0], len(ids)
+        assert choice["text"] == codec.decode(ids, skip_special_tokens=False) + want["text"]
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == n + len(want["token_ids"])
+        assert got[1:n] == pytest.approx(want["prompt_logprobs"], abs=1e-3)
+        assert got[n:] == pytest.approx(want["logprobs"], abs=1e-3)
+        body = {"model": model, "prompt": ids, "prompt_logprobs": 0, "max_tokens": 2, **pdd}
+        r = httpx.post(f"{url}/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        positions = r.json()["choices"][0]["prompt_logprobs"]
+        own = [p[str(t)]["logprob"] for p, t in zip(positions[1:], ids[1:], strict=True)]
+        assert positions[0] is None and own == pytest.approx(want["prompt_logprobs"], abs=1e-3)
 
 
 def test_a_seeded_request_is_reproducible_on_p_md(served):

@@ -11,7 +11,9 @@ backend), "sampling": {"frequency_penalty": ...} (more vLLM SamplingParams; logi
 strings, as in JSON) and "max_tokens": N
 (instead of MAX_TOKENS);
 the last stdout line is ORACLE_JSON: followed by
-[{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order.
+[{"prompt_token_ids": [...], "token_ids": [...], "text": "..."}] in the same order, with
+"prompt_logprobs": [logprob of each prompt token after the first] and "logprobs": [logprob of
+each generated token] where "sampling" asked for them.
 """
 
 import json
@@ -60,18 +62,21 @@ def main() -> None:
         else:
             runs.append(({"prompt_token_ids": p} if isinstance(p, list) else p, params({})))
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in runs]
+
+    def result(o) -> dict:
+        out = o.outputs[0]
+        r = {"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(out.token_ids),
+             "text": out.text}  # fmt: skip
+        if o.prompt_logprobs is not None:
+            pairs = zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)
+            r["prompt_logprobs"] = [pos[t].logprob for t, pos in pairs]
+        if out.logprobs is not None:
+            pairs = zip(out.token_ids, out.logprobs, strict=True)
+            r["logprobs"] = [pos[t].logprob for t, pos in pairs]
+        return r
+
     sys.stdout.write("\nORACLE_JSON:")
-    json.dump(
-        [
-            {
-                "prompt_token_ids": list(o.prompt_token_ids),
-                "token_ids": list(o.outputs[0].token_ids),
-                "text": o.outputs[0].text,
-            }
-            for o in outs
-        ],
-        sys.stdout,
-    )
+    json.dump([result(o) for o in outs], sys.stdout)
     sys.stdout.write("\n")
 
 

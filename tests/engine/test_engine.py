@@ -157,6 +157,25 @@ def test_logprobs_top_k(h: Harness) -> None:
     assert all(d.logprobs is None for d in none)
 
 
+def test_prompt_logprobs_cover_the_prompt_even_when_its_prefix_is_cached(h: Harness) -> None:
+    """prompt_logprobs come whole with the first delta, one per prompt token after the first;
+    the prompt's next token is the one greedy answers after it (rank 1 there). Asked again,
+    the prompt (now in the prefix cache) is computed whole, so the answer is the same."""
+    prompt = [*PARIS_PROMPT, PARIS]
+    spec = SamplingSpec(temperature=0, max_tokens=1, prompt_logprobs=2)
+    runs = [h.run(h.collect(f"prompt-logprobs-{i}", prompt, spec)) for i in range(2)]
+    for deltas in runs:
+        first = deltas[0].prompt_logprobs
+        assert [lp.token_id for lp in first] == prompt[1:]
+        assert all(len(lp.top) == 2 and lp.rank >= 1 and lp.logprob <= 0 for lp in first)
+        assert first[-1].rank == 1 and first[-1].top[0].token_id == PARIS
+        assert all(d.prompt_logprobs == () for d in deltas[1:])
+    assert runs[1][0].prompt_logprobs == runs[0][0].prompt_logprobs
+    assert runs[1][0].num_cached_tokens == 0  # vLLM reads no prefix cache for them
+    none = h.run(h.collect("no-prompt-logprobs", prompt, GREEDY))
+    assert none[0].prompt_logprobs == ()
+
+
 def test_abort_ends_the_stream_and_frees_the_slot(h: Harness) -> None:
     async def scenario() -> list[EngineDelta]:
         spec = SamplingSpec(temperature=0, max_tokens=2000, ignore_eos=True)

@@ -163,6 +163,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     def _continuation_start(self, request, script: Script) -> int | None:
         """Output position this Generate continues from; None if its prompt is wrong."""
+        if request.HasField("kv_in") and request.sampling.HasField("prompt_logprobs"):
+            # a real worker refuses it: it would load the prompt's KV, not compute it
+            self.violations.append(f"{request.request_id}: prompt_logprobs with kv_in")
         if not request.HasField("kv_in") or self.kv is None:
             return 0
         original = self.kv.plane.prompts.get(request.kv_in.kv_request_id)
@@ -227,6 +230,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     for r in range(k)
                 ]
                 logprobs.append(worker_pb2.TokenLogprob(token_id=t, logprob=-0.5, top=top))
+        prompt_logprobs = []
+        if first and request.sampling.HasField("prompt_logprobs"):  # -1.0 each, rank 2
+            k = request.sampling.prompt_logprobs
+            for t in request.prompt_token_ids[1:]:
+                top = [worker_pb2.TopLogprob(token_id=(t + r + 1) % 49152, logprob=-0.5 - r)
+                       for r in range(k)]  # fmt: skip
+                prompt_logprobs.append(
+                    worker_pb2.TokenLogprob(token_id=t, logprob=-1.0, top=top, rank=2)
+                )
         staged = 0
         if finish and request.kv_stage and self.kv is not None:
             staged = self.kv.stage(request.request_id, list(request.prompt_token_ids))
@@ -238,6 +250,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             num_cached_tokens=self.script.cached_tokens if first else 0,
             stop_token_id=stop_id,
             kv_staged_blocks=staged,
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def Abort(self, request, context):  # noqa: N802

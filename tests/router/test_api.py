@@ -138,6 +138,20 @@ def test_chat_streaming_with_usage(client, router):
     assert last.usage.prompt_tokens == len(router.codec.encode_chat(MESSAGES))
 
 
+def test_continuous_usage_stats_count_the_tokens_sent_so_far(client, router):
+    """vLLM's ``continuous_usage_stats``: every chunk's usage counts the tokens its choices
+    have shown so far; the last usage chunk is the request's, as without it."""
+    ids = script_text(router, TEXT, tokens_per_step=2)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in ((client.chat.completions.create, {"messages": MESSAGES}),
+                       (client.completions.create, {"prompt": "x"})):  # fmt: skip
+        chunks = list(create(model=MODEL, stream=True, stream_options=options, **kw))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == len(ids)
+        assert counts[-2] == len(ids)  # the finishing chunk has counted every token
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
 def test_stream_without_usage_ends_with_done(router):
     script_text(router, "ok")
     body = {"model": MODEL, "messages": MESSAGES, "stream": True}
@@ -345,3 +359,45 @@ def test_colocated_refuses_pdd_pipeline_overrides(router, pipeline):
     body["pdd"] = {"pipeline": "auto", "handoff": "auto"}
     script_text(router, "ok")
     assert httpx.post(router.url + "/completions", json=body).status_code == 200
+
+
+def test_completion_echo_and_prompt_logprobs_shapes(client, router):
+    """vLLM's shapes: ``echo`` puts the prompt (text, then logprob entries, the first None)
+    before the completion; ``prompt_logprobs`` is a list with one entry per prompt token,
+    None first; ``echo`` with ``max_tokens`` 0 shows the prompt alone."""
+    script_text(router, "ab cd")
+    prompt = "Say hi"
+    ids = router.codec.encode(prompt)
+    n = len(ids)
+    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=2)
+    assert r.choices[0].text == prompt + "ab cd"
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == [None] + [-1.0] * (n - 1) + [-0.5, -0.5]
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[1] == {
+        router.codec.token_text(ids[1]): -1.0, router.codec.token_text(ids[1] + 1): -0.5,
+    }  # fmt: skip
+    assert lp.tokens[n:] == ["ab", " cd"] and lp.text_offset[n:] == [len(prompt), len(prompt) + 2]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
+    positions = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == n and positions[0] is None
+    assert positions[1] == {
+        str(ids[1]): {"logprob": -1.0, "rank": 2, "decoded_token": router.codec.token_text(ids[1])},
+        str(ids[1] + 1): {
+            "logprob": -0.5, "rank": 1, "decoded_token": router.codec.token_text(ids[1] + 1)
+        },
+    }  # fmt: skip
+    assert r.choices[0].text == "ab cd" and r.choices[0].logprobs is None
+    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0)
+    assert (r.choices[0].text, r.usage.completion_tokens) == (prompt, 1)
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=prompt, echo=True, stream=True, max_tokens=2)
+    )
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + "ab cd"
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
+    chat_positions = r.model_extra["prompt_logprobs"]
+    assert chat_positions[0] is None and all(len(p) == 1 for p in chat_positions[1:])

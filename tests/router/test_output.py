@@ -85,3 +85,39 @@ def test_logprobs_carry_token_text_bytes_and_offsets():
         ("bytes:\\xa9", b"\xa9", -3.0, 1),
     ]
     assert d.text == "aé"
+
+
+def test_echo_and_prompt_logprobs_open_the_first_delta_only():
+    """``echo``: the prompt's text before the completion's, its logprob entries first (the
+    first token has none), the completion's offsets counted in the whole text;
+    ``prompt_logprobs``: the prompt's tokens after the first, on the first delta."""
+    spec = SamplingSpec(max_tokens=100, logprobs=0, prompt_logprobs=0)
+    req = GenerationRequest("r", PROMPT, spec, TextOptions(echo="Q: "), arrival=0.0)
+    p = OutputProcessor(ToyCodec(), req)  # type: ignore[arg-type]
+    a, b = toy_encode("ab")
+    prompt_lps = tuple(TokenLogprob(t, -2.0, rank=3) for t in PROMPT[1:])
+    first = p.process(TokenEvent((a,), (TokenLogprob(a, -1.0),), prompt_logprobs=prompt_lps))
+    assert first is not None and first.text == "Q: a"
+    assert [(x.token, x.logprob, x.text_offset) for x in first.logprobs] == [
+        ("Q", None, 0), (":", -2.0, 1), (" ", -2.0, 2), ("a", -1.0, 3),
+    ]  # fmt: skip
+    assert first.prompt_logprobs is not None
+    assert [(x.token_id, x.logprob, x.rank) for x in first.prompt_logprobs] == [
+        (t, -2.0, 3) for t in PROMPT[1:]
+    ]
+    last = p.process(TokenEvent((b,), (TokenLogprob(b, -1.5),), "length"))
+    assert last is not None and last.text == "b" and last.prompt_logprobs is None
+    assert [(x.token, x.text_offset) for x in last.logprobs] == [("b", 4)]
+
+
+def test_echo_only_shows_the_prompt_and_counts_the_token():
+    """``echo`` with ``max_tokens`` 0 (vLLM): the one generated token is not shown."""
+    spec = SamplingSpec(max_tokens=1, logprobs=0, prompt_logprobs=0)
+    req = GenerationRequest("r", PROMPT, spec, TextOptions(echo="Q: ", echo_only=True), arrival=0.0)
+    p = OutputProcessor(ToyCodec(), req)  # type: ignore[arg-type]
+    a = toy_encode("a")[0]
+    prompt_lps = tuple(TokenLogprob(t, -2.0) for t in PROMPT[1:])
+    d = p.process(TokenEvent((a,), (TokenLogprob(a, -1.0),), "length", prompt_logprobs=prompt_lps))
+    assert d is not None and d.text == "Q: "
+    assert [x.token for x in d.logprobs] == ["Q", ":", " "]
+    assert d.usage == Usage(len(PROMPT), 1, 0)

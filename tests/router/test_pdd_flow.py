@@ -484,3 +484,26 @@ def test_p_is_asked_once_to_warm_up_its_links_to_each_receiver(pdd):
     assert named() == ["md0", "rld0"]
     p0.instance_id = "second-process"  # P restarted
     wait_until(lambda: named() == ["md0", "md0", "rld0", "rld0"], "a restarted P was not named")
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "handoff"), [("p_md", "auto"), ("p_rld_md", "one_shot"), ("p_rld_md", "catch_up")]
+)
+def test_echo_and_prompt_logprobs_come_from_p_alone(pdd, pipeline, handoff):
+    """P computes the whole prompt, so only P's Generate asks for the prompt's logprobs (a
+    tier that loads KV would refuse them; the fakes count it as a violation); the client gets
+    P's, before the tokens of every tier."""
+    ids = script(pdd, 12)
+    n = len(prompt_ids(pdd))
+    r = complete(pdd, pipeline, handoff, echo=True, logprobs=0, max_tokens=20)
+    choice = r.json()["choices"][0]
+    assert choice["text"] == PROMPT + pdd.codec.decode(ids[:-1])
+    assert choice["logprobs"]["token_logprobs"] == [None] + [-1.0] * (n - 1) + [-0.5] * len(ids)
+    asked = [f.worker_id for f in pdd.fakes for q in f.requests
+             if q.sampling.HasField("prompt_logprobs")]  # fmt: skip
+    assert asked == ["p0"]
+    body = complete(pdd, pipeline, handoff, prompt_logprobs=1, max_tokens=20).json()
+    positions = body["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == n
+    own = [p[str(t)]["logprob"] for p, t in zip(positions[1:], prompt_ids(pdd)[1:], strict=True)]
+    assert own == [-1.0] * (n - 1)

@@ -29,8 +29,12 @@ def chat(prompt_len: int = 10, **body):
 def completion(prompt_len: int = 10, **body):
     req = CompletionRequest.model_validate({"prompt": "x", **body})
     return build_completion_request(
-        req, list(range(prompt_len)), LIMITS, request_id="r", arrival=1.0
+        req, list(range(prompt_len)), LIMITS, request_id="r", arrival=1.0, decode=_decode
     )
+
+
+def _decode(ids) -> str:
+    return "|".join(map(str, ids))
 
 
 def test_defaults_fill_every_field():
@@ -134,13 +138,35 @@ def test_bad_chat_parameters_are_400_with_param(body, param):
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
-     ({"suffix": "x"}, "suffix")],
+    [({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+     ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+     ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+     ({"max_tokens": 0}, "max_tokens")],
 )  # fmt: skip
 def test_bad_completion_parameters(body, param):
     with pytest.raises(InvalidRequestError) as info:
         completion(**body)
     assert info.value.param == param
+
+
+def test_echo_shows_the_prompt_as_given_with_its_logprobs():
+    req = completion(10, echo=True, logprobs=2)
+    assert (req.text.echo, req.text.echo_only, req.sampling.prompt_logprobs) == ("x", False, 2)
+    # vLLM: echo with max_tokens 0 generates one token and shows only the prompt
+    only = completion(10, echo=True, max_tokens=0)
+    assert (only.text.echo_only, only.sampling.max_tokens, only.sampling.prompt_logprobs) == (
+        True, 1, None,
+    )  # fmt: skip
+    # a truncated prompt (or one of token ids) echoes what was served, decoded
+    assert completion(10, echo=True, truncate_prompt_tokens=3).text.echo == "7|8|9"
+    ids = CompletionRequest.model_validate({"prompt": [5, 6], "echo": True})
+    req = build_completion_request(ids, [5, 6], LIMITS, request_id="r", arrival=1.0, decode=_decode)
+    assert req.text.echo == "5|6"
+    # an explicit prompt_logprobs wins; without echo, prompt_logprobs alone asks for them
+    assert completion(10, echo=True, logprobs=1, prompt_logprobs=3).sampling.prompt_logprobs == 3
+    assert completion(10, prompt_logprobs=0).sampling.prompt_logprobs == 0
+    assert completion(10, logprobs=1).sampling.prompt_logprobs is None
+    assert chat(10, prompt_logprobs=2).sampling.prompt_logprobs == 2
 
 
 def test_context_length_errors_name_the_numbers():

@@ -58,6 +58,7 @@ def test_proto_values_carry_over() -> None:
         logit_bias={9: -100.0, 2: 1.5},
         min_p=0.125,
         allowed_token_ids=[9, 2, 40],
+        prompt_logprobs=0,
     )
     assert sampling_from_proto(p) == SamplingSpec(
         temperature=0.5,
@@ -76,6 +77,7 @@ def test_proto_values_carry_over() -> None:
         logit_bias=((2, 1.5), (9, -100.0)),
         min_p=0.125,
         allowed_token_ids=(9, 2, 40),
+        prompt_logprobs=0,  # set zero is kept (optional field): the prompt token's own
     )
 
 
@@ -96,6 +98,7 @@ def test_proto_values_carry_over() -> None:
         (pb.SamplingParams(logit_bias={3: 200.0}), "logit_bias"),
         (pb.SamplingParams(logit_bias={-3: 1.0}), "logit_bias"),
         (pb.SamplingParams(allowed_token_ids=[-1]), "allowed_token_ids"),
+        (pb.SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_is_invalid_request(params: pb.SamplingParams, param: str) -> None:
@@ -105,9 +108,12 @@ def test_bad_sampling_is_invalid_request(params: pb.SamplingParams, param: str) 
 
 
 def test_delta_to_proto_first_and_later() -> None:
-    lp = TokenLogprob(7, -0.5, (TopLogprob(7, -0.5), TopLogprob(9, -1.5)))
-    d = EngineDelta((7,), (lp,), None, None, num_prompt_tokens=5, num_cached_tokens=4)
+    lp = TokenLogprob(7, -0.5, (TopLogprob(7, -0.5), TopLogprob(9, -1.5)), rank=1)
+    prompt = (TokenLogprob(3, -2.5, (), rank=4),)
+    d = EngineDelta((7,), (lp,), None, None, num_prompt_tokens=5, num_cached_tokens=4,
+                    prompt_logprobs=prompt)  # fmt: skip
     first = delta_to_proto(d, first=True)
+    assert [(p.token_id, p.logprob, p.rank) for p in first.prompt_logprobs] == [(3, -2.5, 4)]
     assert list(first.token_ids) == [7]
     assert (first.num_prompt_tokens, first.num_cached_tokens) == (5, 4)
     assert (first.finish_reason, first.stop_token_id) == ("", -1)

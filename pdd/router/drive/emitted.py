@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 
 from pdd.router.record import PddTrace
-from pdd.router.types import GenerationRequest, TokenEvent
+from pdd.router.types import GenerationRequest, TokenEvent, TokenLogprob
 
 
 class EmittedStream:
@@ -25,7 +25,8 @@ class EmittedStream:
         self.emitted: list[int] = []
         self.finish_reason: str | None = None
         self.p_cached_tokens = 0  # P's prefix-cache hit: the request's usage.cached_tokens
-        self._cached_reported = False
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # P's, when the request asks
+        self._first_taken = False
         self._last_emit_at: float | None = None
         self._switch_from: float | None = None
 
@@ -37,9 +38,13 @@ class EmittedStream:
     def remaining(self) -> int:
         return self.req.sampling.max_tokens - len(self.emitted)
 
-    def continuation(self, request_id: str, *, max_tokens: int | None = None) -> GenerationRequest:
+    def continuation(
+        self, request_id: str, *, max_tokens: int | None = None, prompt_logprobs: bool = False
+    ) -> GenerationRequest:
         """The request a tier runs: ``prompt + emitted``, the budget left (or ``max_tokens``),
-        its constraint resumed from ``emitted``, and its penalties counting ``emitted``."""
+        its constraint resumed from ``emitted``, and its penalties counting ``emitted``. The
+        request's ``prompt_logprobs`` only with ``prompt_logprobs`` (P's prefill: the one tier
+        that computes the whole prompt)."""
         s = self.req.sampling
         budget = self.remaining if max_tokens is None else max_tokens
         min_left = min(budget, max(0, s.min_tokens - len(self.emitted)))
@@ -50,8 +55,12 @@ class EmittedStream:
             prompt_token_ids=self.req.prompt_token_ids + tuple(self.emitted),
             # penalties count the emitted tokens as output (pdd.engine.penalties)
             sampling=replace(
-                s, max_tokens=budget, min_tokens=min_left, prior_output_tokens=len(self.emitted)
-            ),
+                s,
+                max_tokens=budget,
+                min_tokens=min_left,
+                prior_output_tokens=len(self.emitted),
+                prompt_logprobs=s.prompt_logprobs if prompt_logprobs else None,
+            ),  # fmt: skip
             # the grammar resumes where the client's text is (pdd.engine.constraint)
             constraint=None if c is None else replace(c, resume=tuple(self.emitted)),
         )
@@ -78,15 +87,15 @@ class EmittedStream:
                 self._switch_from = None
             self._last_emit_at = now
         self.finish_reason = finish
-        cached = 0 if self._cached_reported else self.p_cached_tokens
-        self._cached_reported = True
+        first, self._first_taken = not self._first_taken, True
         return replace(
             event,
             token_ids=tokens,
             logprobs=event.logprobs[: len(tokens)],
             finish_reason=finish,
             stop_token_id=None if cut or not final else event.stop_token_id,
-            num_cached_tokens=cached,
+            num_cached_tokens=self.p_cached_tokens if first else 0,
+            prompt_logprobs=self.prompt_logprobs if first else (),
         )
 
     def mark_switch(self) -> None:

@@ -76,7 +76,7 @@ class PStage:
         for t in self._targets:
             t.prepared = self._kv.prepare(t.worker_id)
         self._kv.hold(self._p)
-        req = self._stream.continuation(self._kv.kv_id, max_tokens=1)
+        req = self._stream.continuation(self._kv.kv_id, max_tokens=1, prompt_logprobs=True)
         stream = self._run.req.stream_kv
         streams = self._run.policy.stream_kv if stream is None else stream
         if streams and self._targets and self._block_size > 0:
@@ -84,13 +84,14 @@ class PStage:
             self._sending = asyncio.get_running_loop().create_task(self._send(staging))
             self._sending.add_done_callback(_retrieved)
         tokens: list[int] = []
-        logprobs = []
+        logprobs, prompt_logprobs = [], []
         last: TokenEvent | None = None
         cached = 0
         try:
             async for event in self._run.generate(self._p, req, kv_stage=True):
                 tokens.extend(event.token_ids)
                 logprobs.extend(event.logprobs)
+                prompt_logprobs.extend(event.prompt_logprobs)
                 cached = max(cached, event.num_cached_tokens)
                 last = event
             if last is None or last.finish_reason not in ("stop", "length"):
@@ -103,6 +104,7 @@ class PStage:
             raise
         self.staged_blocks = last.kv_staged_blocks
         self._stream.p_cached_tokens = cached
+        self._stream.prompt_logprobs = tuple(prompt_logprobs)
         return TokenEvent(
             token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=last.finish_reason,
             num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=cached,

@@ -333,6 +333,8 @@ def request_to_proto(
     )
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
     msg = worker_pb2.GenerateRequest(
         request_id=req.request_id,
         prompt_token_ids=list(req.prompt_token_ids[prompt_ref.tokens if prompt_ref else 0 :]),
@@ -366,12 +368,8 @@ def event_from_proto(msg: worker_pb2.GenerateResponse, worker_id: str) -> TokenE
     stopped_on_token = msg.finish_reason == "stop" and token_ids and token_ids[-1] == stop_id
     return TokenEvent(
         token_ids=token_ids,
-        logprobs=tuple(
-            TokenLogprob(
-                lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top)
-            )
-            for lp in msg.logprobs
-        ),
+        logprobs=tuple(_logprob(lp) for lp in msg.logprobs),
+        prompt_logprobs=tuple(_logprob(lp) for lp in msg.prompt_logprobs),
         finish_reason=msg.finish_reason or None,
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
@@ -379,3 +377,8 @@ def event_from_proto(msg: worker_pb2.GenerateResponse, worker_id: str) -> TokenE
         worker_id=worker_id,
         kv_staged_blocks=msg.kv_staged_blocks,
     )
+
+
+def _logprob(lp: worker_pb2.TokenLogprob) -> TokenLogprob:
+    top = tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top)
+    return TokenLogprob(lp.token_id, lp.logprob, top, lp.rank)

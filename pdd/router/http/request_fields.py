@@ -27,7 +27,7 @@ from pdd.router.types import Constraint
 # deprecated spelling of tools.
 UNSERVED_FIELDS = (
     "guided_whitespace_pattern",
-    "functions", "function_call", "bad_words", "prompt_logprobs",
+    "functions", "function_call", "bad_words",
     "use_beam_search", "length_penalty", "chat_template", "documents",
     "logits_processors", "vllm_xargs", "prediction", "audio", "modalities", "web_search_options",
 )  # fmt: skip

@@ -4,9 +4,13 @@ Pure formatting from ``OutputDelta``s (no I/O). Shapes follow OpenAI's API refer
 ``chat.completion`` / ``chat.completion.chunk`` (logprobs as ``{"content": [...]}``) and
 ``text_completion`` (legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset).
 With ``stream_options.include_usage`` every chunk carries ``"usage": null`` and one extra chunk
-with empty ``choices`` carries the usage, as OpenAI does.
+with empty ``choices`` carries the usage, as OpenAI does; with vLLM's
+``continuous_usage_stats`` too, every chunk carries the usage so far instead of null.
 
-Extension: the request's ``"pdd"`` record (``types.PddSummary``) is a top-level key of the
+Extensions: vLLM's ``prompt_logprobs`` (a key of the completion's choice, of the chat
+response; only when asked): ``[null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]``,
+one entry per prompt token, the prompt's own token first, then its top alternatives. The
+request's ``"pdd"`` record (``types.PddSummary``) is a top-level key of the
 whole response and of the streamed chunk that carries ``finish_reason`` (always sent, unlike
 the usage chunk); other chunks have no ``pdd`` key.
 """
@@ -33,6 +37,26 @@ class ResponseContext:
     model: str
     include_usage: bool = False
     logprobs: bool = False
+    continuous_usage: bool = False  # each chunk's usage so far (needs include_usage)
+    prompt_tokens: int = 0
+
+
+class RunningUsage:
+    """A stream's ``usage`` key: null, or with ``continuous_usage`` the tokens so far."""
+
+    def __init__(self, ctx: ResponseContext):
+        self._ctx = ctx
+        self._tokens = 0
+
+    def count(self, delta: OutputDelta) -> None:
+        self._tokens += len(delta.token_ids)
+
+    def stamp(self, body: dict[str, Any]) -> dict[str, Any]:
+        c = self._ctx
+        if c.include_usage:
+            running = Usage(c.prompt_tokens, self._tokens) if c.continuous_usage else None
+            body["usage"] = usage_body(running)
+        return body
 
 
 @dataclass(slots=True)
@@ -44,6 +68,7 @@ class Collected:
     finish_reason: str | None = None
     usage: Usage | None = None
     pdd: PddSummary | None = None
+    prompt_logprobs: tuple[LogprobText, ...] | None = None
 
 
 async def collect(deltas: AsyncIterator[OutputDelta]) -> Collected:
@@ -53,6 +78,8 @@ async def collect(deltas: AsyncIterator[OutputDelta]) -> Collected:
         async for d in deltas:
             parts.append(d.text)
             out.logprobs.extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                out.prompt_logprobs = d.prompt_logprobs
             if d.pdd is not None:
                 out.pdd = d.pdd
             if d.finish_reason is not None:
@@ -82,6 +109,24 @@ def _lp(value: float) -> float:
     return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
 
 
+def with_prompt_logprobs(
+    body: dict[str, Any], entries: tuple[LogprobText, ...] | None
+) -> dict[str, Any]:
+    """``body["prompt_logprobs"]`` in vLLM's shape when the request asked for them."""
+    if entries is None:
+        return body
+    positions: list[dict[str, dict[str, Any]] | None] = [None]
+    for e in entries:
+        own = {"logprob": _lp(e.logprob or 0.0), "rank": e.rank, "decoded_token": e.token}
+        position = {str(e.token_id): own}
+        for rank, t in enumerate(e.top, 1):
+            entry = {"logprob": _lp(t.logprob), "rank": rank, "decoded_token": t.token}
+            position.setdefault(str(t.token_id), entry)
+        positions.append(position)
+    body["prompt_logprobs"] = positions
+    return body
+
+
 class ChatFormat:
     """chat.completion and chat.completion.chunk bodies. With a ``ToolPlan`` that parses, the
     text is searched for tool calls (``text.tool_calls``): one instance per request, since
@@ -89,6 +134,7 @@ class ChatFormat:
 
     def __init__(self, ctx: ResponseContext, tools: ToolPlan | None = None):
         self.ctx = ctx
+        self._usage = RunningUsage(ctx)
         self._plan = tools if tools is not None and tools.parses else None
         self._stream = None
         if self._plan is not None:
@@ -103,13 +149,10 @@ class ChatFormat:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.ctx
-        body: dict[str, Any] = {
+        return self._usage.stamp({
             "id": c.response_id, "object": "chat.completion.chunk", "created": c.created,
             "model": c.model, "choices": choices,
-        }  # fmt: skip
-        if c.include_usage:
-            body["usage"] = None
-        return body
+        })  # fmt: skip
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -118,6 +161,7 @@ class ChatFormat:
 
     def chunk(self, delta: OutputDelta) -> dict[str, Any] | None:
         """One chunk, or None when there is nothing to send yet (text held by the parser)."""
+        self._usage.count(delta)
         content, calls = delta.text, []
         if self._stream is not None:
             content, calls = self._stream.feed(delta.text)
@@ -162,10 +206,11 @@ class ChatFormat:
             "logprobs": self._logprobs(result.logprobs),
             "finish_reason": _finish(result.finish_reason, "tool_calls" in message),
         }
-        return with_pdd({
+        body = {
             "id": c.response_id, "object": "chat.completion", "created": c.created,
             "model": c.model, "choices": [choice], "usage": usage_body(result.usage),
-        }, result.pdd)  # fmt: skip
+        }  # fmt: skip
+        return with_pdd(with_prompt_logprobs(body, result.prompt_logprobs), result.pdd)
 
     def _logprobs(self, entries: list[LogprobText] | tuple[LogprobText, ...]) -> Any:
         if not self.ctx.logprobs:
@@ -173,10 +218,11 @@ class ChatFormat:
         content = [
             {
                 "token": e.token,
-                "logprob": _lp(e.logprob),
+                "logprob": _lp(e.logprob or 0.0),
                 "bytes": list(e.token_bytes),
                 "top_logprobs": [
-                    {"token": t, "logprob": _lp(lp), "bytes": list(b)} for t, b, lp in e.top
+                    {"token": t.token, "logprob": _lp(t.logprob), "bytes": list(t.token_bytes)}
+                    for t in e.top
                 ],
             }
             for e in entries
@@ -210,6 +256,7 @@ class CompletionFormat:
 
     def __init__(self, ctx: ResponseContext):
         self.ctx = ctx
+        self._usage = RunningUsage(ctx)
 
     def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.ctx
@@ -222,12 +269,11 @@ class CompletionFormat:
         return []
 
     def chunk(self, delta: OutputDelta) -> dict[str, Any] | None:
+        self._usage.count(delta)
         if not (delta.text or delta.logprobs or delta.finish_reason is not None):
             return None
         body = self._body([self._choice(delta.text, delta.logprobs, delta.finish_reason)])
-        if self.ctx.include_usage:
-            body["usage"] = None
-        return with_pdd(body, delta.pdd if delta.finish_reason else None)
+        return with_pdd(self._usage.stamp(body), delta.pdd if delta.finish_reason else None)
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         body = self._body([])
@@ -235,7 +281,8 @@ class CompletionFormat:
         return body
 
     def response(self, result: Collected) -> dict[str, Any]:
-        body = self._body([self._choice(result.text, result.logprobs, result.finish_reason)])
+        choice = self._choice(result.text, result.logprobs, result.finish_reason)
+        body = self._body([with_prompt_logprobs(choice, result.prompt_logprobs)])
         body["usage"] = usage_body(result.usage)
         return with_pdd(body, result.pdd)
 
@@ -250,14 +297,17 @@ class CompletionFormat:
     def _logprobs(self, entries: list[LogprobText] | tuple[LogprobText, ...]) -> Any:
         if not self.ctx.logprobs:
             return None
-        top: list[dict[str, float]] = []
+        top: list[dict[str, float] | None] = []
         for e in entries:
-            alternatives = {t: _lp(lp) for t, _, lp in e.top}
+            if e.logprob is None:  # an echoed prompt's first token
+                top.append(None)
+                continue
+            alternatives = {t.token: _lp(t.logprob) for t in e.top}
             alternatives.setdefault(e.token, _lp(e.logprob))
             top.append(alternatives)
         return {
             "tokens": [e.token for e in entries],
-            "token_logprobs": [_lp(e.logprob) for e in entries],
+            "token_logprobs": [None if e.logprob is None else _lp(e.logprob) for e in entries],
             "top_logprobs": top,
             "text_offset": [e.text_offset for e in entries],
         }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -36,6 +36,7 @@ from pdd.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    StreamOptions,
     TokenizeRequest,
 )
 from pdd.router.http.sse import (
@@ -92,7 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         req = replace(req, text=replace(req.text, skip_special_tokens=False))
     req = _in_tenant_cache(request, req)
     _charge(request, req)
-    ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs)
+    ctx = _context(st, req, body.stream_options, logprobs=body.logprobs)
     return await _respond(request, st, req, ChatFormat(ctx, plan), stream=body.stream)
 
 
@@ -112,12 +113,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         check_token_ids(prompt, st.limits, "prompt")
         prompt_ids = list(prompt)
     rid = new_request_id("cmpl")
-    req = build_completion_request(body, prompt_ids, st.limits, request_id=rid, arrival=arrival)
+    req = build_completion_request(
+        body, prompt_ids, st.limits, request_id=rid, arrival=arrival, decode=_prompt_text(st)
+    )
     req = replace(req, constraint=structured)
     req = _in_tenant_cache(request, req)
     _charge(request, req)
-    ctx = _context(st, rid, body.stream_options, logprobs=body.logprobs is not None)
+    ctx = _context(st, req, body.stream_options, logprobs=body.logprobs is not None)
     return await _respond(request, st, req, CompletionFormat(ctx), stream=body.stream)
+
+
+def _prompt_text(st: RouterState) -> Callable[[Sequence[int]], str]:
+    """The text of prompt token ids, as an echo shows it (special tokens included)."""
+    return lambda ids: st.codec.decode(ids, skip_special_tokens=False)
 
 
 def _in_tenant_cache(request: Request, req: GenerationRequest) -> GenerationRequest:
@@ -133,10 +141,14 @@ def _charge(request: Request, req: GenerationRequest) -> None:
 
 
 def _context(
-    st: RouterState, rid: str, stream_options: object, *, logprobs: bool
+    st: RouterState, req: GenerationRequest, options: StreamOptions | None, *, logprobs: bool
 ) -> ResponseContext:
-    include_usage = bool(getattr(stream_options, "include_usage", False))
-    return ResponseContext(rid, int(time.time()), st.model_name, include_usage, logprobs)
+    options = options or StreamOptions()
+    return ResponseContext(
+        req.request_id, int(time.time()), st.model_name, options.include_usage, logprobs,
+        continuous_usage=options.include_usage and options.continuous_usage_stats,
+        prompt_tokens=len(req.prompt_token_ids),
+    )  # fmt: skip
 
 
 async def _respond(

@@ -21,6 +21,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False, description="Extension (vLLM): with include_usage, each chunk's usage so far."
+    )
 
 
 class ContentPart(_Body):
@@ -123,6 +126,11 @@ class SamplingFields(_Body):
         None, description="Extension (vLLM): sample only among these token ids."
     )
     ignore_eos: bool = Field(False, description="Extension (vLLM).")
+    prompt_logprobs: int | None = Field(
+        None,
+        description="Extension (vLLM): the logprob of each prompt token (and its top-k "
+        "alternatives); not with stream.",
+    )
     truncate_prompt_tokens: int | None = Field(
         None,
         description="Extension (vLLM): keep only the prompt's last N tokens (-1: as many "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -155,18 +157,32 @@ def build_completion_request(
     *,
     request_id: str,
     arrival: float,
+    decode: Callable[[Sequence[int]], str],
 ) -> GenerationRequest:
+    """``decode``: the text of a prompt given as token ids (or truncated), for ``echo``."""
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
-    if body.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     logprobs = None
     if body.logprobs is not None:
         logprobs = _check_int_range(body.logprobs, 0, MAX_LOGPROBS, "logprobs")
-    max_tokens = (body.max_tokens, "max_tokens")
-    return _build(body, prompt_ids, limits, request_id, arrival, logprobs, max_tokens)
+    echo_only = body.echo and body.max_tokens == 0  # vLLM: generate one token, show none
+    max_tokens = (1 if echo_only else body.max_tokens, "max_tokens")
+    req = _build(body, prompt_ids, limits, request_id, arrival, logprobs, max_tokens)
+    if not body.echo:
+        return req
+    # vLLM's echo: the prompt as given (its text), with its logprobs before the completion's
+    prompt = completion_prompt(body)
+    text = (
+        prompt if isinstance(prompt, str) and len(req.prompt_token_ids) == len(prompt_ids) else ""
+    )
+    s = req.sampling
+    prompt_logprobs = s.logprobs if s.prompt_logprobs is None else s.prompt_logprobs
+    return replace(
+        req, sampling=replace(s, prompt_logprobs=prompt_logprobs),
+        text=replace(req.text, echo=text or decode(req.prompt_token_ids), echo_only=echo_only),
+    )  # fmt: skip
 
 
 def _build(
@@ -180,6 +196,13 @@ def _build(
 ) -> GenerationRequest:
     _check_stream(body)
     prompt_ids = _truncated(prompt_ids, body.truncate_prompt_tokens, limits)
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:
+        prompt_logprobs = _check_int_range(body.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
+        if body.stream:  # vLLM's rule: they come with the whole response only
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
     sampling = SamplingSpec(
         max_tokens=_max_tokens(max_tokens, len(prompt_ids), limits, _prompt_word(body)),
         temperature=_float(
@@ -200,6 +223,7 @@ def _build(
         min_p=_float(body.min_p, 0.0, 0.0, 1.0, "min_p"),
         logit_bias=_logit_bias(body.logit_bias, limits),
         allowed_token_ids=_allowed_token_ids(body.allowed_token_ids, limits),
+        prompt_logprobs=prompt_logprobs,
     )
     if sampling.min_tokens > sampling.max_tokens:
         raise InvalidRequestError(

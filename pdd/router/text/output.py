@@ -9,7 +9,10 @@ with the text it produced, so logprobs and text stay aligned:
     emitted     "a"   " "    ""      stop -> finish "stop", t0..t3 counted, text "a "
 
 A final stop token (EOS or a ``stop_token_ids`` entry) adds no text unless
-``include_stop_str_in_output`` (vLLM's rule). One instance per request; not thread-safe.
+``include_stop_str_in_output`` (vLLM's rule). The first delta also carries the request's head:
+the echoed prompt (``TextOptions.echo``, before the completion's text, with the prompt's
+logprobs before the completion's) and the prompt logprobs (``prompt_logprobs``, from the first
+event). One instance per request; not thread-safe.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pdd.router.types import (
     OutputDelta,
     TokenEvent,
     TokenLogprob,
+    TopText,
     Usage,
 )
 
@@ -58,6 +62,8 @@ class OutputProcessor:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self._head_sent = False  # the first delta (echo, prompt logprobs) went out
+        self._prompt_logprobs: tuple[LogprobText, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -68,6 +74,8 @@ class OutputProcessor:
         if self.finished:
             raise RuntimeError("process() after the request finished")
         self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
+        if event.prompt_logprobs and not self._head_sent:
+            self._prompt_logprobs = self._prompt_texts(event.prompt_logprobs)
         text = []
         last = len(event.token_ids) - 1
         for i, token_id in enumerate(event.token_ids):
@@ -86,7 +94,8 @@ class OutputProcessor:
             self.finish_reason = "stop" if step.stopped else event.finish_reason
             return self._delta("".join(text), release_all=True)
         out = "".join(text)
-        return self._delta(out, release_all=False) if out or self._releasable() else None
+        head = not self._head_sent and (self._req.text.echo is not None or self._prompt_logprobs)
+        return self._delta(out, release_all=False) if out or head or self._releasable() else None
 
     def _push(self, token_id: int, logprob: TokenLogprob | None, is_stop_token: bool) -> StopStep:
         self.completion_tokens += 1
@@ -117,31 +126,64 @@ class OutputProcessor:
             usage = Usage(
                 len(self._req.prompt_token_ids), self.completion_tokens, self.cached_tokens
             )
+        logprobs = self._logprob_texts(released)
+        echo, prompt_logprobs = self._req.text.echo, None
+        if self._req.text.echo_only:
+            text, logprobs = "", ()
+        if not self._head_sent:
+            self._head_sent = True
+            if self._req.sampling.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_logprobs
+            if echo is not None:
+                text = echo + text
+                if self._req.sampling.logprobs is not None:
+                    logprobs = self._echoed_logprobs() + logprobs
         return OutputDelta(
             text=text,
             token_ids=tuple(p.token_id for p in released),
-            logprobs=self._logprob_texts(released),
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             usage=usage,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logprob_texts(self, released: list[_Pending]) -> tuple[LogprobText, ...]:
-        if self._req.sampling.logprobs is None:
+        if self._req.sampling.logprobs is None or self._req.text.echo_only:
             return ()
-        out = []
-        for p in released:
-            lp = p.logprob or TokenLogprob(p.token_id, MISSING_LOGPROB)
-            top = tuple(
-                (self._codec.token_text(t.token_id), self._codec.token_bytes(t.token_id), t.logprob)
-                for t in lp.top
+        shift = len(self._req.text.echo or "")  # offsets in the response's text
+        return tuple(
+            self._logprob_text(
+                p.logprob or TokenLogprob(p.token_id, MISSING_LOGPROB), p.start + shift
             )
-            out.append(
-                LogprobText(
-                    token=self._codec.token_text(p.token_id),
-                    token_bytes=self._codec.token_bytes(p.token_id),
-                    logprob=lp.logprob,
-                    text_offset=p.start,
-                    top=top,
-                )
-            )
+            for p in released
+        )
+
+    def _logprob_text(self, lp: TokenLogprob, offset: int) -> LogprobText:
+        codec = self._codec
+        top = tuple(
+            TopText(codec.token_text(t.token_id), codec.token_bytes(t.token_id), t.logprob, t.token_id)
+            for t in lp.top
+        )  # fmt: skip
+        return LogprobText(
+            token=codec.token_text(lp.token_id), token_bytes=codec.token_bytes(lp.token_id),
+            logprob=lp.logprob, text_offset=offset, top=top, token_id=lp.token_id, rank=lp.rank,
+        )  # fmt: skip
+
+    def _prompt_texts(self, entries: tuple[TokenLogprob, ...]) -> tuple[LogprobText, ...]:
+        """The prompt's tokens after the first with their logprobs; each offset is where the
+        token starts in the prompt's text, counted token by token as vLLM counts it."""
+        first = self._req.prompt_token_ids[0]
+        offset, out = len(self._codec.token_text(first)), []
+        for lp in entries:
+            out.append(self._logprob_text(lp, offset))
+            offset += len(out[-1].token)
         return tuple(out)
+
+    def _echoed_logprobs(self) -> tuple[LogprobText, ...]:
+        """The echoed prompt's logprob entries: its first token has none (nothing precedes it)."""
+        first = self._req.prompt_token_ids[0]
+        head = LogprobText(
+            token=self._codec.token_text(first), token_bytes=self._codec.token_bytes(first),
+            logprob=None, text_offset=0, token_id=first,
+        )  # fmt: skip
+        return (head, *self._prompt_logprobs)
