@@ -1204,6 +1204,21 @@ def test_a_seeded_request_is_reproducible_on_p_md(served):
     assert texts[0] == texts[1] and texts[0]
 
 
+def test_several_seeded_choices_are_the_seeds_one_by_one_on_p_md(served):
+    """n=2 with seed 7 samples as vLLM's parallel sampling does: choice i is the request
+    with seed 7 + i (each choice a request of its own, reproducible on p_md as above)."""
+    body = {"model": load_config(CONFIG).model.name, "temperature": 0.9, "max_tokens": 24,
+            "prompt": "Once upon a time", "pdd": {"pipeline": "p_md"}}  # fmt: skip
+    r = httpx.post(f"{served.url}/completions", json={**body, "n": 2, "seed": 7}, timeout=300)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    for i, text in enumerate(texts):
+        one = httpx.post(f"{served.url}/completions", json={**body, "seed": 7 + i}, timeout=300)
+        assert one.status_code == 200, one.text
+        assert one.json()["choices"][0]["text"] == text
+    assert texts[0] != texts[1]
+
+
 def test_a_schema_the_backend_refuses_is_a_400_naming_the_parameter(served):
     """The worker's grammar backend refuses it (P is the first to see it): 400, with the
     parameter named, never a 500."""

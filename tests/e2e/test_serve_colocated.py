@@ -138,7 +138,7 @@ BAD_REQUESTS = [
     ),
     (
         "/chat/completions",
-        {"model": "$MODEL", "messages": [{"role": "user", "content": "x"}], "n": 2},
+        {"model": "$MODEL", "messages": [{"role": "user", "content": "x"}], "n": 0},
         400,
     ),
     (

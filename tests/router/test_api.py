@@ -401,3 +401,30 @@ def test_completion_echo_and_prompt_logprobs_shapes(client, router):
     )
     chat_positions = r.model_extra["prompt_logprobs"]
     assert chat_positions[0] is None and all(len(p) == 1 for p in chat_positions[1:])
+
+
+def test_several_choices_are_sampled_as_vllm_does(client, router):
+    """n=3: three choices, each a request of its own (seed + i, as vLLM's parallel
+    sampling), the prompt counted once in the usage and each choice's own pdd record; a
+    stream interleaves them by index, the role chunk first for each."""
+    ids = script_text(router, "ab cd")
+    r = client.completions.create(model=MODEL, prompt="x", n=3, seed=7, temperature=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.text == "ab cd" for c in r.choices)
+    assert [q.sampling.seed for q in router.fake.requests] == [7, 8, 9]
+    assert len({q.request_id for q in router.fake.requests}) == 3
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (1, 3 * len(ids))
+    assert all(c.model_extra["pdd"]["pipeline"] == "colocated" for c in r.choices)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    body = [c for c in chunks if c.choices]
+    assert [c.choices[0].delta.role for c in body[:2]] == ["assistant", "assistant"]
+    assert [c.choices[0].index for c in body[:2]] == [0, 1]
+    for i in (0, 1):
+        mine = [c.choices[0] for c in body if c.choices[0].index == i]
+        assert "".join(c.delta.content or "" for c in mine) == "ab cd"
+        assert [c.finish_reason for c in mine][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ids)

@@ -36,7 +36,7 @@ def assert_still_serving(router) -> None:
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"n": 2}, "n"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
+    [({"n": 0}, "n"), ({"n": 129}, "n"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
      ({"stream_options": {"include_usage": True}}, "stream_options"),
      ({"presence_penalty": 9}, "presence_penalty"), ({"stop": [""]}, "stop"),
      ({"top_k": 2**40}, "top_k"), ({"temperature": 1e300}, "temperature")],
@@ -47,7 +47,7 @@ def test_bad_parameters_are_400(router, body, param):
         type_="invalid_request_error", param=param,
     )  # fmt: skip
     if param == "n":
-        assert "n=1" in err["message"]
+        assert "[1, 128]" in err["message"]
     assert router.fake.requests == []
     assert_still_serving(router)
 

@@ -79,3 +79,30 @@ def test_overload_is_429_then_recovers(router):
         httpx.post(router.url + "/completions", json={"model": MODEL, "prompt": "x"}).status_code
         == 200
     )
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_with_several_choices_ends_each(router, stream):
+    """n=2: each choice is a request of its own; a client gone mid-answer ends both."""
+    endless(router)
+    body = {"model": MODEL, "prompt": "x", "n": 2, "stream": stream, "max_tokens": 400}
+    with httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as http:
+        if stream:
+            with http.stream("POST", router.url + "/completions", json=body) as r:
+                assert r.status_code == 200
+                indexes = set()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        indexes.add(
+                            httpx.Response(200, content=line[6:]).json()["choices"][0]["index"]
+                        )
+                    if indexes == {0, 1}:
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(router.url + "/completions", json=body)
+    wait_until(lambda: len(router.fake.requests) == 2, "worker never saw both choices")
+    rids = {q.request_id for q in router.fake.requests}
+    wait_until(lambda: rids <= set(router.fake.aborts), "router did not Abort both choices")
+    wait_until(lambda: not router.fake.running, "worker still runs an abandoned choice")
+    wait_until(lambda: in_flight(router) == 0, "router still counts a choice in flight")

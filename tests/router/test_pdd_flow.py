@@ -507,3 +507,15 @@ def test_echo_and_prompt_logprobs_come_from_p_alone(pdd, pipeline, handoff):
     assert positions[0] is None and len(positions) == n
     own = [p[str(t)]["logprob"] for p, t in zip(positions[1:], prompt_ids(pdd)[1:], strict=True)]
     assert own == [-1.0] * (n - 1)
+
+
+def test_several_choices_each_run_the_whole_pipeline(pdd):
+    """n=2 on p_rld_md: each choice is a request of its own through P, RLD and MD (its own
+    KV id), both answers whole; the fixture then checks nothing is left held."""
+    ids = script(pdd, 12)
+    body = complete(pdd, "p_rld_md", "one_shot", n=2).json()
+    assert [c["text"] for c in body["choices"]] == [pdd.codec.decode(ids[:-1])] * 2
+    assert [c["pdd"]["pipeline"] for c in body["choices"]] == ["p_rld_md"] * 2
+    p_reqs = gen_requests(pdd, "p0")
+    assert len({q.request_id for q in p_reqs}) == 2
+    assert body["usage"]["completion_tokens"] == 2 * len(ids)

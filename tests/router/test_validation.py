@@ -13,6 +13,7 @@ from pdd.router.http.validation import (
     chat_messages,
     check_model,
     check_token_ids,
+    choice_requests,
     completion_prompt,
 )
 from pdd.router.types import SamplingSpec, TextOptions
@@ -91,8 +92,8 @@ def test_generation_config_defaults_apply_only_when_omitted():
 
 
 BAD = [
-    ({"n": 2}, "n"),
     ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
@@ -167,6 +168,20 @@ def test_echo_shows_the_prompt_as_given_with_its_logprobs():
     assert completion(10, prompt_logprobs=0).sampling.prompt_logprobs == 0
     assert completion(10, logprobs=1).sampling.prompt_logprobs is None
     assert chat(10, prompt_logprobs=2).sampling.prompt_logprobs == 2
+
+
+def test_several_choices_are_requests_of_their_own():
+    req = completion(10, seed=5)
+    assert choice_requests(req, 1, admits=1) == [req]
+    reqs = choice_requests(req, 3, admits=8)
+    assert [(r.request_id, r.sampling.seed) for r in reqs] == [("r-0", 5), ("r-1", 6), ("r-2", 7)]
+    assert [r.sampling.seed for r in choice_requests(completion(10), 2, admits=8)] == [None, None]
+    with pytest.raises(InvalidRequestError) as info:  # could never be admitted together
+        choice_requests(req, 9, admits=8)
+    assert info.value.param == "n" and "router.max_queued_requests 8" in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        choice_requests(completion(10, seed=2**63 - 2), 3, admits=8)
+    assert info.value.param == "seed"
 
 
 def test_context_length_errors_name_the_numbers():

@@ -18,8 +18,7 @@ the usage chunk); other chunks have no ``pdd`` key.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,21 +70,30 @@ class Collected:
     prompt_logprobs: tuple[LogprobText, ...] | None = None
 
 
-async def collect(deltas: AsyncIterator[OutputDelta]) -> Collected:
+def collected(deltas: Sequence[OutputDelta]) -> Collected:
+    """One choice's whole result from its deltas."""
     out = Collected()
-    parts: list[str] = []
-    async with aclosing(deltas):  # type: ignore[type-var]
-        async for d in deltas:
-            parts.append(d.text)
-            out.logprobs.extend(d.logprobs)
-            if d.prompt_logprobs is not None:
-                out.prompt_logprobs = d.prompt_logprobs
-            if d.pdd is not None:
-                out.pdd = d.pdd
-            if d.finish_reason is not None:
-                out.finish_reason, out.usage = d.finish_reason, d.usage
-    out.text = "".join(parts)
+    for d in deltas:
+        out.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            out.prompt_logprobs = d.prompt_logprobs
+        if d.pdd is not None:
+            out.pdd = d.pdd
+        if d.finish_reason is not None:
+            out.finish_reason, out.usage = d.finish_reason, d.usage
+    out.text = "".join(d.text for d in deltas)
     return out
+
+
+def combined_usage(usages: Sequence[Usage | None]) -> Usage | None:
+    """The usage of a request's choices: the prompt counted once (as vLLM and OpenAI count
+    it), every choice's tokens; None when a choice has none."""
+    if not usages or any(u is None for u in usages):
+        return None
+    first = usages[0]
+    assert first is not None
+    tokens = sum(u.completion_tokens for u in usages if u is not None)
+    return Usage(first.prompt_tokens, tokens, first.cached_tokens)
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
@@ -132,8 +140,9 @@ class ChatFormat:
     text is searched for tool calls (``text.tool_calls``): one instance per request, since
     streaming keeps the parser's state."""
 
-    def __init__(self, ctx: ResponseContext, tools: ToolPlan | None = None):
+    def __init__(self, ctx: ResponseContext, tools: ToolPlan | None = None, index: int = 0):
         self.ctx = ctx
+        self.index = index  # the choice this instance formats (n > 1: one instance each)
         self._usage = RunningUsage(ctx)
         self._plan = tools if tools is not None and tools.parses else None
         self._stream = None
@@ -155,7 +164,7 @@ class ChatFormat:
         })  # fmt: skip
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}  # fmt: skip
         return [self._chunk([choice])]
 
@@ -175,7 +184,7 @@ class ChatFormat:
             body["tool_calls"] = tool_call_deltas(calls)
         called = self._stream is not None and self._stream.calls > 0
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": body,
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": _finish(delta.finish_reason, called),
@@ -201,7 +210,7 @@ class ChatFormat:
                     for t in calls
                 ]  # fmt: skip
         choice = {
-            "index": 0,
+            "index": self.index,
             "message": message,
             "logprobs": self._logprobs(result.logprobs),
             "finish_reason": _finish(result.finish_reason, "tool_calls" in message),
@@ -254,8 +263,9 @@ def tool_call_deltas(deltas: list[ToolDelta]) -> list[dict[str, Any]]:
 class CompletionFormat:
     """text_completion bodies (streamed and whole)."""
 
-    def __init__(self, ctx: ResponseContext):
+    def __init__(self, ctx: ResponseContext, index: int = 0):
         self.ctx = ctx
+        self.index = index  # the choice this instance formats (n > 1: one instance each)
         self._usage = RunningUsage(ctx)
 
     def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,7 +298,7 @@ class CompletionFormat:
 
     def _choice(self, text: str, entries: Any, finish_reason: str | None) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": self.index,
             "text": text,
             "logprobs": self._logprobs(entries),
             "finish_reason": finish_reason,
@@ -311,3 +321,23 @@ class CompletionFormat:
             "top_logprobs": top,
             "text_offset": [e.text_offset for e in entries],
         }
+
+
+Format = ChatFormat | CompletionFormat
+
+
+def whole_response(fmts: Sequence[Format], results: Sequence[Collected]) -> dict[str, Any]:
+    """The non-streamed body of every choice (``fmts[i]`` formats ``results[i]``): with n > 1
+    the usage is ``combined_usage`` and each choice carries its own ``pdd`` record (each
+    choice is a request of its own; the top-level record is the first's)."""
+    body = fmts[0].response(results[0])
+    if len(results) == 1:
+        return body
+    body["choices"] = []
+    for fmt, result in zip(fmts, results, strict=True):
+        choice = fmt.response(result)["choices"][0]
+        if result.pdd is not None:
+            choice["pdd"] = result.pdd.as_json()
+        body["choices"].append(choice)
+    body["usage"] = usage_body(combined_usage([r.usage for r in results]))
+    return body

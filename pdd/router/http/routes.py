@@ -31,7 +31,16 @@ from pdd.router.http.request_fields import (
     tool_plan,
     with_tool_call,
 )
-from pdd.router.http.responses import ChatFormat, CompletionFormat, ResponseContext, collect
+from pdd.router.http.responses import (
+    ChatFormat,
+    Collected,
+    CompletionFormat,
+    Format,
+    ResponseContext,
+    collected,
+    combined_usage,
+    whole_response,
+)
 from pdd.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +53,7 @@ from pdd.router.http.sse import (
     ClientDisconnected,
     EventStreamResponse,
     cancel_on_disconnect,
+    merged,
     sse_event,
 )
 from pdd.router.http.tenants import check_overrides, grant_of
@@ -53,18 +63,17 @@ from pdd.router.http.validation import (
     chat_messages,
     check_model,
     check_token_ids,
+    choice_requests,
     completion_prompt,
 )
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.state import RouterState
 from pdd.router.text.tool_prompt import prompt_ids, prompt_text
-from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
+from pdd.router.types import GenerationRequest, OutputDelta, PddSummary, Usage
 
 router = APIRouter()
 
 PIPELINE_HEADER = "x-pdd-pipeline"
-
-Format = ChatFormat | CompletionFormat
 
 
 def _state(request: Request) -> RouterState:
@@ -92,9 +101,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         # vLLM's hermes rule: <tool_call> is a special token in some models' vocabularies
         req = replace(req, text=replace(req.text, skip_special_tokens=False))
     req = _in_tenant_cache(request, req)
-    _charge(request, req)
+    reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
+    _charge(request, reqs)
     ctx = _context(st, req, body.stream_options, logprobs=body.logprobs)
-    return await _respond(request, st, req, ChatFormat(ctx, plan), stream=body.stream)
+    fmts = [ChatFormat(ctx, plan, i) for i in range(len(reqs))]
+    return await _respond(request, st, reqs, fmts, stream=body.stream)
 
 
 @router.post("/v1/completions")
@@ -118,9 +129,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     )
     req = replace(req, constraint=structured)
     req = _in_tenant_cache(request, req)
-    _charge(request, req)
+    reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
+    _charge(request, reqs)
     ctx = _context(st, req, body.stream_options, logprobs=body.logprobs is not None)
-    return await _respond(request, st, req, CompletionFormat(ctx), stream=body.stream)
+    fmts = [CompletionFormat(ctx, i) for i in range(len(reqs))]
+    return await _respond(request, st, reqs, fmts, stream=body.stream)
 
 
 def _prompt_text(st: RouterState) -> Callable[[Sequence[int]], str]:
@@ -133,11 +146,13 @@ def _in_tenant_cache(request: Request, req: GenerationRequest) -> GenerationRequ
     return replace(req, cache_salt=grant_of(request.scope).cache_salt)
 
 
-def _charge(request: Request, req: GenerationRequest) -> None:
-    """The key's limits per minute (429 + Retry-After); app.state.pdd_key_limiter."""
+def _charge(request: Request, reqs: list[GenerationRequest]) -> None:
+    """The key's limits per minute (429 + Retry-After); app.state.pdd_key_limiter. The
+    prompt counts once, every choice's max_tokens."""
     limiter = getattr(request.app.state, "pdd_key_limiter", None)
     if limiter is not None:
-        limiter.admit(request.scope, len(req.prompt_token_ids) + req.sampling.max_tokens)
+        tokens = len(reqs[0].prompt_token_ids) + sum(r.sampling.max_tokens for r in reqs)
+        limiter.admit(request.scope, tokens)
 
 
 def _context(
@@ -152,21 +167,34 @@ def _context(
 
 
 async def _respond(
-    request: Request, st: RouterState, req: GenerationRequest, fmt: Format, *, stream: bool
-) -> Response:
-    bind_request(req.request_id)  # logs and worker RPCs of this request carry its id
+    request: Request, st: RouterState, reqs: list[GenerationRequest], fmts: list[Format],
+    *, stream: bool,
+) -> Response:  # fmt: skip
+    """Run the request of each choice (``choice_requests``; ``fmts[i]`` formats choice i) and
+    answer with all of them, whole or streamed."""
+    bind_request(reqs[0].request_id)  # logs and worker RPCs of this request carry its id
     timeout_s = st.cfg.router.request_timeout_s
-    deltas = with_deadline(st.service.stream(req), req.arrival + timeout_s, timeout_s)
+    sources = [with_deadline(st.service.stream(r), r.arrival + timeout_s, timeout_s) for r in reqs]
+    deltas = merged(sources, start=lambda i: bind_request(reqs[i].request_id))
     try:
         if not stream:
-            result = await cancel_on_disconnect(request.receive, collect(deltas))
-            return JSONResponse(fmt.response(result), headers=_pdd_headers(result.pdd))
+            results = await cancel_on_disconnect(request.receive, _collect_all(deltas, len(reqs)))
+            return JSONResponse(whole_response(fmts, results), headers=_pdd_headers(results[0].pdd))
         first = await cancel_on_disconnect(request.receive, anext(deltas))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads this; the request was cancelled
     except StopAsyncIteration:
         raise WorkerError("the request ended without output") from None
-    return EventStreamResponse(_sse(fmt, first, deltas), headers=_pdd_headers(first.pdd))
+    return EventStreamResponse(_sse(fmts, first, deltas), headers=_pdd_headers(first[1].pdd))
+
+
+async def _collect_all(deltas: AsyncIterator[tuple[int, OutputDelta]], n: int) -> list[Collected]:
+    """Every choice's whole result from the merged deltas."""
+    by_choice: list[list[OutputDelta]] = [[] for _ in range(n)]
+    async with aclosing(deltas):  # type: ignore[type-var]
+        async for i, delta in deltas:
+            by_choice[i].append(delta)
+    return [collected(ds) for ds in by_choice]
 
 
 def _pdd_headers(summary: PddSummary | None) -> dict[str, str]:
@@ -174,28 +202,35 @@ def _pdd_headers(summary: PddSummary | None) -> dict[str, str]:
 
 
 async def _sse(
-    fmt: Format, first: OutputDelta, rest: AsyncIterator[OutputDelta]
-) -> AsyncIterator[bytes]:
-    """Chunks for one stream. A failure after the first chunk becomes an error event."""
+    fmts: list[Format], first: tuple[int, OutputDelta],
+    rest: AsyncIterator[tuple[int, OutputDelta]],
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """Chunks for one stream of every choice. A failure after the first chunk becomes an
+    error event."""
     async with aclosing(rest):  # type: ignore[type-var]
-        for body in fmt.opening_chunks():
-            yield sse_event(body)
-        delta = first
+        for fmt in fmts:
+            for body in fmt.opening_chunks():
+                yield sse_event(body)
+        finished: dict[int, Usage | None] = {}
+        i, delta = first
         try:
             while True:
-                body = fmt.chunk(delta)
+                body = fmts[i].chunk(delta)
                 if body is not None:
                     yield sse_event(body)
                 if delta.finish_reason is not None:
-                    break
-                delta = await anext(rest)
+                    finished[i] = delta.usage
+                    if len(finished) == len(fmts):
+                        break
+                i, delta = await anext(rest)
         except StopAsyncIteration:
             yield sse_event(pdd_error_body(WorkerError("the request ended without finishing")))
         except PddError as exc:
             yield sse_event(pdd_error_body(exc))
         else:
-            if fmt.ctx.include_usage:
-                yield sse_event(fmt.usage_chunk(delta.usage))
+            if fmts[0].ctx.include_usage:
+                usages = [finished[k] for k in range(len(fmts))]
+                yield sse_event(fmts[0].usage_chunk(combined_usage(usages)))
         yield DONE
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect
@@ -89,3 +90,45 @@ class EventStreamResponse(Response):
         async for chunk in self._events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def merged(
+    sources: list[AsyncIterator[T]], start: Callable[[int], None] | None = None
+) -> AsyncIterator[tuple[int, T]]:
+    """``(i, item)`` from every source as each comes (one source: in place, no task). Each
+    of several sources runs in a task of its own (``start(i)`` first, e.g. to bind its logs);
+    the first failure is raised here, and on every exit each source is cancelled and closed.
+    """
+    if len(sources) == 1:
+        async with aclosing(sources[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, source: AsyncIterator[T]) -> None:
+        if start is not None:
+            start(i)
+        try:
+            async with aclosing(source):  # type: ignore[type-var]
+                async for item in source:
+                    queue.put_nowait((i, item, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:  # raised to the reader, which cancels the rest
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                running -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -31,6 +31,7 @@ from pdd.router.http.schemas import (
 from pdd.router.types import GenerationRequest, SamplingSpec, ServingLimits, TextOptions
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_CHOICES = 128  # OpenAI's bound on n
 INT32_MAX = 2**31 - 1
 PIPELINE_OVERRIDES = {"auto": None, "p_md": Pipeline.P_MD, "p_rld_md": Pipeline.P_RLD_MD}
 KV_WAIT_OVERRIDES = {"in_generate": False, "await_first": True}  # -> await_kv_first
@@ -244,6 +245,31 @@ def _build(
     )  # fmt: skip
 
 
+def choice_requests(req: GenerationRequest, n: int, admits: int) -> list[GenerationRequest]:
+    """The request of each of ``n`` choices (``n`` checked by the build): ``req`` itself, or,
+    as vLLM's parallel sampling, ``n`` requests ``<id>-<i>`` whose seed, when given, is
+    ``seed + i``. ``admits``: how many requests the router admits at once; more choices could
+    never be served together (400)."""
+    if n == 1:
+        return [req]
+    if n > admits:
+        raise InvalidRequestError(
+            f"n={n} is more choices than this router admits at once "
+            f"(router.max_queued_requests {admits})", param="n",
+        )  # fmt: skip
+    seed = req.sampling.seed
+    if seed is not None and seed + n - 1 > INT64_MAX:
+        raise InvalidRequestError(f"seed + n - 1 must be at most {INT64_MAX}", param="seed")
+    return [
+        replace(
+            req,
+            request_id=f"{req.request_id}-{i}",
+            sampling=replace(req.sampling, seed=None if seed is None else seed + i),
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
 def pdd_overrides(opts: PddOptions | None) -> tuple[Pipeline | None, HandoffMode | None, bool]:
     """The body's ``"pdd"`` overrides (None: auto; ``await_kv_first``: ``kv_wait``). 400 for
     values pdd does not know."""
@@ -271,11 +297,7 @@ def _prompt_word(body: Any) -> str:
 
 
 def _check_stream(body: Any) -> None:
-    if body.n != 1:
-        raise InvalidRequestError(
-            f"n={body.n} is not supported: pdd returns exactly one choice per request (n=1)",
-            param="n",
-        )
+    _check_int_range(body.n, 1, MAX_CHOICES, "n")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError(
             "stream_options is only allowed when stream is true", param="stream_options"
