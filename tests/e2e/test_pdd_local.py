@@ -874,6 +874,68 @@ def _answer(client, messages, choice, pdd, stream):
 EVERY_CLIENT_PATH = [(v, s) for v in VARIANTS for s in (False, True)]  # streamed and not
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("variant", ["p_md", "p_rld_md_catch_up"])
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(served, variant, stream):
+    """The OpenAI Agents SDK (its default model: the Responses API, /v1/responses), streamed
+    and not: an agent forced to call its function tool gets a call whose arguments the SDK
+    parses and runs (the run ends on the tool's result); the next turn sends the whole run
+    back as input items (the call and its output included) and gets a text answer."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )  # fmt: skip
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        cities.append(city)
+        return f"It is sunny in {city}."
+
+    client = AsyncOpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=300)
+    model = OpenAIResponsesModel(model=load_config(CONFIG).model.name, openai_client=client)
+
+    def settings(choice: str) -> ModelSettings:
+        return ModelSettings(tool_choice=choice, temperature=0, max_tokens=48,
+                             extra_body={"pdd": VARIANTS[variant]})  # fmt: skip
+
+    async def run(agent: Agent, given: str | list):  # a RunResult, streamed or not
+        if not stream:
+            return await Runner.run(agent, given, max_turns=2)
+        result = Runner.run_streamed(agent, given, max_turns=2)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    async def conversation():
+        forced = Agent(name="weather", instructions="Use the weather tool.", model=model,
+                       tools=[get_weather], model_settings=settings("get_weather"),
+                       tool_use_behavior="stop_on_first_tool")  # fmt: skip
+        first = await run(forced, "What is the weather in Paris?")
+        talk = Agent(name="weather", instructions="Answer briefly.", model=model,
+                     tools=[get_weather], model_settings=settings("none"))  # fmt: skip
+        follow = [*first.to_input_list(), {"role": "user", "content": "Thanks! And so?"}]
+        return first, await run(talk, follow)
+
+    first, second = asyncio.run(conversation())
+    assert len(cities) == 1 and cities[0]
+    assert first.final_output == f"It is sunny in {cities[0]}."
+    kinds = [item.get("type") for item in first.to_input_list()]
+    assert "function_call" in kinds and "function_call_output" in kinds
+    assert isinstance(second.final_output, str) and second.final_output.strip()
+    assert len(cities) == 1  # tool_choice none: the second turn called nothing
+
+
 @pytest.mark.parametrize(("variant", "stream"), EVERY_CLIENT_PATH)
 def test_tool_conversation_call_result_call_answer(served, codec, variant, stream):
     """call -> result -> call -> answer on each pdd pipeline, streamed and not. Deterministic

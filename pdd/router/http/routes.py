@@ -41,6 +41,12 @@ from pdd.router.http.responses import (
     combined_usage,
     whole_response,
 )
+from pdd.router.http.responses_api import (
+    ResponsesFormat,
+    ResponsesRequest,
+    chat_request,
+    renamed,
+)
 from pdd.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,7 +74,7 @@ from pdd.router.http.validation import (
 )
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.state import RouterState
-from pdd.router.text.tool_prompt import prompt_ids, prompt_text
+from pdd.router.text.tool_prompt import ToolPlan, prompt_ids, prompt_text
 from pdd.router.types import GenerationRequest, OutputDelta, PddSummary, Usage
 
 router = APIRouter()
@@ -82,7 +88,42 @@ def _state(request: Request) -> RouterState:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    reqs, plan, ctx = await _chat_requests(body, request, time.monotonic(), "chatcmpl")
+    fmts = [ChatFormat(ctx, plan, i) for i in range(len(reqs))]
+    return await _respond(request, _state(request), reqs, fmts, stream=body.stream)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API, served as the chat completion it is (``responses_api``)."""
     arrival = time.monotonic()
+    st = _state(request)
+    try:
+        chat = chat_request(body)
+        (req,), plan, ctx = await _chat_requests(chat, request, arrival, "resp")
+    except PddError as exc:
+        raise renamed(exc) from None
+    fmt = ResponsesFormat(ChatFormat(ctx, plan), body)
+    bind_request(req.request_id)
+    timeout_s = st.cfg.router.request_timeout_s
+    deltas = with_deadline(st.service.stream(req), req.arrival + timeout_s, timeout_s)
+    try:
+        if not body.stream:
+            result = await cancel_on_disconnect(request.receive, _collect_one(deltas))
+            return JSONResponse(fmt.response(result), headers=_pdd_headers(result.pdd))
+        first = await cancel_on_disconnect(request.receive, anext(deltas))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        raise WorkerError("the request ended without output") from None
+    return EventStreamResponse(_owned(fmt.events(first, deltas), deltas),
+                               headers=_pdd_headers(first.pdd))  # fmt: skip
+
+
+async def _chat_requests(
+    body: ChatCompletionRequest, request: Request, arrival: float, prefix: str
+) -> tuple[list[GenerationRequest], ToolPlan | None, ResponseContext]:
+    """A chat body's request per choice, its tool plan and its response context."""
     st = _state(request)
     check_model(body.model, st.limits)
     check_overrides(body.pdd, request.scope)  # 403 unless an admin key
@@ -94,7 +135,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     structured = with_tool_call(structured, plan)
     options = chat_options(body)
     prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan, options)
-    rid = new_request_id("chatcmpl")
+    rid = new_request_id(prefix)
     req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
     req = replace(req, constraint=structured)
     if plan is not None and plan.parses and plan.parser == "hermes":
@@ -103,9 +144,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     req = _in_tenant_cache(request, req)
     reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
     _charge(request, reqs)
-    ctx = _context(st, req, body.stream_options, logprobs=body.logprobs)
-    fmts = [ChatFormat(ctx, plan, i) for i in range(len(reqs))]
-    return await _respond(request, st, reqs, fmts, stream=body.stream)
+    return reqs, plan, _context(st, req, body.stream_options, logprobs=body.logprobs)
+
+
+async def _collect_one(deltas: AsyncIterator[OutputDelta]) -> Collected:
+    async with aclosing(deltas):  # type: ignore[type-var]
+        return collected([d async for d in deltas])
+
+
+async def _owned(events: AsyncIterator[bytes], source: AsyncIterator[OutputDelta]):
+    """``events``, closing ``source`` (the request's deltas) on every exit."""
+    async with aclosing(source), aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            yield event
 
 
 @router.post("/v1/completions")
