@@ -106,3 +106,17 @@ def test_disconnect_with_several_choices_ends_each(router, stream):
     wait_until(lambda: rids <= set(router.fake.aborts), "router did not Abort both choices")
     wait_until(lambda: not router.fake.running, "worker still runs an abandoned choice")
     wait_until(lambda: in_flight(router) == 0, "router still counts a choice in flight")
+
+
+def test_disconnect_mid_responses_stream_cancels_and_aborts(router):
+    endless(router)
+    body = {"model": MODEL, "input": "x", "stream": True, "max_output_tokens": 400}
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", router.url + "/responses", json=body) as r:
+            assert r.status_code == 200
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line == "event: response.output_text.delta"
+                if deltas == 3:
+                    break
+    assert_cleaned_up(router)

@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -255,8 +256,15 @@ class ResponsesFormat:
     async def events(
         self, first: OutputDelta, rest: AsyncIterator[OutputDelta]
     ) -> AsyncIterator[bytes]:
-        """The stream's events. A failure after the start is an ``error`` event, then
-        ``response.failed``."""
+        """The stream's events (``rest`` is closed on every exit). A failure after the start
+        is an ``error`` event, then ``response.failed``."""
+        async with aclosing(rest):  # type: ignore[type-var]
+            async for event in self._events(first, rest):
+                yield event
+
+    async def _events(
+        self, first: OutputDelta, rest: AsyncIterator[OutputDelta]
+    ) -> AsyncIterator[bytes]:
         yield self._event("response.created", response=self._object([], None, None))
         yield self._event("response.in_progress", response=self._object([], None, None))
         items: list[dict[str, Any]] = []  # finished output items

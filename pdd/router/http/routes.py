@@ -109,15 +109,16 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     deltas = with_deadline(st.service.stream(req), req.arrival + timeout_s, timeout_s)
     try:
         if not body.stream:
-            result = await cancel_on_disconnect(request.receive, _collect_one(deltas))
+            (result,) = await cancel_on_disconnect(
+                request.receive, _collect_all(merged([deltas]), 1)
+            )
             return JSONResponse(fmt.response(result), headers=_pdd_headers(result.pdd))
         first = await cancel_on_disconnect(request.receive, anext(deltas))
     except ClientDisconnected:
         return Response(status_code=499)
     except StopAsyncIteration:
         raise WorkerError("the request ended without output") from None
-    return EventStreamResponse(_owned(fmt.events(first, deltas), deltas),
-                               headers=_pdd_headers(first.pdd))  # fmt: skip
+    return EventStreamResponse(fmt.events(first, deltas), headers=_pdd_headers(first.pdd))
 
 
 async def _chat_requests(
@@ -145,18 +146,6 @@ async def _chat_requests(
     reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
     _charge(request, reqs)
     return reqs, plan, _context(st, req, body.stream_options, logprobs=body.logprobs)
-
-
-async def _collect_one(deltas: AsyncIterator[OutputDelta]) -> Collected:
-    async with aclosing(deltas):  # type: ignore[type-var]
-        return collected([d async for d in deltas])
-
-
-async def _owned(events: AsyncIterator[bytes], source: AsyncIterator[OutputDelta]):
-    """``events``, closing ``source`` (the request's deltas) on every exit."""
-    async with aclosing(source), aclosing(events):  # type: ignore[type-var]
-        async for event in events:
-            yield event
 
 
 @router.post("/v1/completions")
