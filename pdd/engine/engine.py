@@ -41,7 +41,7 @@ from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from pdd.config import EngineConfig, ModelConfig  # noqa: E402
-from pdd.engine import heap, penalties  # noqa: E402
+from pdd.engine import bad_words, heap, penalties  # noqa: E402
 from pdd.engine.constraint import EXTRA_KEY, FQCN, check_spec, to_extra  # noqa: E402
 from pdd.engine.lifeline import spawning  # noqa: E402
 from pdd.engine.model import prepare_model  # noqa: E402
@@ -251,9 +251,9 @@ class Engine:
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our _StatSink still receives every step's stats
             enable_log_requests=False,
-            # structured outputs and penalties that resume across tiers (pdd.engine.constraint,
-            # pdd.engine.penalties)
-            logits_processors=[FQCN, penalties.FQCN],
+            # structured outputs, penalties and bad words that resume across tiers
+            # (pdd.engine.constraint, pdd.engine.penalties, pdd.engine.bad_words)
+            logits_processors=[FQCN, penalties.FQCN, bad_words.FQCN],
         )
 
     def step_tokens(self) -> int | None:
@@ -470,6 +470,9 @@ class Engine:
         )
         if prior is not None:  # penalties count what earlier tiers emitted (engine.penalties)
             extra[penalties.EXTRA_KEY] = prior
+        banned = bad_words.extra(s.bad_words, s.prior_output_tokens)
+        if banned is not None:  # so do bad words (engine.bad_words)
+            extra[bad_words.EXTRA_KEY] = banned
         try:
             return SamplingParams(
                 temperature=s.temperature,

@@ -66,6 +66,7 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # (): every token
     prompt_logprobs: int | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each word (pdd.engine.bad_words)
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -105,6 +106,11 @@ class SamplingSpec:
                 f"must map token ids to a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             ),
             (all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids", "must be >= 0"),
+            (
+                all(w and all(t >= 0 for t in w) for w in self.bad_words),
+                "bad_words",
+                "must be non-empty token id sequences",
+            ),
         ]
         for ok, param, msg in checks:
             if not ok:

@@ -38,6 +38,7 @@ class SamplingSpec:
     # the prompt's tokens after the first, as ``logprobs``; only P (or the colocated worker)
     # computes them (``EmittedStream.continuation`` asks no other tier)
     prompt_logprobs: int | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()  # each word's token ids, as vLLM tokenizes it
 
 
 @dataclass(frozen=True, slots=True)

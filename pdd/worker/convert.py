@@ -71,6 +71,7 @@ def sampling_from_proto(
         logit_bias=tuple(sorted(p.logit_bias.items())),
         allowed_token_ids=tuple(p.allowed_token_ids),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        bad_words=tuple(tuple(w.ids) for w in p.bad_words),
     )
 
 

@@ -1155,11 +1155,14 @@ BANNED_WORDS = [f"{s}{w}" for w in ("red", "Red", "blue", "Blue") for s in ("", 
 
 def sampled(codec) -> list[tuple[str, dict]]:
     """Questions with sampling settings beyond greedy: presence and frequency penalties, and
-    a logit_bias that bans the first token of each spelling of two primary colours."""
+    a logit_bias that bans the first token of each spelling of two primary colours; bad_words
+    that ban a two-token word the model would write."""
     banned = {str(codec.encode(w, add_special_tokens=False)[0]): -100 for w in BANNED_WORDS}
     return [("List five fruits, then list the same five again.", PENALTIES),
             ("Say the word river ten times.", PENALTIES),
-            ("Name the three primary colors of paint.", {"logit_bias": banned})]  # fmt: skip
+            ("Name the three primary colors of paint.", {"logit_bias": banned}),
+            # greedy answers "... the Eiffel Tower": " E" + "iffel", two tokens, banned
+            ("Name a famous tower in Paris.", {"bad_words": ["Eiffel"]})]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -1199,11 +1202,11 @@ def test_json_schema_outputs_validate_and_equal_vllms_own(served, oracles, varia
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_penalties_and_logit_bias_hold_on_every_tier(served, codec, oracles, variant):
-    """Greedy with presence and frequency penalties, and with a logit_bias: each pipeline's
+def test_penalties_logit_bias_and_bad_words_hold_on_every_tier(served, codec, oracles, variant):
+    """Greedy with presence and frequency penalties, a logit_bias, bad_words: each pipeline's
     answer equals one vLLM engine's, so every tier after P's token counted the tokens earlier
-    tiers emitted (``prior_output_tokens``, pdd.engine.penalties) instead of restarting the
-    penalties, and applied the bias (none of the banned tokens in the answer)."""
+    tiers emitted (``prior_output_tokens``, pdd.engine.penalties and pdd.engine.bad_words)
+    instead of restarting, and applied the bias (none of the banned tokens in the answer)."""
 
     def ask(question_settings):
         question, settings = question_settings
@@ -1219,6 +1222,7 @@ def test_penalties_and_logit_bias_hold_on_every_tier(served, codec, oracles, var
         assert r.json()["choices"][0]["message"]["content"] == want["text"], r.json()["pdd"]
         banned = {int(t) for t in settings.get("logit_bias", {})}
         assert not banned & set(want["token_ids"])
+        assert not any(w in want["text"] for w in settings.get("bad_words", []))
 
 
 @pytest.mark.parametrize("variant", [*VARIANTS, "pd_wan"])

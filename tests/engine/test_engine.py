@@ -142,6 +142,23 @@ def test_logit_bias_allowed_token_ids_and_min_p_steer_sampling(h: Harness) -> No
     assert tokens(h.run(h.collect("min-p", PARIS_PROMPT, spec))) == [PARIS]
 
 
+def test_bad_words_ban_a_words_last_token_after_its_others_earlier_tiers_included(
+    h: Harness,
+) -> None:
+    """A one-token bad word is never sampled; a two-token word's last token is banned only
+    where the output ends with its first, and the prompt's last prior_output_tokens count as
+    output (an earlier tier emitted them), as one engine that emitted them would ban it."""
+    greedy = SamplingSpec(temperature=0, max_tokens=1)
+    assert tokens(h.run(h.collect("bw-none", PARIS_PROMPT, greedy))) == [PARIS]
+    one = replace(greedy, bad_words=((PARIS,),))
+    assert tokens(h.run(h.collect("bw-one", PARIS_PROMPT, one))) != [PARIS]
+    # "is" + " Paris": the word's first token is the prompt's last
+    two = replace(greedy, bad_words=((PARIS_PROMPT[-1], PARIS),))
+    assert tokens(h.run(h.collect("bw-prompt", PARIS_PROMPT, two))) == [PARIS]  # prompt, not output
+    prior = replace(two, prior_output_tokens=1)  # an earlier tier emitted "is"
+    assert tokens(h.run(h.collect("bw-prior", PARIS_PROMPT, prior))) != [PARIS]
+
+
 def test_logprobs_top_k(h: Harness) -> None:
     spec = SamplingSpec(temperature=0, max_tokens=3, logprobs=3)
     deltas = h.run(h.collect("logprobs", PARIS_PROMPT, spec))

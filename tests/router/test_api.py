@@ -202,9 +202,12 @@ def test_sampling_parameters_reach_the_worker(client, router):
         presence_penalty=0.5, frequency_penalty=-0.5,
         logit_bias={"42": -100, "7": 3}, extra_body={
             "top_k": 5, "repetition_penalty": 1.2, "stop_token_ids": [100], "min_tokens": 1,
-            "ignore_eos": True, "min_p": 0.25, "allowed_token_ids": [7, 9, 42]},
+            "ignore_eos": True, "min_p": 0.25, "allowed_token_ids": [7, 9, 42],
+            "bad_words": ["Eiffel"]},
     )  # fmt: skip
     s = router.fake.requests[-1].sampling
+    eiffel = router.codec.encode("Eiffel", add_special_tokens=False)
+    assert [list(w.ids) for w in s.bad_words][:1] == [eiffel]
     assert (dict(s.logit_bias), s.min_p, list(s.allowed_token_ids)) == (
         {42: -100.0, 7: 3.0}, 0.25, [7, 9, 42])  # fmt: skip
     assert (s.top_k, s.max_tokens, s.seed, s.min_tokens, s.ignore_eos) == (5, 9, 7, 1, True)

@@ -172,7 +172,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client, router):
     [
         ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
-        ({"bad_words": ["x"]}, "bad_words"),
+        ({"bad_words": [" "]}, "bad_words"),  # served; a word of no tokens
         ({"logit_bias": {"1": 101}}, "logit_bias"),  # served; out of OpenAI's [-100, 100]
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

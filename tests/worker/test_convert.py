@@ -59,6 +59,7 @@ def test_proto_values_carry_over() -> None:
         min_p=0.125,
         allowed_token_ids=[9, 2, 40],
         prompt_logprobs=0,
+        bad_words=[pb.TokenIds(ids=[5, 6]), pb.TokenIds(ids=[7])],
     )
     assert sampling_from_proto(p) == SamplingSpec(
         temperature=0.5,
@@ -78,6 +79,7 @@ def test_proto_values_carry_over() -> None:
         min_p=0.125,
         allowed_token_ids=(9, 2, 40),
         prompt_logprobs=0,  # set zero is kept (optional field): the prompt token's own
+        bad_words=((5, 6), (7,)),
     )
 
 
@@ -99,6 +101,7 @@ def test_proto_values_carry_over() -> None:
         (pb.SamplingParams(logit_bias={-3: 1.0}), "logit_bias"),
         (pb.SamplingParams(allowed_token_ids=[-1]), "allowed_token_ids"),
         (pb.SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
+        (pb.SamplingParams(bad_words=[pb.TokenIds(ids=[])]), "bad_words"),
     ],
 )
 def test_bad_sampling_is_invalid_request(params: pb.SamplingParams, param: str) -> None:

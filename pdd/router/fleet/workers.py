@@ -330,6 +330,7 @@ def request_to_proto(
         logit_bias=dict(s.logit_bias),
         min_p=s.min_p,
         allowed_token_ids=list(s.allowed_token_ids),
+        bad_words=[worker_pb2.TokenIds(ids=list(w)) for w in s.bad_words],
     )
     if s.seed is not None:
         sampling.seed = s.seed

@@ -18,7 +18,7 @@ from pdd.router.http.schemas import (
     NamedToolChoice,
     TokenizeRequest,
 )
-from pdd.router.text.tokenizer import ChatOptions
+from pdd.router.text.tokenizer import ChatOptions, TextCodec
 from pdd.router.text.tool_prompt import ToolPlan, call_constraint
 from pdd.router.types import Constraint
 
@@ -27,7 +27,7 @@ from pdd.router.types import Constraint
 # deprecated spelling of tools.
 UNSERVED_FIELDS = (
     "guided_whitespace_pattern",
-    "functions", "function_call", "bad_words",
+    "functions", "function_call",
     "use_beam_search", "length_penalty", "chat_template", "documents",
     "logits_processors", "vllm_xargs", "prediction", "audio", "modalities", "web_search_options",
 )  # fmt: skip
@@ -92,6 +92,34 @@ def check_unserved(body: ChatCompletionRequest | CompletionRequest | TokenizeReq
     for name in UNSERVED_FIELDS:
         if name in extra and extra[name] is not None and not _is_plain(name, extra[name]):
             raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+
+
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default, counted after tokenization
+
+
+def bad_words(words: list[str] | None, codec: TextCodec) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` tokenized as vLLM tokenizes them (``SamplingParams.
+    update_from_tokenizer``): each word as given (left-stripped) and, where that is a new
+    token sequence of the same length, with a leading space, so it is banned both at the
+    start of the text and inside it. 400 naming ``bad_words`` for a word of no tokens or too
+    many."""
+    out: list[tuple[int, ...]] = []
+    for word in words or []:
+        plain = codec.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise InvalidRequestError(
+                "bad_words entries must tokenize to at least one token", param="bad_words"
+            )
+        out.append(tuple(plain))
+        spaced = codec.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+        if len(out) > MAX_BAD_WORDS:
+            raise InvalidRequestError(
+                f"too many bad words after tokenization: {len(out)}, at most {MAX_BAD_WORDS}",
+                param="bad_words",
+            )
+    return tuple(out)
 
 
 def _is_plain(name: str, value: Any) -> bool:

@@ -25,6 +25,7 @@ from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
 from pdd.router.http.errors import pdd_error_body
 from pdd.router.http.request_fields import (
+    bad_words,
     chat_options,
     check_unserved,
     constraint,
@@ -138,7 +139,7 @@ async def _chat_requests(
     prompt = await asyncio.to_thread(prompt_ids, st.codec, messages, plan, options)
     rid = new_request_id(prefix)
     req = build_chat_request(body, prompt, st.limits, request_id=rid, arrival=arrival)
-    req = replace(req, constraint=structured)
+    req = _with_bad_words(replace(req, constraint=structured), body, st)
     if plan is not None and plan.parses and plan.parser == "hermes":
         # vLLM's hermes rule: <tool_call> is a special token in some models' vocabularies
         req = replace(req, text=replace(req.text, skip_special_tokens=False))
@@ -167,7 +168,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     req = build_completion_request(
         body, prompt_ids, st.limits, request_id=rid, arrival=arrival, decode=_prompt_text(st)
     )
-    req = replace(req, constraint=structured)
+    req = _with_bad_words(replace(req, constraint=structured), body, st)
     req = _in_tenant_cache(request, req)
     reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
     _charge(request, reqs)
@@ -179,6 +180,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 def _prompt_text(st: RouterState) -> Callable[[Sequence[int]], str]:
     """The text of prompt token ids, as an echo shows it (special tokens included)."""
     return lambda ids: st.codec.decode(ids, skip_special_tokens=False)
+
+
+def _with_bad_words(
+    req: GenerationRequest, body: ChatCompletionRequest | CompletionRequest, st: RouterState
+) -> GenerationRequest:
+    """The request with vLLM's ``bad_words`` tokenized (``request_fields.bad_words``)."""
+    if not body.bad_words:
+        return req
+    words = bad_words(body.bad_words, st.codec)
+    return replace(req, sampling=replace(req.sampling, bad_words=words))
 
 
 def _in_tenant_cache(request: Request, req: GenerationRequest) -> GenerationRequest:

@@ -126,6 +126,9 @@ class SamplingFields(_Body):
         None, description="Extension (vLLM): sample only among these token ids."
     )
     ignore_eos: bool = Field(False, description="Extension (vLLM).")
+    bad_words: list[str] | None = Field(
+        None, description="Extension (vLLM): words never to generate (their last token is banned)."
+    )
     prompt_logprobs: int | None = Field(
         None,
         description="Extension (vLLM): the logprob of each prompt token (and its top-k "
