@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -23,26 +25,34 @@ def in_flight(router) -> int:
     return httpx.get(router.root + "/debug/workers").json()["in_flight"]
 
 
-def assert_cleaned_up(router) -> None:
-    wait_until(lambda: len(router.fake.requests) == 1, "worker never saw the request")
-    rid = router.fake.requests[0].request_id
+def assert_cleaned_up(router, n: int = 1) -> None:
+    """The worker saw ``n`` requests (a request's choices), and each was aborted and ended."""
+    wait_until(lambda: len(router.fake.requests) == n, "worker never saw the request")
+    rids = {q.request_id for q in router.fake.requests}
     wait_until(lambda: not router.fake.running, "worker still runs the abandoned request")
-    wait_until(lambda: rid in router.fake.aborts, "router did not send Abort")
-    wait_until(lambda: router.fake.stream_stopped(rid), "the worker's stream still runs")
+    wait_until(lambda: rids <= set(router.fake.aborts), "router did not send Abort")
+    wait_until(lambda: all(router.fake.stream_stopped(r) for r in rids),
+               "the worker's stream still runs")  # fmt: skip
     wait_until(lambda: in_flight(router) == 0, "router still counts the request in flight")
+
+
+def read_then_leave(router, path: str, body: dict, done: Callable[[list[str]], bool]) -> None:
+    """Stream ``body`` from ``path``; disconnect once ``done(the lines read so far)``."""
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", router.url + path, json=body) as r:
+            assert r.status_code == 200
+            lines: list[str] = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if done(lines):
+                    break
 
 
 def test_disconnect_mid_stream_cancels_and_aborts(router):
     endless(router)
     body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 400}
-    with httpx.Client(timeout=10) as http:
-        with http.stream("POST", router.url + "/completions", json=body) as r:
-            assert r.status_code == 200
-            seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data: {")
-                if seen == 3:
-                    break
+    read_then_leave(router, "/completions", body,
+                    lambda lines: sum(x.startswith("data: {") for x in lines) == 3)  # fmt: skip
     assert_cleaned_up(router)
     metrics = httpx.get(router.root + "/metrics").text
     assert 'pdd_requests_total{finish_reason="abort",pipeline="colocated"}' in metrics
@@ -86,37 +96,23 @@ def test_disconnect_with_several_choices_ends_each(router, stream):
     """n=2: each choice is a request of its own; a client gone mid-answer ends both."""
     endless(router)
     body = {"model": MODEL, "prompt": "x", "n": 2, "stream": stream, "max_tokens": 400}
-    with httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as http:
-        if stream:
-            with http.stream("POST", router.url + "/completions", json=body) as r:
-                assert r.status_code == 200
-                indexes = set()
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        indexes.add(
-                            httpx.Response(200, content=line[6:]).json()["choices"][0]["index"]
-                        )
-                    if indexes == {0, 1}:
-                        break
-        else:
+
+    def both_choices_seen(lines: list[str]) -> bool:
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        return {c["choices"][0]["index"] for c in chunks} == {0, 1}
+
+    if stream:
+        read_then_leave(router, "/completions", body, both_choices_seen)
+    else:
+        with httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as http:
             with pytest.raises(httpx.ReadTimeout):
                 http.post(router.url + "/completions", json=body)
-    wait_until(lambda: len(router.fake.requests) == 2, "worker never saw both choices")
-    rids = {q.request_id for q in router.fake.requests}
-    wait_until(lambda: rids <= set(router.fake.aborts), "router did not Abort both choices")
-    wait_until(lambda: not router.fake.running, "worker still runs an abandoned choice")
-    wait_until(lambda: in_flight(router) == 0, "router still counts a choice in flight")
+    assert_cleaned_up(router, n=2)
 
 
 def test_disconnect_mid_responses_stream_cancels_and_aborts(router):
     endless(router)
     body = {"model": MODEL, "input": "x", "stream": True, "max_output_tokens": 400}
-    with httpx.Client(timeout=10) as http:
-        with http.stream("POST", router.url + "/responses", json=body) as r:
-            assert r.status_code == 200
-            deltas = 0
-            for line in r.iter_lines():
-                deltas += line == "event: response.output_text.delta"
-                if deltas == 3:
-                    break
+    read_then_leave(router, "/responses", body,
+                    lambda lines: lines.count("event: response.output_text.delta") == 3)  # fmt: skip
     assert_cleaned_up(router)
