@@ -18,10 +18,14 @@ the usage chunk); other chunks have no ``pdd`` key.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from pdd.errors import PddError, WorkerError
+from pdd.router.http.errors import pdd_error_body
+from pdd.router.http.sse import DONE, sse_event
 from pdd.router.text.tool_calls import ToolCallStream, ToolDelta, extract
 from pdd.router.text.tool_prompt import ToolPlan
 from pdd.router.types import LogprobText, OutputDelta, PddSummary, Usage
@@ -324,20 +328,70 @@ class CompletionFormat:
 
 
 Format = ChatFormat | CompletionFormat
+Indexed = tuple[int, OutputDelta]  # a choice's index and one of its deltas (``sse.merged``)
 
 
-def whole_response(fmts: Sequence[Format], results: Sequence[Collected]) -> dict[str, Any]:
-    """The non-streamed body of every choice (``fmts[i]`` formats ``results[i]``): with n > 1
-    the usage is ``combined_usage`` and each choice carries its own ``pdd`` record (each
-    choice is a request of its own; the top-level record is the first's)."""
-    body = fmts[0].response(results[0])
-    if len(results) == 1:
+class Answer(Protocol):
+    """How a request's choices become its HTTP answer (``Choices``; the Responses API's
+    ``responses_api.ResponsesFormat``)."""
+
+    def whole(self, results: list[Collected]) -> dict[str, Any]:
+        """The body of the non-streamed answer; ``results[i]`` is choice i's."""
+        ...
+
+    def events(self, first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[bytes]:
+        """The stream's SSE bytes; it closes ``rest`` on every exit."""
+        ...
+
+
+class Choices:
+    """Chat and text completions: ``fmts[i]`` formats choice i."""
+
+    def __init__(self, fmts: Sequence[Format]):
+        self._fmts = fmts
+
+    def whole(self, results: list[Collected]) -> dict[str, Any]:
+        """With n > 1 the usage is ``combined_usage`` and each choice carries its own ``pdd``
+        record (each choice is a request of its own; the top-level record is the first's)."""
+        fmts = self._fmts
+        body = fmts[0].response(results[0])
+        if len(results) == 1:
+            return body
+        body["choices"] = []
+        for fmt, result in zip(fmts, results, strict=True):
+            choice = fmt.response(result)["choices"][0]
+            if result.pdd is not None:
+                choice["pdd"] = result.pdd.as_json()
+            body["choices"].append(choice)
+        body["usage"] = usage_body(combined_usage([r.usage for r in results]))
         return body
-    body["choices"] = []
-    for fmt, result in zip(fmts, results, strict=True):
-        choice = fmt.response(result)["choices"][0]
-        if result.pdd is not None:
-            choice["pdd"] = result.pdd.as_json()
-        body["choices"].append(choice)
-    body["usage"] = usage_body(combined_usage([r.usage for r in results]))
-    return body
+
+    async def events(self, first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[bytes]:
+        """Chunks for one stream of every choice. A failure after the first chunk becomes an
+        error event."""
+        fmts = self._fmts
+        async with aclosing(rest):  # type: ignore[type-var]
+            for fmt in fmts:
+                for body in fmt.opening_chunks():
+                    yield sse_event(body)
+            finished: dict[int, Usage | None] = {}
+            i, delta = first
+            try:
+                while True:
+                    body = fmts[i].chunk(delta)
+                    if body is not None:
+                        yield sse_event(body)
+                    if delta.finish_reason is not None:
+                        finished[i] = delta.usage
+                        if len(finished) == len(fmts):
+                            break
+                    i, delta = await anext(rest)
+            except StopAsyncIteration:
+                yield sse_event(pdd_error_body(WorkerError("the request ended without finishing")))
+            except PddError as exc:
+                yield sse_event(pdd_error_body(exc))
+            else:
+                if fmts[0].ctx.include_usage:
+                    usages = [finished[k] for k in range(len(fmts))]
+                    yield sse_event(fmts[0].usage_chunk(combined_usage(usages)))
+            yield DONE

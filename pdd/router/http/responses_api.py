@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdd.errors import InvalidRequestError, PddError, WorkerError
 from pdd.router.http.errors import pdd_error_body
-from pdd.router.http.responses import ChatFormat, Collected
+from pdd.router.http.responses import ChatFormat, Collected, Indexed
 from pdd.router.http.schemas import ChatCompletionRequest, PddOptions
 from pdd.router.types import OutputDelta, Usage
 
@@ -217,7 +217,8 @@ class ResponsesFormat:
         self._created = int(time.time())
         self._seq = 0
 
-    def response(self, result: Collected) -> dict[str, Any]:
+    def whole(self, results: list[Collected]) -> dict[str, Any]:
+        (result,) = results
         message = self._chat.response(result)["choices"][0]["message"]
         output: list[dict[str, Any]] = []
         if message.get("content"):
@@ -253,17 +254,15 @@ class ResponsesFormat:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
-    async def events(
-        self, first: OutputDelta, rest: AsyncIterator[OutputDelta]
-    ) -> AsyncIterator[bytes]:
+    async def events(self, first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[bytes]:
         """The stream's events (``rest`` is closed on every exit). A failure after the start
         is an ``error`` event, then ``response.failed``."""
         async with aclosing(rest):  # type: ignore[type-var]
-            async for event in self._events(first, rest):
+            async for event in self._events(first[1], rest):
                 yield event
 
     async def _events(
-        self, first: OutputDelta, rest: AsyncIterator[OutputDelta]
+        self, first: OutputDelta, rest: AsyncIterator[Indexed]
     ) -> AsyncIterator[bytes]:
         yield self._event("response.created", response=self._object([], None, None))
         yield self._event("response.in_progress", response=self._object([], None, None))
@@ -310,7 +309,8 @@ class ResponsesFormat:
                     kind = "completed" if final["status"] == "completed" else "incomplete"
                     yield self._event(f"response.{kind}", response=final)
                     return
-                delta = await anext(rest, None)
+                nxt = await anext(rest, None)
+                delta = None if nxt is None else nxt[1]
             raise WorkerError("the request ended without finishing")
         except PddError as exc:
             yield self._event("error", **pdd_error_body(exc)["error"])

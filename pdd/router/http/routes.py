@@ -23,7 +23,6 @@ from pdd.observability.context import bind_request
 from pdd.protocol import new_request_id
 from pdd.router.debug import recent_view, request_view, workers_view
 from pdd.router.http.admission import with_deadline
-from pdd.router.http.errors import pdd_error_body
 from pdd.router.http.request_fields import (
     bad_words,
     chat_options,
@@ -33,14 +32,13 @@ from pdd.router.http.request_fields import (
     with_tool_call,
 )
 from pdd.router.http.responses import (
+    Answer,
     ChatFormat,
+    Choices,
     Collected,
     CompletionFormat,
-    Format,
     ResponseContext,
     collected,
-    combined_usage,
-    whole_response,
 )
 from pdd.router.http.responses_api import (
     ResponsesFormat,
@@ -56,12 +54,10 @@ from pdd.router.http.schemas import (
     TokenizeRequest,
 )
 from pdd.router.http.sse import (
-    DONE,
     ClientDisconnected,
     EventStreamResponse,
     cancel_on_disconnect,
     merged,
-    sse_event,
 )
 from pdd.router.http.tenants import check_overrides, grant_of
 from pdd.router.http.validation import (
@@ -76,7 +72,7 @@ from pdd.router.http.validation import (
 from pdd.router.metrics import CONTENT_TYPE
 from pdd.router.state import RouterState
 from pdd.router.text.tool_prompt import ToolPlan, prompt_ids, prompt_text
-from pdd.router.types import GenerationRequest, OutputDelta, PddSummary, Usage
+from pdd.router.types import GenerationRequest, OutputDelta, PddSummary
 
 router = APIRouter()
 
@@ -90,36 +86,21 @@ def _state(request: Request) -> RouterState:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     reqs, plan, ctx = await _chat_requests(body, request, time.monotonic(), "chatcmpl")
-    fmts = [ChatFormat(ctx, plan, i) for i in range(len(reqs))]
-    return await _respond(request, _state(request), reqs, fmts, stream=body.stream)
+    answer = Choices([ChatFormat(ctx, plan, i) for i in range(len(reqs))])
+    return await _respond(request, _state(request), reqs, answer, stream=body.stream)
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API, served as the chat completion it is (``responses_api``)."""
     arrival = time.monotonic()
-    st = _state(request)
     try:
         chat = chat_request(body)
         (req,), plan, ctx = await _chat_requests(chat, request, arrival, "resp")
     except PddError as exc:
         raise renamed(exc) from None
-    fmt = ResponsesFormat(ChatFormat(ctx, plan), body)
-    bind_request(req.request_id)
-    timeout_s = st.cfg.router.request_timeout_s
-    deltas = with_deadline(st.service.stream(req), req.arrival + timeout_s, timeout_s)
-    try:
-        if not body.stream:
-            (result,) = await cancel_on_disconnect(
-                request.receive, _collect_all(merged([deltas]), 1)
-            )
-            return JSONResponse(fmt.response(result), headers=_pdd_headers(result.pdd))
-        first = await cancel_on_disconnect(request.receive, anext(deltas))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        raise WorkerError("the request ended without output") from None
-    return EventStreamResponse(fmt.events(first, deltas), headers=_pdd_headers(first.pdd))
+    answer = ResponsesFormat(ChatFormat(ctx, plan), body)
+    return await _respond(request, _state(request), [req], answer, stream=body.stream)
 
 
 async def _chat_requests(
@@ -173,8 +154,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
     _charge(request, reqs)
     ctx = _context(st, req, body.stream_options, logprobs=body.logprobs is not None)
-    fmts = [CompletionFormat(ctx, i) for i in range(len(reqs))]
-    return await _respond(request, st, reqs, fmts, stream=body.stream)
+    answer = Choices([CompletionFormat(ctx, i) for i in range(len(reqs))])
+    return await _respond(request, st, reqs, answer, stream=body.stream)
 
 
 def _prompt_text(st: RouterState) -> Callable[[Sequence[int]], str]:
@@ -218,11 +199,11 @@ def _context(
 
 
 async def _respond(
-    request: Request, st: RouterState, reqs: list[GenerationRequest], fmts: list[Format],
+    request: Request, st: RouterState, reqs: list[GenerationRequest], answer: Answer,
     *, stream: bool,
 ) -> Response:  # fmt: skip
-    """Run the request of each choice (``choice_requests``; ``fmts[i]`` formats choice i) and
-    answer with all of them, whole or streamed."""
+    """Run the request of each choice (``choice_requests``) and give ``answer`` what they
+    produce: whole, or streamed."""
     bind_request(reqs[0].request_id)  # logs and worker RPCs of this request carry its id
     timeout_s = st.cfg.router.request_timeout_s
     sources = [with_deadline(st.service.stream(r), r.arrival + timeout_s, timeout_s) for r in reqs]
@@ -230,13 +211,13 @@ async def _respond(
     try:
         if not stream:
             results = await cancel_on_disconnect(request.receive, _collect_all(deltas, len(reqs)))
-            return JSONResponse(whole_response(fmts, results), headers=_pdd_headers(results[0].pdd))
+            return JSONResponse(answer.whole(results), headers=_pdd_headers(results[0].pdd))
         first = await cancel_on_disconnect(request.receive, anext(deltas))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads this; the request was cancelled
     except StopAsyncIteration:
         raise WorkerError("the request ended without output") from None
-    return EventStreamResponse(_sse(fmts, first, deltas), headers=_pdd_headers(first[1].pdd))
+    return EventStreamResponse(answer.events(first, deltas), headers=_pdd_headers(first[1].pdd))
 
 
 async def _collect_all(deltas: AsyncIterator[tuple[int, OutputDelta]], n: int) -> list[Collected]:
@@ -250,39 +231,6 @@ async def _collect_all(deltas: AsyncIterator[tuple[int, OutputDelta]], n: int) -
 
 def _pdd_headers(summary: PddSummary | None) -> dict[str, str]:
     return {} if summary is None else {PIPELINE_HEADER: summary.pipeline}
-
-
-async def _sse(
-    fmts: list[Format], first: tuple[int, OutputDelta],
-    rest: AsyncIterator[tuple[int, OutputDelta]],
-) -> AsyncIterator[bytes]:  # fmt: skip
-    """Chunks for one stream of every choice. A failure after the first chunk becomes an
-    error event."""
-    async with aclosing(rest):  # type: ignore[type-var]
-        for fmt in fmts:
-            for body in fmt.opening_chunks():
-                yield sse_event(body)
-        finished: dict[int, Usage | None] = {}
-        i, delta = first
-        try:
-            while True:
-                body = fmts[i].chunk(delta)
-                if body is not None:
-                    yield sse_event(body)
-                if delta.finish_reason is not None:
-                    finished[i] = delta.usage
-                    if len(finished) == len(fmts):
-                        break
-                i, delta = await anext(rest)
-        except StopAsyncIteration:
-            yield sse_event(pdd_error_body(WorkerError("the request ended without finishing")))
-        except PddError as exc:
-            yield sse_event(pdd_error_body(exc))
-        else:
-            if fmts[0].ctx.include_usage:
-                usages = [finished[k] for k in range(len(fmts))]
-                yield sse_event(fmts[0].usage_chunk(combined_usage(usages)))
-        yield DONE
 
 
 @router.get("/v1/models")
