@@ -99,6 +99,7 @@ def test_structured_output_and_tool_choice_reach_the_worker(client, router):
      ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
      ({"max_output_tokens": 0}, "max_output_tokens"),
      ({"text": {"format": {"type": "xml"}}}, "text.format"),
+     ({"text": {"format": "json"}}, "text.format"), ({"include": 5}, "include"),
      ({"tools": [{"type": "function", "parameters": {}}]}, "tools")],
 )  # fmt: skip
 def test_what_is_not_served_is_a_400_naming_the_field(client, router, extra, param):

@@ -36,10 +36,8 @@ from pdd.router.types import OutputDelta, Usage
 # Fields that would need state pdd does not keep, or features it does not serve: a 400.
 UNSERVED = ("previous_response_id", "conversation", "prompt", "max_tool_calls", "top_logprobs")
 # A chat field named in a 400 -> the Responses field the client sent.
-PARAMS = {
-    "max_completion_tokens": "max_output_tokens", "messages": "input",
-    "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice",
-}  # fmt: skip
+PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+          "response_format": "text.format"}  # fmt: skip
 
 
 class ResponsesRequest(BaseModel):
@@ -72,7 +70,9 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
     for name in UNSERVED:
         if extra.get(name) is not None:
             raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-    asked = [x for x in extra.get("include") or [] if x != "reasoning.encrypted_content"]
+    include = extra.get("include") or []
+    asked = [x for x in include if x != "reasoning.encrypted_content"] if isinstance(
+        include, list) else [include]  # fmt: skip
     if asked:  # extra output data; a reasoning item's encrypted content: this model has none
         raise InvalidRequestError(f"include {asked[0]!r} is not supported", param="include")
     if body.background:
@@ -101,10 +101,8 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice)
     fmt = (body.text or {}).get("format")
-    if fmt is not None and fmt.get("type") != "text":
+    if fmt is not None:
         chat["response_format"] = _response_format(fmt)
-    if body.stream:
-        chat["stream_options"] = {"include_usage": True}
     return chat
 
 
@@ -197,9 +195,11 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
     raise InvalidRequestError(f"tool_choice {choice!r} is not supported", param="tool_choice")
 
 
-def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
-    if fmt.get("type") == "json_object":
-        return {"type": "json_object"}
+def _response_format(fmt: Any) -> dict[str, Any]:
+    if not isinstance(fmt, dict):
+        raise InvalidRequestError("text.format must be an object", param="text.format")
+    if fmt.get("type") in ("text", "json_object"):
+        return {"type": fmt["type"]}
     if fmt.get("type") == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
