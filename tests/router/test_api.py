@@ -203,8 +203,10 @@ def test_sampling_parameters_reach_the_worker(client, router):
         logit_bias={"42": -100, "7": 3}, extra_body={
             "top_k": 5, "repetition_penalty": 1.2, "stop_token_ids": [100], "min_tokens": 1,
             "ignore_eos": True, "min_p": 0.25, "allowed_token_ids": [7, 9, 42],
-            "bad_words": ["Eiffel"]},
+            "bad_words": ["Eiffel"], "cache_salt": "s1"},
     )  # fmt: skip
+    # the body's cache_salt narrows the key's namespace ("" here: authentication is off)
+    assert router.fake.requests[-1].cache_salt == '["", "s1"]'
     s = router.fake.requests[-1].sampling
     eiffel = router.codec.encode("Eiffel", add_special_tokens=False)
     assert [list(w.ids) for w in s.bad_words][:1] == [eiffel]

@@ -173,6 +173,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client, router):
         ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
         ({"bad_words": [" "]}, "bad_words"),  # served; a word of no tokens
+        ({"echo": True}, "echo"),  # completions' is served, chat's is not
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"add_special_tokens": True}, "add_special_tokens"),  # chat's default: false
         ({"logit_bias": {"1": 101}}, "logit_bias"),  # served; out of OpenAI's [-100, 100]
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -201,6 +204,15 @@ def test_completions_refuse_unserved_fields_too(router):
     body = {"model": MODEL, "prompt": "hi", "guided_whitespace_pattern": " *"}
     r = httpx.post(router.url + "/completions", json=body, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_whitespace_pattern"
+    # completions' add_special_tokens defaults to true (chat's to false)
+    for field, value in (("add_special_tokens", False), ("return_token_ids", True)):
+        body = {"model": MODEL, "prompt": "hi", field: value}
+        r = httpx.post(router.url + "/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    say(router, "ok")  # the defaults, said out loud, are served
+    plain = {"model": MODEL, "prompt": "hi", "add_special_tokens": True, "echo": False,
+             "spaces_between_special_tokens": True, "truncation_side": "left"}  # fmt: skip
+    assert httpx.post(router.url + "/completions", json=plain, timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize("handoff", ["one_shot", "catch_up"])

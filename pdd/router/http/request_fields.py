@@ -22,15 +22,20 @@ from pdd.router.text.tokenizer import ChatOptions, TextCodec
 from pdd.router.text.tool_prompt import ToolPlan, call_constraint
 from pdd.router.types import Constraint
 
-# Fields (OpenAI's or vLLM's extras) that change the answer and that pdd does not serve yet:
-# a request that sets one gets a 400 naming it. ``functions``/``function_call`` are OpenAI's
-# deprecated spelling of tools.
-UNSERVED_FIELDS = (
-    "guided_whitespace_pattern",
-    "functions", "function_call",
-    "use_beam_search", "length_penalty", "chat_template", "documents",
-    "logits_processors", "vllm_xargs", "prediction", "audio", "modalities", "web_search_options",
-)  # fmt: skip
+# Fields (OpenAI's or vLLM's extras) that change the answer and that pdd does not serve: a
+# request that sets one to anything but null or the value here (its default) gets a 400 naming
+# it. ``functions``/``function_call`` are OpenAI's deprecated spelling of tools; chat's
+# ``echo`` (vLLM's: the answer repeats the last message) is not served, completions' is.
+UNSERVED_FIELDS: dict[str, Any] = {
+    "guided_whitespace_pattern": None, "functions": None, "function_call": None,
+    "use_beam_search": False, "length_penalty": 1, "chat_template": None, "documents": None,
+    "logits_processors": None, "vllm_xargs": None, "prediction": None, "audio": None,
+    "modalities": ["text"], "web_search_options": None,
+    "echo": False, "spaces_between_special_tokens": True, "truncation_side": "left",
+    "logprob_token_ids": None, "prompt_embeds": None, "return_tokens_as_token_ids": False,
+    "return_token_ids": False, "repetition_detection": None, "thinking_token_budget": None,
+    "watermarking": False,
+}  # fmt: skip
 
 
 def tool_plan(body: ChatCompletionRequest | TokenizeRequest, parser: str | None) -> ToolPlan | None:
@@ -89,8 +94,10 @@ def check_unserved(body: ChatCompletionRequest | CompletionRequest | TokenizeReq
     """400 for a field that would change the answer and is not served (never a silent drop).
     Other unknown fields (annotations such as ``metadata``, ``store``) are accepted."""
     extra = body.model_extra or {}
-    for name in UNSERVED_FIELDS:
-        if name in extra and extra[name] is not None and not _is_plain(name, extra[name]):
+    plain = {**UNSERVED_FIELDS, "add_special_tokens": isinstance(body, CompletionRequest)}
+    for name, default in plain.items():
+        value = extra.get(name)
+        if value is not None and value != default:
             raise InvalidRequestError(f"{name} is not supported by this server", param=name)
 
 
@@ -120,17 +127,6 @@ def bad_words(words: list[str] | None, codec: TextCodec) -> tuple[tuple[int, ...
                 param="bad_words",
             )
     return tuple(out)
-
-
-def _is_plain(name: str, value: Any) -> bool:
-    """Values of an unserved field that ask for nothing beyond the default."""
-    if name == "use_beam_search":
-        return value is False
-    if name == "modalities":
-        return value == ["text"]
-    if name == "length_penalty":
-        return value == 1
-    return False
 
 
 # --- structured outputs -----------------------------------------------------------------

@@ -10,6 +10,7 @@ completion response carries the ``x-pdd-pipeline`` header (the pipeline that ser
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -124,7 +125,7 @@ async def _chat_requests(
     if plan is not None and plan.parses and plan.parser == "hermes":
         # vLLM's hermes rule: <tool_call> is a special token in some models' vocabularies
         req = replace(req, text=replace(req.text, skip_special_tokens=False))
-    req = _in_tenant_cache(request, req)
+    req = _in_tenant_cache(request, req, body)
     reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
     _charge(request, reqs)
     return reqs, plan, _context(st, req, body.stream_options, logprobs=body.logprobs)
@@ -150,7 +151,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         body, prompt_ids, st.limits, request_id=rid, arrival=arrival, decode=_prompt_text(st)
     )
     req = _with_bad_words(replace(req, constraint=structured), body, st)
-    req = _in_tenant_cache(request, req)
+    req = _in_tenant_cache(request, req, body)
     reqs = choice_requests(req, body.n, st.cfg.router.max_queued_requests)
     _charge(request, reqs)
     ctx = _context(st, req, body.stream_options, logprobs=body.logprobs is not None)
@@ -173,9 +174,15 @@ def _with_bad_words(
     return replace(req, sampling=replace(req.sampling, bad_words=words))
 
 
-def _in_tenant_cache(request: Request, req: GenerationRequest) -> GenerationRequest:
-    """The request in its key's prefix-cache namespace (pdd.router.http.tenants)."""
-    return replace(req, cache_salt=grant_of(request.scope).cache_salt)
+def _in_tenant_cache(
+    request: Request, req: GenerationRequest, body: ChatCompletionRequest | CompletionRequest
+) -> GenerationRequest:
+    """The request in its key's prefix-cache namespace (pdd.router.http.tenants), narrowed by
+    the body's own ``cache_salt`` (vLLM's) when it gives one."""
+    salt = grant_of(request.scope).cache_salt
+    if body.cache_salt:
+        salt = json.dumps([salt, body.cache_salt])
+    return replace(req, cache_salt=salt)
 
 
 def _charge(request: Request, reqs: list[GenerationRequest]) -> None:

@@ -126,6 +126,12 @@ class SamplingFields(_Body):
         None, description="Extension (vLLM): sample only among these token ids."
     )
     ignore_eos: bool = Field(False, description="Extension (vLLM).")
+    cache_salt: str | None = Field(
+        None,
+        max_length=256,
+        description="Extension (vLLM): prefix-cache namespace within the key's own: requests "
+        "hit only cache their salt wrote.",
+    )
     bad_words: list[str] | None = Field(
         None, description="Extension (vLLM): words never to generate (their last token is banned)."
     )
