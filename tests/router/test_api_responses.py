@@ -34,6 +34,7 @@ def test_text_answer_with_usage(client, router):
         model=MODEL, input="Capital of France?", instructions="Be brief.", max_output_tokens=50
     )
     assert (r.status, r.output_text) == ("completed", "Paris is the capital.")
+    assert r.model_extra["pdd"]["pipeline"] == "colocated"  # the record, as on chat
     assert [item.type for item in r.output] == ["message"]
     assert (r.usage.output_tokens, r.usage.input_tokens > 0) == (len(ids), True)
     prompt = sent_prompt(router)
@@ -70,6 +71,7 @@ def test_streamed_events_accumulate_to_the_response(client, router):
     assert final.output_text == "Hello there, friend." and final.status == "completed"
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed" and final.usage.output_tokens > 0
+    assert final.model_extra["pdd"]["pipeline"] == "colocated"
     assert kinds.count("response.output_text.delta") > 1
     say(router, CALL, per_step=3)
     with client.responses.stream(model=MODEL, input="Weather?", tools=FLAT_TOOLS) as stream:

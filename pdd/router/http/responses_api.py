@@ -9,7 +9,8 @@ their outputs the assistant's ``tool_calls`` and ``tool`` messages), so it runs 
 pipeline exactly as a chat completion does; ``ResponsesFormat`` turns the chat answer into a
 ``response`` object (a ``message`` item with ``output_text``, a ``function_call`` item per
 call) or, streamed, into the Responses events (``response.created`` ...
-``response.output_text.delta`` ... ``response.completed``) with their sequence numbers.
+``response.output_text.delta`` ... ``response.completed``) with their sequence numbers. The
+request's ``pdd`` record is a key of the response object (the final event's too).
 
 Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are a 400
 naming the field (send the history as ``input`` items), as are tool types other than
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdd.errors import InvalidRequestError, PddError, WorkerError
 from pdd.router.http.errors import pdd_error_body
-from pdd.router.http.responses import ChatFormat, Collected, Indexed
+from pdd.router.http.responses import ChatFormat, Collected, Indexed, with_pdd
 from pdd.router.http.schemas import ChatCompletionRequest, PddOptions
 from pdd.router.types import OutputDelta, Usage
 
@@ -226,7 +227,7 @@ class ResponsesFormat:
         for call in message.get("tool_calls", []):
             output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))  # fmt: skip
-        return self._object(output, result.finish_reason, result.usage)
+        return with_pdd(self._object(output, result.finish_reason, result.usage), result.pdd)
 
     def _object(
         self, output: list[dict[str, Any]], finish: str | None, usage: Usage | None
@@ -305,7 +306,9 @@ class ResponsesFormat:
                 if delta.finish_reason is not None:
                     for event in self._close(open_item, items):
                         yield event
-                    final = self._object(items, delta.finish_reason, delta.usage)
+                    final = with_pdd(
+                        self._object(items, delta.finish_reason, delta.usage), delta.pdd
+                    )
                     kind = "completed" if final["status"] == "completed" else "incomplete"
                     yield self._event(f"response.{kind}", response=final)
                     return
