@@ -146,12 +146,15 @@ def test_async_scheduling_is_vllms_default_unless_the_config_says(engine_cls, tm
     assert engine_cls(ModelConfig(), off)._engine_args(tmp_path).async_scheduling is False
 
 
-def test_every_engine_registers_the_constraint_and_penalty_processors(engine_cls, tmp_path):
+def test_every_engine_registers_the_constraint_penalty_and_bad_words_processors(
+    engine_cls, tmp_path
+):
+    from pdd.engine.bad_words import FQCN as BAD_WORDS
     from pdd.engine.constraint import FQCN
     from pdd.engine.penalties import FQCN as PENALTIES
 
     args = engine_cls(ModelConfig(), EngineConfig())._engine_args(tmp_path)
-    assert args.logits_processors == [FQCN, PENALTIES]
+    assert args.logits_processors == [FQCN, PENALTIES, BAD_WORDS]
 
 
 def test_prior_output_rides_in_extra_args_only_with_a_penalty(engine_cls) -> None:
@@ -161,6 +164,17 @@ def test_prior_output_rides_in_extra_args_only_with_a_penalty(engine_cls) -> Non
     pen = engine._sampling_params(SamplingSpec(frequency_penalty=0.5, prior_output_tokens=3), None)
     assert pen.extra_args == {EXTRA_KEY: 3}
     plain = engine._sampling_params(SamplingSpec(prior_output_tokens=3), None)
+    assert not (plain.extra_args or {}).get(EXTRA_KEY)
+
+
+def test_bad_words_ride_in_extra_args_with_the_earlier_tiers_count(engine_cls) -> None:
+    from pdd.engine.bad_words import EXTRA_KEY
+
+    engine = engine_cls(ModelConfig(), EngineConfig())
+    spec = SamplingSpec(bad_words=((5, 6), (7,)), prior_output_tokens=2)
+    words = engine._sampling_params(spec, None)
+    assert words.extra_args == {EXTRA_KEY: {"words": [[5, 6], [7]], "prior": 2}}
+    plain = engine._sampling_params(SamplingSpec(prior_output_tokens=2), None)
     assert not (plain.extra_args or {}).get(EXTRA_KEY)
 
 
