@@ -3,10 +3,9 @@
 vLLM bans a bad word's last token when the request's *output* ends with the word's other
 tokens. A pdd tier that continues a request gets the tokens already emitted as *prompt*
 tokens, so vLLM's own check would miss a word whose first tokens an earlier tier emitted. The
-router tokenizes the
-words as vLLM does (``pdd.router.http.request_fields.bad_words``) and ``Engine`` passes them,
-with how many prompt tokens are earlier output (``SamplingSpec.prior_output_tokens``), as
-``SamplingParams.extra_args["pdd_bad_words"]``; this processor bans, per row and step, the
+router tokenizes the words as vLLM does (``pdd.router.http.request_fields.bad_words``) and
+``Engine`` passes them, with how many prompt tokens are earlier output
+(``SamplingSpec.prior_output_tokens``), as ``SamplingParams.extra_args["pdd_bad_words"]``; this processor bans, per row and step, the
 last token of every word whose other tokens end ``prior + output``: one engine's answer,
 whichever tier emitted what. Engine-core process, like ``pdd.engine.penalties``.
 """
@@ -44,8 +43,8 @@ class _Row:
     longest: int  # the longest word's length
 
     def banned(self) -> list[int]:
-        n = self.longest - 1
-        past = (self.prior + self.output)[-n:] if n > 0 else []
+        n = self.longest - 1  # only the last n tokens can begin a word: never copy the output
+        past = (self.prior[-n:] + self.output[-n:])[-n:] if n > 0 else []
         out = []
         for word in self.words:
             k = len(word) - 1

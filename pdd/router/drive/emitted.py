@@ -60,7 +60,7 @@ class EmittedStream:
                 min_tokens=min_left,
                 prior_output_tokens=len(self.emitted),
                 prompt_logprobs=s.prompt_logprobs if prompt_logprobs else None,
-            ),  # fmt: skip
+            ),
             # the grammar resumes where the client's text is (pdd.engine.constraint)
             constraint=None if c is None else replace(c, resume=tuple(self.emitted)),
         )
